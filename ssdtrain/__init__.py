@@ -1,0 +1,33 @@
+"""ssdtrain: offload activations to SSD during training, exactly.
+
+Example::
+
+    import ssdtrain
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir="/nvme/ssdtrain"))
+    for batch in data:
+        with off:                  # tensors autograd saves here go to the SSD
+            loss = model(batch)
+        loss.backward()            # and come back, prefetched, bit-identical
+    print(off.stats().summary())
+    off.close()
+"""
+
+from ._config import OffloadConfig
+from ._errors import (ConfigError, InplaceModificationError, IntegrityError,
+                      OffloaderClosedError, SpillIOError, SSDTrainError)
+from .api import Offloader, Stats, offload
+
+__all__ = [
+    "Offloader",
+    "OffloadConfig",
+    "Stats",
+    "offload",
+    "SSDTrainError",
+    "ConfigError",
+    "SpillIOError",
+    "IntegrityError",
+    "OffloaderClosedError",
+    "InplaceModificationError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,211 @@
+"""``OffloadConfig``: every knob of an :class:`~ssdtrain.Offloader`, validated.
+
+Environment variables (``SSDTRAIN_*``) are read in exactly one place,
+:func:`OffloadConfig.from_env`; explicit keyword arguments override them.
+"""
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Union
+
+from ._errors import ConfigError
+
+__all__ = ["OffloadConfig", "parse_bytes"]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+ENGINES = ("auto", "posix")
+# Engines planned but not part of this build yet; named so the error can say so.
+_FUTURE_ENGINES = ("native", "kvikio")
+DIRECT_IO_MODES = ("auto", "on", "off")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": KiB, "kb": 1000, "kib": KiB,
+    "m": MiB, "mb": 1000 ** 2, "mib": MiB,
+    "g": GiB, "gb": 1000 ** 3, "gib": GiB,
+    "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40,
+}
+
+
+def parse_bytes(value, *, name="value"):
+    """Parse a byte count: an int, or a string such as ``"512MiB"``, ``"1.5 GiB"``, ``"4096"``.
+
+    Raises:
+        ConfigError: naming ``name`` when the value is not a non-negative size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"ssdtrain: {name} must be a byte count, got the bool {value!r}; "
+                          f"pass an int such as 268435456 or a string such as '256MiB'.")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"ssdtrain: {name} must be >= 0 bytes, got {value}.")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(f"ssdtrain: {name} must be a byte count such as 268435456 or '256MiB', "
+                      f"got {value!r}.")
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    """Settings of an :class:`~ssdtrain.Offloader`.
+
+    Every field is validated on construction; an invalid value raises
+    :class:`~ssdtrain.ConfigError` naming the field. Byte fields accept an int
+    or a string such as ``"256MiB"``.
+
+    Example::
+
+        cfg = ssdtrain.OffloadConfig(spill_dir="/nvme/ssdtrain", prefetch_bytes="1GiB")
+        off = ssdtrain.Offloader(cfg)
+    """
+
+    spill_dir: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], None] = None
+    """Directory (or list of directories) that receives spilled activations. With
+    several directories, records are striped across them (one spill file each): give
+    one directory per NVMe device. Must exist and be writable. Default ``None``: the
+    ``SSDTRAIN_SPILL_DIR`` environment variable (``os.pathsep``-separated list) when
+    created through :meth:`from_env`, else the system temporary directory. A warning is
+    logged when it lies on tmpfs (RAM), where offloading frees nothing."""
+
+    min_tensor_bytes: int = 256 * KiB
+    """Saved tensors smaller than this stay in memory: below it the per-request cost
+    outweighs the memory freed. Default 256 KiB."""
+
+    prefetch_bytes: int = 512 * MiB
+    """How many bytes backward may have loaded ahead of its use. Loading starts, in
+    reverse order of saving, when forward ends. Larger hides more read latency and uses
+    more memory during backward. Default 512 MiB."""
+
+    keep_tail_bytes: int = 256 * MiB
+    """The last activations of forward, up to this many bytes, are never written: backward
+    needs them first, so writing and reading them back would only stall it. Writes lag
+    forward by this much. Default 256 MiB; ``0`` offloads everything eligible."""
+
+    engine: str = "auto"
+    """I/O engine: ``"auto"`` (the best available) or ``"posix"`` (pure-Python
+    ``pwrite``/``pread`` on a thread pool, the reference). ``"native"`` and ``"kvikio"``
+    come with later versions. Default ``"auto"``."""
+
+    io_threads: int = 4
+    """Worker threads doing I/O; each blocking call releases the GIL. Default 4."""
+
+    io_chunk_bytes: int = 16 * MiB
+    """Requests larger than this are split into chunks handled by several workers.
+    Rounded to a multiple of 4 KiB. Default 16 MiB."""
+
+    direct_io: str = "auto"
+    """``"on"``: use ``O_DIRECT`` (bypass the page cache), fail if the file system
+    refuses it. ``"off"``: buffered I/O followed by ``fdatasync`` and
+    ``POSIX_FADV_DONTNEED``, so written data still leaves RAM. ``"auto"``: ``O_DIRECT``
+    where the file system supports it. Default ``"auto"``."""
+
+    io_timeout_s: float = 600.0
+    """Longest wait for one I/O request before a :class:`~ssdtrain.SpillIOError` names the
+    record and the file. Default 600 s."""
+
+    def __post_init__(self):
+        self.spill_dir = _normalize_dirs(self.spill_dir)
+        for name in ("min_tensor_bytes", "prefetch_bytes", "keep_tail_bytes", "io_chunk_bytes"):
+            setattr(self, name, parse_bytes(getattr(self, name), name=name))
+        if self.io_chunk_bytes < 4 * KiB:
+            raise ConfigError(f"ssdtrain: io_chunk_bytes must be at least 4096, got "
+                              f"{self.io_chunk_bytes}; the default is {16 * MiB}.")
+        self.io_chunk_bytes -= self.io_chunk_bytes % (4 * KiB)
+        if self.engine in _FUTURE_ENGINES:
+            raise ConfigError(f"ssdtrain: engine={self.engine!r} is not part of this build; "
+                              f"choose one of {ENGINES}.")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"ssdtrain: engine must be one of {ENGINES}, got {self.engine!r}.")
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) \
+                or not 1 <= self.io_threads <= 256:
+            raise ConfigError(f"ssdtrain: io_threads must be an int in [1, 256], got "
+                              f"{self.io_threads!r}.")
+        if isinstance(self.direct_io, bool):
+            self.direct_io = "on" if self.direct_io else "off"
+        if self.direct_io not in DIRECT_IO_MODES:
+            raise ConfigError(f"ssdtrain: direct_io must be one of {DIRECT_IO_MODES} (or a bool), "
+                              f"got {self.direct_io!r}.")
+        if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
+                or not self.io_timeout_s > 0:
+            raise ConfigError(f"ssdtrain: io_timeout_s must be a number of seconds > 0, got "
+                              f"{self.io_timeout_s!r}.")
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides):
+        """Build a config from ``SSDTRAIN_*`` environment variables, then ``overrides``.
+
+        The variables are ``SSDTRAIN_`` + the upper-case field name, e.g.
+        ``SSDTRAIN_SPILL_DIR=/nvme0/a:/nvme1/b``, ``SSDTRAIN_PREFETCH_BYTES=1GiB``,
+        ``SSDTRAIN_ENGINE=posix``. Unknown ``SSDTRAIN_*`` variables raise
+        :class:`ConfigError` (a typo should not be silently ignored).
+        """
+        environ = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, raw in environ.items():
+            if not key.startswith("SSDTRAIN_"):
+                continue
+            name = key[len("SSDTRAIN_"):].lower()
+            if name not in fields:
+                raise ConfigError(f"ssdtrain: unknown environment variable {key}; known ones are "
+                                  + ", ".join("SSDTRAIN_" + n.upper() for n in fields) + ".")
+            kwargs[name] = _from_env_string(name, raw)
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise ConfigError(f"ssdtrain: unknown OffloadConfig field(s) {sorted(unknown)}; "
+                              f"known fields are {sorted(fields)}.")
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def replace(self, **overrides):
+        """A copy with ``overrides`` applied (validated like the constructor)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"ssdtrain: unknown OffloadConfig field(s) {sorted(unknown)}.")
+        return dataclasses.replace(self, **overrides)
+
+
+def _from_env_string(name, raw):
+    if name == "spill_dir":
+        return [p for p in raw.split(os.pathsep) if p]
+    if name in ("io_threads",):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"ssdtrain: SSDTRAIN_{name.upper()} must be an integer, got "
+                              f"{raw!r}.") from None
+    if name == "io_timeout_s":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"ssdtrain: SSDTRAIN_IO_TIMEOUT_S must be a number, got {raw!r}.") \
+                from None
+    return raw  # byte fields parse strings themselves; engine/direct_io are names
+
+
+def _normalize_dirs(value) -> Optional[List[str]]:
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        value = [value]
+    if isinstance(value, bytes) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"ssdtrain: spill_dir must be a path or a list of paths, got "
+                          f"{type(value).__name__} {value!r}.")
+    if not value:
+        raise ConfigError("ssdtrain: spill_dir is an empty list; give at least one directory.")
+    out = []
+    for v in value:
+        if not isinstance(v, (str, os.PathLike)) or not os.fspath(v):
+            raise ConfigError(f"ssdtrain: spill_dir entries must be non-empty paths, got {v!r}.")
+        out.append(os.path.abspath(os.fspath(v)))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"ssdtrain: spill_dir lists a directory twice: {out}.")
+    return out

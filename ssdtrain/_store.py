@@ -1,0 +1,522 @@
+"""Records of saved storages: their states, I/O, forwarding, prefetch and lifetimes.
+
+One :class:`Record` per saved storage (range); many handles may point at it
+(dedup). The store moves records between states::
+
+    PENDING --(tail window full)--> WRITING --(write done)--> ON_DISK --(read)--> LOADING --> LOADED
+       |                               | (prefetch pinned it)                                  |
+       +--(forward ended)--> KEPT      +----------------------------> LOADED                    |
+                                                      ON_DISK <--(every handle unpacked once)---+
+
+A record that holds its bytes in memory (PENDING, WRITING, KEPT, LOADED) is
+served without a read ("forwarding"). Memory is released as soon as a write
+completes; disk slots when the last handle dies.
+
+Threads: pack runs on the training thread, unpack on autograd's threads, I/O
+completions on engine workers. All state lives under one lock, never held
+across a wait, and futures are hooked up only after the lock is released (a
+future that is already done runs its callback inline).
+"""
+
+import collections
+import enum
+import logging
+import mmap
+import threading
+import time
+import weakref
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from ._errors import (InplaceModificationError, OffloaderClosedError, SSDTrainError,
+                      SpillIOError)
+from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
+from ._policy import TRACKER, is_offloadable_kind
+from ._spill import BLOCK, align_up
+
+__all__ = ["Store", "Record", "State", "Handle"]
+
+log = logging.getLogger("ssdtrain")
+
+
+class State(enum.Enum):
+    PENDING = "pending"    # in the tail window; write not started; bytes in memory
+    WRITING = "writing"    # write in flight; bytes in memory
+    KEPT = "kept"          # forward ended before it was written: stays in memory
+    ON_DISK = "on_disk"    # only on disk
+    LOADING = "loading"    # read in flight
+    LOADED = "loaded"      # in memory again (and still on disk)
+    FAILED = "failed"      # a write or read failed; ``error`` says why
+    FREED = "freed"        # no handle left
+
+
+_RESIDENT = (State.PENDING, State.WRITING, State.KEPT, State.LOADED)
+
+
+class Record:
+    """One saved storage range ``[lo, hi)`` and where its bytes are."""
+
+    __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
+                 "slot", "future", "state", "seq", "handles", "unseen", "generation", "error",
+                 "prefetched", "pinned", "writes", "__weakref__")
+
+    def __init__(self, key, sref, lo, hi, version, source, seq):
+        self.key, self.sref = key, sref
+        self.lo, self.hi, self.nbytes = lo, hi, hi - lo
+        self.version = version
+        self.source = source            # a detached alias: keeps the bytes alive, shares _version
+        self.storage = source.untyped_storage()
+        self.base = lo                  # byte of ``storage`` where this record's ``lo`` lies
+        self.slot = None
+        self.future = None
+        self.state = State.PENDING
+        self.seq = seq                  # pack order of the latest handle (prefetch order)
+        self.handles = 0
+        self.unseen = 0                 # live handles not unpacked since the last load
+        self.generation = 0             # bumped each time the in-memory copy is dropped
+        self.error = None
+        self.prefetched = False         # counted in the prefetch window, not yet consumed
+        self.pinned = False             # prefetch wants the bytes kept when the write ends
+        self.writes = 0
+
+    def __repr__(self):
+        return f"<Record {self.state.value} {self.nbytes} B seq={self.seq}>"
+
+
+class Handle:
+    """What autograd holds instead of a saved tensor: a record and the view to rebuild."""
+
+    __slots__ = ("store", "record", "dtype", "size", "stride", "byte_offset", "version",
+                 "tensor_ref", "seen", "__weakref__")
+
+    def __init__(self, store, record, t, version):
+        self.store = store
+        self.record = record
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.byte_offset = t.storage_offset() * t.element_size()
+        self.version = version
+        self.tensor_ref = weakref.ref(t)
+        self.seen = -1                  # generation in which this handle was last unpacked
+
+    def __del__(self):
+        store = self.store
+        if store is not None:
+            store.release(self.record, self.seen)
+
+
+class _Pass:
+    """One forward under the offloader: the records it saved, for prefetch."""
+
+    __slots__ = ("records", "queue")
+
+    def __init__(self):
+        self.records = []
+        self.queue = None  # deque of records to prefetch, built when forward ends
+
+
+class Store:
+    """The records of one offloader, and every transition between their states."""
+
+    def __init__(self, config, spill, engine, stats):
+        self.cfg = config
+        self.spill = spill
+        self.engine = engine
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._registry = {}                    # storage key -> [Record]
+        self._tail = collections.OrderedDict()  # PENDING records, oldest first
+        self._tail_bytes = 0
+        self._resident = 0
+        self._ahead = 0                        # prefetched bytes not yet consumed
+        self._passes = []                      # passes whose prefetch is not finished
+        self._current = None                   # the pass being recorded (forward running)
+        self._seq = 0
+        self._deferred = collections.deque()   # (record, seen) released while the lock was busy
+        self._errors = []
+        self._live = 0
+        self.closed = False
+
+    # ------------------------------------------------------------------ forward
+    def begin_pass(self):
+        with self._lock:
+            self._check_open()
+            self._drain()
+            self._current = _Pass()
+
+    def end_pass(self):
+        """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
+        attach = []
+        with self._lock:
+            p, self._current = self._current, None
+            if p is None or self.closed:
+                return
+            for rec in self._tail:
+                rec.state = State.KEPT
+                self.stats.kept_bytes += rec.nbytes
+            self._tail.clear()
+            self._tail_bytes = 0
+            todo = {id(r): r for r in p.records if r.state in (State.WRITING, State.ON_DISK)}
+            p.queue = collections.deque(sorted(todo.values(), key=lambda r: -r.seq))
+            p.records = None
+            self._passes = [q for q in self._passes if q.queue] + ([p] if p.queue else [])
+            self._pump(attach)
+        self._attach(attach)
+
+    def pack(self, t):
+        """The saved-tensor pack hook."""
+        stats = self.stats
+        nbytes = t.numel() * t.element_size()
+        stats.packed_bytes += nbytes
+        if nbytes < max(1, self.cfg.min_tensor_bytes) or not is_offloadable_kind(t) \
+                or (t.requires_grad and t.grad_fn is None):
+            stats.kept_bytes += nbytes
+            return t.detach()  # detached: no reference cycle through grad_fn
+        storage = t.untyped_storage()
+        key = storage_key(storage)
+        if TRACKER.contains(key):
+            stats.kept_bytes += nbytes
+            return t.detach()
+        version = t._version
+        extent = byte_extent(t)
+        attach = []
+        with self._lock:
+            self._check_open()
+            if self._errors:
+                raise self._errors.pop(0)
+            self._drain()
+            self._seq += 1
+            rec = None
+            for r in self._registry.get(key, ()):
+                if r.version == version and r.lo <= extent[0] and extent[1] <= r.hi \
+                        and r.state is not State.FAILED:
+                    rec = r
+                    break
+            if rec is None:
+                lo, hi = record_range(extent, storage.nbytes())
+                rec = Record(key, StorageWeakRef(storage), lo, hi, version, t.detach(), self._seq)
+                self._registry.setdefault(key, []).append(rec)
+                self._live += 1
+                stats.unique_bytes += rec.nbytes
+                self._add_resident(rec.nbytes)
+                self._tail[rec] = None
+                self._tail_bytes += rec.nbytes
+            else:
+                stats.deduplicated_bytes += nbytes
+                rec.seq = self._seq
+                if rec.state is State.PENDING:
+                    self._tail.move_to_end(rec)
+            rec.handles += 1
+            rec.unseen += 1
+            if self._current is not None:
+                self._current.records.append(rec)
+            self._trim_tail(attach)
+            handle = Handle(self, rec, t, version)
+        self._attach(attach)
+        return handle
+
+    def _trim_tail(self, attach):
+        while self._tail_bytes > self.cfg.keep_tail_bytes and self._tail:
+            rec, _ = self._tail.popitem(last=False)
+            self._tail_bytes -= rec.nbytes
+            self._start_write(rec, attach)
+
+    def _start_write(self, rec, attach):
+        address = rec.storage.data_ptr() + rec.base
+        rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
+        rec.state = State.WRITING
+        rec.writes += 1
+        fut = self.engine.write(rec.slot.file, rec.slot.offset, address, rec.nbytes)
+        rec.future = fut
+        attach.append((fut, lambda f, rec=rec: self._write_done(rec, f)))
+
+    def _write_done(self, rec, fut):
+        with self._lock:
+            if rec.future is not fut:
+                return
+            rec.future = None
+            exc = fut.exception()
+            if exc is not None:
+                rec.error = exc
+                rec.state = State.FAILED
+                self._errors.append(exc)
+                log.error("%s", exc)
+            elif rec.source._version != rec.version:
+                rec.error = _inplace_error(rec.source, rec.source._version, rec.version)
+                rec.state = State.FAILED
+            else:
+                self.stats.offloaded_bytes += rec.nbytes
+                self.stats.records_written += 1
+                rec.source = None
+                if rec.pinned and rec.state is State.WRITING:
+                    rec.state = State.LOADED  # prefetch reached it before the write ended
+                else:
+                    rec.state = State.ON_DISK
+                    rec.storage = None
+                    self._add_resident(-rec.nbytes)
+            if rec.handles == 0:
+                self._free(rec)
+
+    # ----------------------------------------------------------------- backward
+    def unpack(self, handle):
+        """The saved-tensor unpack hook."""
+        if not isinstance(handle, Handle):
+            return handle  # passed through in memory at pack time
+        rec = handle.record
+        t = handle.tensor_ref()
+        if t is not None and t._version != handle.version:
+            raise _inplace_error(t, t._version, handle.version)
+        attach = []
+        with self._lock:
+            if self.closed:
+                raise OffloaderClosedError(
+                    "ssdtrain: backward needs a tensor saved under an Offloader that has been "
+                    "closed; call Offloader.close() only after the last backward of the graphs "
+                    "built under it (or keep the Offloader open).")
+            self._drain()
+            first = handle.seen != rec.generation
+            if rec.state is State.FAILED:
+                raise rec.error
+            if rec.source is not None and rec.source._version != rec.version:
+                raise _inplace_error(rec.source, rec.source._version, rec.version)
+            if rec.state in _RESIDENT:
+                if first and rec.prefetched:
+                    self.stats.prefetch_hits += 1
+                else:
+                    self.stats.forwarded += 1
+            elif rec.state is State.LOADING:
+                self.stats.prefetch_hits += first
+            elif rec.state is State.ON_DISK:
+                self.stats.prefetch_misses += 1
+                self._start_read(rec, attach)
+            else:
+                raise SSDTrainError(f"ssdtrain: unpacking a record in state {rec.state.value}; "
+                                    f"please report this bug.")
+            fut = rec.future if rec.state is State.LOADING else None
+        self._attach(attach)
+        if fut is not None:
+            self._wait(rec, fut)
+        with self._lock:
+            if fut is not None:
+                self._read_done(rec, fut)
+            if rec.state is State.FAILED:
+                raise rec.error
+            storage, base = rec.storage, rec.base
+            if storage is None:
+                raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
+                                    f"please report this bug.")
+            if handle.seen != rec.generation:
+                handle.seen = rec.generation
+                rec.unseen -= 1
+                if rec.prefetched:
+                    rec.prefetched = False
+                    self._ahead -= rec.nbytes
+            view = torch.empty((0,), dtype=handle.dtype).set_(
+                storage, (handle.byte_offset - rec.lo + base) // handle.dtype.itemsize,
+                handle.size, handle.stride)
+            if rec.unseen == 0 and rec.state is State.LOADED:
+                self._evict(rec)
+            self._pump(attach)
+        self._attach(attach)
+        return view
+
+    def _wait(self, rec, fut):
+        t0 = time.perf_counter()
+        try:
+            fut.result(timeout=self.cfg.io_timeout_s)
+        except FutureTimeout:
+            raise SpillIOError(
+                f"ssdtrain: reading record {rec!r} from {rec.slot.file.name} did not finish "
+                f"within io_timeout_s={self.cfg.io_timeout_s} s; the device may be hung or "
+                f"overloaded.", filename=rec.slot.file.directory) from None
+        except Exception:
+            pass  # recorded on the record by _read_done
+        finally:
+            self.stats.stall_seconds += time.perf_counter() - t0
+
+    def _start_read(self, rec, attach):
+        misalign = rec.slot.offset % BLOCK
+        mm = mmap.mmap(-1, align_up(misalign + rec.nbytes))  # page aligned, freed with the storage
+        storage = torch.frombuffer(memoryview(mm)[misalign:misalign + rec.nbytes],
+                                   dtype=torch.uint8).untyped_storage()
+        rec.storage, rec.base = storage, 0
+        self._add_resident(rec.nbytes)
+        rec.state = State.LOADING
+        fut = self.engine.read(rec.slot.file, rec.slot.offset, storage.data_ptr(), rec.nbytes)
+        rec.future = fut
+        attach.append((fut, lambda f, rec=rec: self._on_read_done(rec, f)))
+
+    def _on_read_done(self, rec, fut):
+        with self._lock:
+            self._read_done(rec, fut)
+
+    def _read_done(self, rec, fut):
+        """Idempotent: the waiter and the future's callback may both call it."""
+        if rec.future is not fut:
+            return
+        rec.future = None
+        exc = fut.exception()
+        if exc is not None:
+            rec.error = exc
+            rec.state = State.FAILED
+            rec.storage = None
+            self._add_resident(-rec.nbytes)
+        else:
+            rec.state = State.LOADED
+            self.stats.bytes_read += rec.nbytes
+            self.stats.records_read += 1
+        if rec.handles == 0:
+            self._free(rec)
+
+    def _evict(self, rec):
+        """Every live handle has been unpacked: drop the copy (retain_graph reads again)."""
+        rec.state = State.ON_DISK
+        rec.storage = None
+        rec.generation += 1
+        rec.unseen = rec.handles
+        self._add_resident(-rec.nbytes)
+
+    # ------------------------------------------------------------------ prefetch
+    def _pump(self, attach):
+        budget = self.cfg.prefetch_bytes
+        while self._passes and self._ahead < budget:
+            p = self._passes[-1]
+            if not p.queue:
+                self._passes.pop()
+                continue
+            rec = p.queue.popleft()
+            if rec.handles == 0 or rec.prefetched:
+                continue
+            if rec.state is State.WRITING:
+                rec.pinned = True
+            elif rec.state is State.ON_DISK:
+                self._start_read(rec, attach)
+            else:
+                continue
+            rec.prefetched = True
+            self._ahead += rec.nbytes
+
+    # ----------------------------------------------------------------- lifetimes
+    def release(self, rec, seen):
+        """A handle died (autograd freed the graph or this saved tensor)."""
+        if self.closed:
+            return
+        self._deferred.append((rec, seen))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self):
+        while self._deferred:
+            rec, seen = self._deferred.popleft()
+            if rec.state is State.FREED:
+                continue
+            rec.handles -= 1
+            if seen != rec.generation:
+                rec.unseen -= 1
+            if rec.handles == 0:
+                if rec.state in (State.WRITING, State.LOADING):
+                    continue  # freed when the I/O completes
+                self._free(rec)
+            elif rec.unseen == 0 and rec.state is State.LOADED:
+                self._evict(rec)
+
+    def _free(self, rec):
+        if rec.state is State.FREED:
+            return
+        if rec.storage is not None:
+            self._add_resident(-rec.nbytes)
+        if rec.state is State.PENDING:
+            self._tail.pop(rec, None)
+            self._tail_bytes -= rec.nbytes
+        if rec.prefetched:
+            self._ahead -= rec.nbytes
+            rec.prefetched = False
+        if rec.slot is not None and not self.closed:
+            rec.slot.file.free(rec.slot)
+        rec.slot = None
+        rec.storage = rec.source = None
+        rec.state = State.FREED
+        self._live -= 1
+        group = self._registry.get(rec.key)
+        if group is not None:
+            group.remove(rec)
+            if not group:
+                del self._registry[rec.key]
+
+    def _add_resident(self, delta):
+        self._resident += delta
+        if self._resident > self.stats.peak_resident_bytes:
+            self.stats.peak_resident_bytes = self._resident
+
+    # -------------------------------------------------------------------- misc
+    def _attach(self, attach):
+        for fut, callback in attach:
+            fut.add_done_callback(callback)
+
+    def _check_open(self):
+        if self.closed:
+            raise OffloaderClosedError("ssdtrain: this Offloader has been closed; create a new "
+                                       "one (ssdtrain.offload(...)) to offload again.")
+
+    def raise_pending_error(self):
+        with self._lock:
+            if self._errors:
+                raise self._errors.pop(0)
+
+    def snapshot(self):
+        """(live records, resident bytes, spill bytes in use) for stats and tests."""
+        with self._lock:
+            self._drain()
+            return self._live, self._resident, self.spill.used_bytes()
+
+    def flush(self):
+        """Wait until every write and read in flight has completed."""
+        while True:
+            with self._lock:
+                self._drain()
+                futs = [r.future for group in self._registry.values() for r in group
+                        if r.future is not None]
+            if not futs:
+                return
+            for f in futs:
+                try:
+                    f.result(timeout=self.cfg.io_timeout_s)
+                except FutureTimeout:
+                    raise SpillIOError(f"ssdtrain: I/O did not finish within io_timeout_s="
+                                       f"{self.cfg.io_timeout_s} s while flushing.") from None
+                except Exception:
+                    pass  # recorded on its record
+            time.sleep(0)  # let completion callbacks run
+
+    def close(self):
+        if self.closed:
+            return
+        try:
+            self.flush()
+        finally:
+            with self._lock:
+                self.closed = True
+                for group in self._registry.values():
+                    for rec in group:
+                        rec.storage = rec.source = None
+                        rec.slot = None
+                self._registry.clear()
+                self._tail.clear()
+                self._passes.clear()
+                self._resident = 0
+            self.engine.shutdown()
+            self.spill.close()
+
+
+def _inplace_error(t, now, expected):
+    return InplaceModificationError(
+        f"ssdtrain: one of the variables needed for gradient computation has been modified by "
+        f"an inplace operation: [{t.type()} {list(t.size())}] is at version {now}; expected "
+        f"version {expected} instead. Autograd does not check this while saved-tensor hooks are "
+        f"installed, so ssdtrain does. Hint: avoid the in-place operation, or clone the tensor "
+        f"before modifying it.")

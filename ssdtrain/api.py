@@ -1,0 +1,213 @@
+"""The public surface: :class:`Offloader`, :func:`offload` and :class:`Stats`."""
+
+import dataclasses
+import logging
+import tempfile
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ._config import OffloadConfig
+from ._errors import ConfigError, SSDTrainError
+from ._policy import TRACKER
+from ._spill import SpillSet
+from ._store import Store
+from .io import make_engine
+
+__all__ = ["Offloader", "offload", "Stats"]
+
+log = logging.getLogger("ssdtrain")
+
+
+@dataclass
+class Stats:
+    """Cumulative counters of one :class:`Offloader` (a snapshot; see :meth:`Offloader.stats`)."""
+
+    packed_bytes: int = 0
+    """Bytes of every saved tensor intercepted, counted per pack (a tensor saved twice counts twice)."""
+    unique_bytes: int = 0
+    """Bytes of the distinct storage ranges eligible for offload, after dedup."""
+    deduplicated_bytes: int = 0
+    """Bytes of packs served by an existing record instead of a new one."""
+    offloaded_bytes: int = 0
+    """Bytes written to the spill tier (each record once)."""
+    kept_bytes: int = 0
+    """Bytes kept in memory: small tensors, parameters and buffers, other devices and
+    kinds, and the tail of forward (``keep_tail_bytes``)."""
+    peak_resident_bytes: int = 0
+    """Peak bytes of saved storages ssdtrain itself held in memory at once."""
+    prefetch_hits: int = 0
+    """Unpacks of offloaded records that prefetch had already loaded or started loading."""
+    prefetch_misses: int = 0
+    """Unpacks that had to start a read themselves."""
+    stall_seconds: float = 0.0
+    """Time unpack spent waiting for reads."""
+    bytes_read: int = 0
+    """Bytes read back from the spill tier."""
+    forwarded: int = 0
+    """Unpacks served from memory with no read: kept tail, writes still in flight, and
+    records another handle of the same storage brought back."""
+    records_written: int = 0
+    """Completed record writes."""
+    records_read: int = 0
+    """Completed record reads."""
+    engine: str = ""
+    """The I/O engine in use."""
+
+    def summary(self) -> str:
+        """One line for logs."""
+        return (f"packed {_mib(self.packed_bytes)}, offloaded {_mib(self.offloaded_bytes)} "
+                f"({self.records_written} writes), deduplicated {_mib(self.deduplicated_bytes)}, "
+                f"kept {_mib(self.kept_bytes)}, read {_mib(self.bytes_read)}, prefetch "
+                f"{self.prefetch_hits} hits / {self.prefetch_misses} misses, stalled "
+                f"{self.stall_seconds * 1e3:.1f} ms, peak resident "
+                f"{_mib(self.peak_resident_bytes)} [{self.engine}]")
+
+
+def _mib(n):
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class Offloader:
+    """Offloads the tensors autograd saves inside ``with offloader:`` to the spill tier.
+
+    Inside the ``with`` block every tensor autograd saves for backward is
+    intercepted (``torch.autograd.graph.saved_tensors_hooks``): large activations
+    are written once per storage, asynchronously, to ``spill_dir`` and their memory
+    is released when the write completes; backward gets them back, prefetched in
+    reverse order of saving. Gradients are bitwise identical to a run without it.
+
+    Leaving the ``with`` block ends interception only; backward keeps working until
+    :meth:`close`. The offloader can be entered again for the next step (files and
+    disk slots are reused). It closes itself when garbage-collected or at exit.
+
+    Args:
+        config: the settings; ``None`` reads ``SSDTRAIN_*`` environment variables
+            (:meth:`OffloadConfig.from_env`).
+        **overrides: :class:`OffloadConfig` fields that replace ``config``'s.
+
+    Raises:
+        ConfigError: a field is invalid, or ``spill_dir`` is missing, not a
+            directory or not writable.
+
+    Example::
+
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir="/nvme/ssdtrain"))
+        for batch in data:
+            with off:
+                loss = model(batch)
+            loss.backward()
+        print(off.stats().summary())
+        off.close()
+    """
+
+    def __init__(self, config: OffloadConfig = None, **overrides):
+        if config is None:
+            config = OffloadConfig.from_env(**overrides)
+        elif not isinstance(config, OffloadConfig):
+            raise ConfigError(f"ssdtrain: config must be an OffloadConfig, got "
+                              f"{type(config).__name__}; pass fields as keywords instead.")
+        elif overrides:
+            config = config.replace(**overrides)
+        if config.spill_dir is None:
+            config = config.replace(spill_dir=tempfile.gettempdir())
+        self.config = config
+        self._stats = Stats()
+        spill = SpillSet(config.spill_dir, config.direct_io)
+        try:
+            engine = make_engine(config.engine, io_threads=config.io_threads,
+                                 io_chunk_bytes=config.io_chunk_bytes)
+        except BaseException:
+            spill.close()
+            raise
+        self._stats.engine = engine.name + ("+O_DIRECT" if all(f.direct for f in spill.files)
+                                            else "+buffered")
+        log.info("ssdtrain: engine %s, %d I/O threads, spill_dir %s", self._stats.engine,
+                 config.io_threads, config.spill_dir)
+        self._store = Store(config, spill, engine, self._stats)
+        self._hooks = None
+        self._owner = None
+        self._finalizer = weakref.finalize(self, self._store.close)
+
+    # ---------------------------------------------------------------- context
+    def __enter__(self):
+        if self._hooks is not None:
+            raise SSDTrainError("ssdtrain: this Offloader is already intercepting (entered "
+                                f"on thread {self._owner}); it cannot be entered twice at once. "
+                                "Use one Offloader per concurrent forward, or exit it first.")
+        self._store.begin_pass()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack)
+        hooks.__enter__()
+        self._hooks = hooks
+        self._owner = threading.current_thread().name
+        TRACKER.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        hooks, self._hooks = self._hooks, None
+        if hooks is None:
+            return False
+        TRACKER.stop()
+        hooks.__exit__(exc_type, exc, tb)
+        self._store.end_pass()
+        if exc_type is None:
+            self._store.raise_pending_error()
+        return False
+
+    # ------------------------------------------------------------------ info
+    def stats(self) -> Stats:
+        """A snapshot of the cumulative :class:`Stats`."""
+        self._store.snapshot()  # settles releases that arrived while the store was busy
+        return dataclasses.replace(self._stats)
+
+    def live_records(self) -> int:
+        """Records still referenced by a graph (0 once every graph is freed)."""
+        return self._store.snapshot()[0]
+
+    def resident_bytes(self) -> int:
+        """Bytes of saved storages ssdtrain holds in memory right now."""
+        return self._store.snapshot()[1]
+
+    def spill_bytes_in_use(self) -> int:
+        """Bytes of spill-file slots currently allocated."""
+        return self._store.snapshot()[2]
+
+    @property
+    def closed(self) -> bool:
+        return self._store.closed
+
+    # -------------------------------------------------------------- lifetime
+    def wait(self) -> None:
+        """Block until every write and read in flight has completed."""
+        self._store.flush()
+
+    def close(self) -> None:
+        """Wait for I/O in flight, then release memory, spill files and threads.
+
+        Idempotent. After it, unpacking a tensor saved under this offloader raises
+        :class:`~ssdtrain.OffloaderClosedError`.
+        """
+        if self._hooks is not None:
+            raise SSDTrainError("ssdtrain: close() called inside `with offloader:`; exit the "
+                                "block first.")
+        self._finalizer()
+
+    def __repr__(self):
+        state = "closed" if self.closed else "open"
+        return f"<ssdtrain.Offloader {state} engine={self._stats.engine} " \
+               f"spill_dir={self.config.spill_dir}>"
+
+
+def offload(config: OffloadConfig = None, **overrides) -> Offloader:
+    """A new :class:`Offloader`; the one-shot form of ``Offloader(config, **overrides)``.
+
+    Example::
+
+        with ssdtrain.offload(spill_dir="/nvme/ssdtrain") as off:
+            loss = model(batch)
+        loss.backward()
+        off.close()
+    """
+    return Offloader(config, **overrides)

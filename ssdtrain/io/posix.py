@@ -1,0 +1,193 @@
+"""The ``posix`` engine: ``pwrite``/``preadv`` on a bounded thread pool.
+
+The reference implementation. ``os.pwrite``/``os.preadv`` release the GIL, so
+workers overlap with the training thread. On ``O_DIRECT`` files a record's file
+offset is congruent to its address modulo ``BLOCK`` (NOTE [ Zero-copy O_DIRECT
+from unaligned tensors ]): the aligned middle of a buffer moves straight
+between the tensor's memory and the disk, and only the partial first and last
+blocks pass through a small per-thread bounce buffer. On buffered files each
+request ends with ``fdatasync`` and ``POSIX_FADV_DONTNEED`` so written data
+does not stay in the page cache.
+"""
+
+import ctypes
+import mmap
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .._errors import SpillIOError
+from .._spill import BLOCK, align_down, align_up
+from .base import Engine
+
+__all__ = ["PosixEngine"]
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` at ``address``; the caller keeps the memory alive."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+class _Request:
+    """One engine request split into pieces; completes its future when the last piece ends."""
+
+    __slots__ = ("future", "remaining", "error", "lock", "file", "offset", "nbytes", "on_done")
+
+    def __init__(self, file, offset, nbytes, pieces, on_done):
+        self.future = Future()
+        self.future.set_running_or_notify_cancel()
+        self.remaining = pieces
+        self.error = None
+        self.lock = threading.Lock()
+        self.file, self.offset, self.nbytes = file, offset, nbytes
+        self.on_done = on_done
+
+    def piece_done(self, error):
+        with self.lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self.remaining -= 1
+            last = self.remaining == 0
+        if not last:
+            return
+        if self.error is None and self.on_done is not None:
+            try:
+                self.on_done(self)
+            except OSError as e:
+                self.error = e
+        if self.error is None:
+            self.future.set_result(self.nbytes)
+        else:
+            self.future.set_exception(self.error)
+
+
+class PosixEngine(Engine):
+    """Thread-pool engine over ``os.pwrite``/``os.preadv``.
+
+    Args:
+        io_threads: worker threads.
+        chunk_bytes: requests are split at addresses that are multiples of this
+            (a multiple of ``BLOCK``) so several workers share a large request.
+    """
+
+    name = "posix"
+
+    def __init__(self, *, io_threads: int = 4, chunk_bytes: int = 16 << 20):
+        self.chunk_bytes = chunk_bytes
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ssdtrain-io")
+        self._local = threading.local()
+
+    def write(self, file, offset, address, nbytes):
+        return self._submit(self._write_piece, file, offset, address, nbytes,
+                            None if file.direct else _drop_from_page_cache)
+
+    def read(self, file, offset, address, nbytes):
+        return self._submit(self._read_piece, file, offset, address, nbytes, None)
+
+    def shutdown(self):
+        self._pool.shutdown(wait=True)
+
+    def _submit(self, fn, file, offset, address, nbytes, on_done):
+        if file.direct and offset % BLOCK != address % BLOCK:
+            raise AssertionError(f"ssdtrain: O_DIRECT request with offset {offset} not congruent "
+                                 f"to address {address:#x} modulo {BLOCK}; please report.")
+        pieces = []
+        start = address
+        while start < address + nbytes:
+            end = min(align_down(start + self.chunk_bytes, self.chunk_bytes), address + nbytes)
+            pieces.append((start, end))
+            start = end
+        if not pieces:
+            pieces = [(address, address)]
+        req = _Request(file, offset, nbytes, len(pieces), on_done)
+        for a, b in pieces:
+            self._pool.submit(self._run, fn, req, file, offset + (a - address), a, b - a)
+        return req.future
+
+    def _run(self, fn, req, file, offset, address, nbytes):
+        try:
+            fd = file.fd
+            if fd < 0:
+                raise OSError(9, "spill file already closed")
+            fn(fd, file.direct, offset, address, nbytes)
+        except OSError as e:
+            verb = "writing" if fn == self._write_piece else "reading"
+            req.piece_done(SpillIOError(
+                f"ssdtrain: {verb} {nbytes} bytes at offset {offset} of {file.name} failed: "
+                f"{e.strerror or e} (errno {e.errno}). Check free space and the device's health; "
+                f"the data of this record is lost only if it was not kept in memory.",
+                errno=e.errno, filename=file.directory))
+            return
+        except BaseException as e:  # never leave a future pending: a waiter would hang
+            req.piece_done(e)
+            return
+        req.piece_done(None)
+
+    def _bounce(self) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            self._local.mm = mmap.mmap(-1, BLOCK)  # page aligned, as O_DIRECT needs
+            buf = self._local.buf = memoryview(self._local.mm)
+        return buf
+
+    def _write_piece(self, fd, direct, offset, address, nbytes):
+        if not direct:
+            _pwrite_all(fd, memory_at(address, nbytes), offset)
+            return
+        end = address + nbytes
+        lo, hi = align_up(address), align_down(end)
+        if lo > hi:  # starts and ends inside one block
+            lo = hi = end
+        for edge_start, edge_end in ((address, lo), (hi, end)):
+            if edge_start < edge_end:
+                block = align_down(edge_start)
+                bounce = self._bounce()
+                bounce[edge_start - block:edge_end - block] = memory_at(edge_start,
+                                                                        edge_end - edge_start)
+                _pwrite_all(fd, bounce, offset + (block - address))
+        if lo < hi:
+            _pwrite_all(fd, memory_at(lo, hi - lo), offset + (lo - address))
+
+    def _read_piece(self, fd, direct, offset, address, nbytes):
+        if not direct:
+            _preadv_all(fd, memory_at(address, nbytes), offset)
+            return
+        end = address + nbytes
+        lo, hi = align_up(address), align_down(end)
+        if lo > hi:
+            lo = hi = end
+        for edge_start, edge_end in ((address, lo), (hi, end)):
+            if edge_start < edge_end:
+                block = align_down(edge_start)
+                bounce = self._bounce()
+                _preadv_all(fd, bounce, offset + (block - address))
+                memory_at(edge_start, edge_end - edge_start)[:] = \
+                    bounce[edge_start - block:edge_end - block]
+        if lo < hi:
+            _preadv_all(fd, memory_at(lo, hi - lo), offset + (lo - address))
+
+
+def _pwrite_all(fd, view, offset):
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(5, f"short write ({done} of {len(view)} bytes)")
+        done += n
+
+
+def _preadv_all(fd, view, offset):
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(5, f"short read ({done} of {len(view)} bytes): spill data truncated")
+        done += n
+
+
+def _drop_from_page_cache(req):
+    # Buffered files: make the data durable, then let the kernel drop its pages,
+    # so spilled activations really leave RAM (DONTNEED skips dirty pages).
+    fd = req.file.fd
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, req.offset, req.nbytes, os.POSIX_FADV_DONTNEED)
