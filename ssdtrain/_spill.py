@@ -66,18 +66,16 @@ class SlotAllocator:
         if nblocks <= 0 or start < 0 or start + nblocks > self.end:
             raise AssertionError(f"ssdtrain: freeing blocks [{start}, {start + nblocks}) outside "
                                  f"[0, {self.end}); please report this bug.")
-        self.used -= nblocks
         i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts) and self._starts[i] < start + nblocks:
+        prev = self._starts[i - 1] if i > 0 else None
+        if (i < len(self._starts) and self._starts[i] < start + nblocks) or \
+                (prev is not None and prev + self._length[prev] > start):
             raise AssertionError(f"ssdtrain: double free of blocks at {start}; please report.")
-        if i > 0:  # merge with the free run before
-            prev = self._starts[i - 1]
-            if prev + self._length[prev] > start:
-                raise AssertionError(f"ssdtrain: double free of blocks at {start}; please report.")
-            if prev + self._length[prev] == start:
-                start, nblocks = prev, self._length.pop(prev) + nblocks
-                del self._starts[i - 1]
-                i -= 1
+        self.used -= nblocks
+        if prev is not None and prev + self._length[prev] == start:  # merge with the run before
+            start, nblocks = prev, self._length.pop(prev) + nblocks
+            del self._starts[i - 1]
+            i -= 1
         if i < len(self._starts) and self._starts[i] == start + nblocks:  # and the one after
             nblocks += self._length.pop(self._starts[i])
             del self._starts[i]

@@ -59,7 +59,7 @@ class Record:
 
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "slot", "future", "state", "seq", "handles", "unseen", "generation", "error",
-                 "prefetched", "pinned", "writes", "__weakref__")
+                 "prefetched", "pinned", "writes", "owner", "__weakref__")
 
     def __init__(self, key, sref, lo, hi, version, source, seq):
         self.key, self.sref = key, sref
@@ -79,6 +79,7 @@ class Record:
         self.prefetched = False         # counted in the prefetch window, not yet consumed
         self.pinned = False             # prefetch wants the bytes kept when the write ends
         self.writes = 0
+        self.owner = None               # the _Pass that packed it last (prefetch window)
 
     def __repr__(self):
         return f"<Record {self.state.value} {self.nbytes} B seq={self.seq}>"
@@ -138,6 +139,9 @@ class Store:
         self._errors = []
         self._live = 0
         self.closed = False
+        # Threads and files go when the store becomes unreachable (the Offloader and
+        # every graph holding its handles are gone) or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _release_resources, engine, spill)
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
@@ -212,6 +216,7 @@ class Store:
             rec.unseen += 1
             if self._current is not None:
                 self._current.records.append(rec)
+                rec.owner = self._current
             self._trim_tail(attach)
             handle = Handle(self, rec, t, version)
         self._attach(attach)
@@ -313,6 +318,12 @@ class Store:
                 if rec.prefetched:
                     rec.prefetched = False
                     self._ahead -= rec.nbytes
+            owner = rec.owner
+            if owner is not None and owner.queue and self._passes[-1] is not owner \
+                    and owner in self._passes:
+                # Backward of another micro-batch began (e.g. 1F1B): prefetch for it now.
+                self._passes.remove(owner)
+                self._passes.append(owner)
             view = torch.empty((0,), dtype=handle.dtype).set_(
                 storage, (handle.byte_offset - rec.lo + base) // handle.dtype.itemsize,
                 handle.size, handle.stride)
@@ -509,8 +520,14 @@ class Store:
                 self._tail.clear()
                 self._passes.clear()
                 self._resident = 0
-            self.engine.shutdown()
-            self.spill.close()
+            self._finalizer()
+
+
+def _release_resources(engine, spill):
+    try:
+        engine.shutdown()
+    finally:
+        spill.close()
 
 
 def _inplace_error(t, now, expected):

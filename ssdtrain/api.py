@@ -4,7 +4,6 @@ import dataclasses
 import logging
 import tempfile
 import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +80,8 @@ class Offloader:
 
     Leaving the ``with`` block ends interception only; backward keeps working until
     :meth:`close`. The offloader can be entered again for the next step (files and
-    disk slots are reused). It closes itself when garbage-collected or at exit.
+    disk slots are reused). Without :meth:`close`, its threads and files are released
+    once the offloader and every graph built under it are garbage, or at exit.
 
     Args:
         config: the settings; ``None`` reads ``SSDTRAIN_*`` environment variables
@@ -129,7 +129,6 @@ class Offloader:
         self._store = Store(config, spill, engine, self._stats)
         self._hooks = None
         self._owner = None
-        self._finalizer = weakref.finalize(self, self._store.close)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
@@ -192,7 +191,7 @@ class Offloader:
         if self._hooks is not None:
             raise SSDTrainError("ssdtrain: close() called inside `with offloader:`; exit the "
                                 "block first.")
-        self._finalizer()
+        self._store.close()
 
     def __repr__(self):
         state = "closed" if self.closed else "open"

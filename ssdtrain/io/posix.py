@@ -54,7 +54,11 @@ class _Request:
             try:
                 self.on_done(self)
             except OSError as e:
-                self.error = e
+                self.error = SpillIOError(
+                    f"ssdtrain: flushing {self.nbytes} bytes at offset {self.offset} of "
+                    f"{self.file.name} out of the page cache failed: {e.strerror or e} (errno "
+                    f"{e.errno}). Check the device's health.", errno=e.errno,
+                    filename=self.file.directory)
         if self.error is None:
             self.future.set_result(self.nbytes)
         else:
@@ -82,7 +86,8 @@ class PosixEngine(Engine):
                             None if file.direct else _drop_from_page_cache)
 
     def read(self, file, offset, address, nbytes):
-        return self._submit(self._read_piece, file, offset, address, nbytes, None)
+        return self._submit(self._read_piece, file, offset, address, nbytes,
+                            None if file.direct else _drop_clean_pages)
 
     def shutdown(self):
         self._pool.shutdown(wait=True)
@@ -188,6 +193,13 @@ def _preadv_all(fd, view, offset):
 def _drop_from_page_cache(req):
     # Buffered files: make the data durable, then let the kernel drop its pages,
     # so spilled activations really leave RAM (DONTNEED skips dirty pages).
-    fd = req.file.fd
-    os.fdatasync(fd)
-    os.posix_fadvise(fd, req.offset, req.nbytes, os.POSIX_FADV_DONTNEED)
+    os.fdatasync(req.file.fd)
+    _drop_clean_pages(req)
+
+
+def _drop_clean_pages(req):
+    # Advise whole blocks: DONTNEED ignores partial pages at the ends of the range,
+    # and the slot owns every block it touches.
+    start = align_down(req.offset)
+    os.posix_fadvise(req.file.fd, start, align_up(req.offset + req.nbytes) - start,
+                     os.POSIX_FADV_DONTNEED)
