@@ -35,7 +35,7 @@ from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._policy import TRACKER, is_offloadable_kind
 from ._spill import BLOCK, align_up
 
-__all__ = ["Store", "Record", "State", "Handle"]
+__all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
 log = logging.getLogger("ssdtrain")
 
@@ -89,7 +89,7 @@ class Handle:
     """What autograd holds instead of a saved tensor: a record and the view to rebuild."""
 
     __slots__ = ("store", "record", "dtype", "size", "stride", "byte_offset", "version",
-                 "tensor_ref", "seen", "__weakref__")
+                 "tensor_ref", "base_ref", "seen", "__weakref__")
 
     def __init__(self, store, record, t, version):
         self.store = store
@@ -99,13 +99,47 @@ class Handle:
         self.stride = t.stride()
         self.byte_offset = t.storage_offset() * t.element_size()
         self.version = version
+        # Version checks at unpack (NOTE in _inplace_error): the saved tensor is often a
+        # temporary view; its base, which shares the version counter, usually lives on.
         self.tensor_ref = weakref.ref(t)
+        self.base_ref = None if t._base is None else weakref.ref(t._base)
         self.seen = -1                  # generation in which this handle was last unpacked
 
     def __del__(self):
         store = self.store
         if store is not None:
             store.release(self.record, self.seen)
+
+
+class Kept:
+    """A saved tensor passed through in memory, with the version it was saved at.
+
+    Holds a detached alias (no reference cycle through ``grad_fn``) that shares the
+    version counter, so in-place writes after saving are caught as autograd would.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t):
+        self.tensor = t.detach()
+        self.version = t._version
+
+    def unpack(self):
+        t = self.tensor
+        if t._version != self.version:
+            raise _inplace_error(t, t._version, self.version)
+        return t
+
+
+def _weak_callback(store, method, rec):
+    """A future callback that does not keep the store alive (see _release_resources)."""
+    ref = weakref.ref(store)
+
+    def callback(fut):
+        s = ref()
+        if s is not None:
+            method(s, rec, fut)
+    return callback
 
 
 class _Pass:
@@ -141,7 +175,7 @@ class Store:
         self.closed = False
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _release_resources, engine, spill)
+        self._finalizer = weakref.finalize(self, _release_in_background, engine, spill)
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
@@ -177,12 +211,12 @@ class Store:
         if nbytes < max(1, self.cfg.min_tensor_bytes) or not is_offloadable_kind(t) \
                 or (t.requires_grad and t.grad_fn is None):
             stats.kept_bytes += nbytes
-            return t.detach()  # detached: no reference cycle through grad_fn
+            return Kept(t)
         storage = t.untyped_storage()
         key = storage_key(storage)
         if TRACKER.contains(key):
             stats.kept_bytes += nbytes
-            return t.detach()
+            return Kept(t)
         version = t._version
         extent = byte_extent(t)
         attach = []
@@ -235,7 +269,7 @@ class Store:
         rec.writes += 1
         fut = self.engine.write(rec.slot.file, rec.slot.offset, address, rec.nbytes)
         rec.future = fut
-        attach.append((fut, lambda f, rec=rec: self._write_done(rec, f)))
+        attach.append((fut, _weak_callback(self, Store._write_done, rec)))
 
     def _write_done(self, rec, fut):
         with self._lock:
@@ -267,12 +301,13 @@ class Store:
     # ----------------------------------------------------------------- backward
     def unpack(self, handle):
         """The saved-tensor unpack hook."""
-        if not isinstance(handle, Handle):
-            return handle  # passed through in memory at pack time
+        if type(handle) is Kept:
+            return handle.unpack()
         rec = handle.record
-        t = handle.tensor_ref()
-        if t is not None and t._version != handle.version:
-            raise _inplace_error(t, t._version, handle.version)
+        for ref in (handle.tensor_ref, handle.base_ref):
+            t = None if ref is None else ref()
+            if t is not None and t._version != handle.version:
+                raise _inplace_error(t, t._version, handle.version)
         attach = []
         with self._lock:
             if self.closed:
@@ -357,7 +392,7 @@ class Store:
         rec.state = State.LOADING
         fut = self.engine.read(rec.slot.file, rec.slot.offset, storage.data_ptr(), rec.nbytes)
         rec.future = fut
-        attach.append((fut, lambda f, rec=rec: self._on_read_done(rec, f)))
+        attach.append((fut, _weak_callback(self, Store._on_read_done, rec)))
 
     def _on_read_done(self, rec, fut):
         with self._lock:
@@ -520,14 +555,23 @@ class Store:
                 self._tail.clear()
                 self._passes.clear()
                 self._resident = 0
-            self._finalizer()
+            if self._finalizer.detach() is not None:
+                _release_resources(self.engine, self.spill)
 
 
 def _release_resources(engine, spill):
     try:
-        engine.shutdown()
+        engine.shutdown()  # waits for requests still queued: they use the files
     finally:
         spill.close()
+
+
+def _release_in_background(engine, spill):
+    # A garbage-collected store must not block whatever thread dropped it (it may even
+    # be an engine worker, which cannot join itself). Not a daemon: at exit,
+    # the interpreter waits for the last writes before the files close.
+    threading.Thread(target=_release_resources, args=(engine, spill),
+                     name="ssdtrain-release").start()
 
 
 def _inplace_error(t, now, expected):

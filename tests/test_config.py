@@ -540,6 +540,7 @@ def test_tmpfs_spill_dir_warns_and_works(caplog):
 
             with off:
                 loss = (x * 2).sin().sum()  # saves the 2 MiB product for backward
+            off.wait()  # written before backward, so backward must read it back
             loss.backward()
             stats = off.stats()
             assert stats.offloaded_bytes >= 256 * 1024 * 8, stats

@@ -1,0 +1,39 @@
+"""Shared fixtures. Plain helpers (run_step, assert_same...) live in helpers.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+import ssdtrain  # noqa: E402
+from helpers import assert_same, run_step  # noqa: E402,F401  (re-exported for convenience)
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    """An empty directory for spill files, removed with the test's tmp_path."""
+    d = tmp_path / "spill"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def make_offloader(spill_dir):
+    """``make_offloader(**overrides)``: an Offloader on ``spill_dir``, closed at teardown."""
+    made = []
+
+    def make(**overrides):
+        overrides.setdefault("spill_dir", str(spill_dir))
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(**overrides))
+        made.append(off)
+        return off
+
+    yield make
+    for off in made:
+        off.close()
