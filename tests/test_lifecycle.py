@@ -16,6 +16,7 @@ import gc
 import os
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -581,6 +582,17 @@ def _resources():
     return _open_fds(), threading.active_count()
 
 
+def _settled_resources(before, timeout=30.0):
+    """Resources once the store's release (on a helper thread: a finalizer must not block
+    the thread that dropped the last reference) has finished, or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = _resources()
+        if now == before or time.monotonic() > deadline:
+            return now
+        threading.Event().wait(0.05)
+
+
 def test_offloader_released_when_collected(spill_dir):
     before = _resources()
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), **DISK)
@@ -599,11 +611,7 @@ def test_offloader_released_when_collected(spill_dir):
         del off
         # Release runs on a helper thread (a finalizer must not block the thread that
         # dropped the last reference), so give it a moment.
-        for _ in range(600):
-            after = _resources()
-            if after == before:
-                break
-            threading.Event().wait(0.05)
+        after = _settled_resources(before)
     assert offloader_alive() is None and store_alive() is None
     assert after == before, "(open fds, threads) not back to where they were"
     assert _fd_target(spill_fd) != spill_target
@@ -630,7 +638,7 @@ def test_graph_outlives_its_offloader(spill_dir):
         loss.backward()
         assert_same(ref, (loss.detach(), _grads(model)))
         del loss
-        after = _resources()
+        after = _settled_resources(before)
     assert store_alive() is None
     assert after == before
     assert unraisable.seen == []
