@@ -2,6 +2,7 @@
 #
 #   make test [PYTEST_ARGS="-k equivalence -x"]
 #   make demo | make bench | make clean | make distclean
+#   make asan-test [ASAN_PYTEST_ARGS=...]   native engine under ASan+UBSan (see below)
 #
 # torch is installed first and only if the venv cannot import it, so a torch
 # you put in .venv yourself (e.g. a CUDA build) is kept. Override the default
@@ -14,6 +15,7 @@ TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 EXTRAS         ?= test,bench
 PYTEST_ARGS    ?=
+CXX            ?= g++
 
 VPY   := $(VENV)/bin/python
 PIP   := $(VPY) -m pip
@@ -21,11 +23,14 @@ STAMP := $(VENV)/.ssdtrain-installed
 
 .DEFAULT_GOAL := test
 .DELETE_ON_ERROR:
-.PHONY: venv test demo bench clean distclean
+.PHONY: venv test demo bench clean distclean asan-test
 
-# Reinstall when packaging metadata changes. (When csrc/ lands, add its
-# sources here too so the native extension is rebuilt.)
-$(STAMP): setup.py pyproject.toml
+# The native engine ssdtrain._C (csrc/) is built by the editable install below.
+NATIVE_SRCS := $(wildcard csrc/*.cpp csrc/engine/*.cpp csrc/engine/*.h)
+
+# Reinstall (and so rebuild ssdtrain._C in place) when packaging metadata or the
+# native sources change.
+$(STAMP): setup.py pyproject.toml $(NATIVE_SRCS)
 	@if [ ! -x "$(VPY)" ]; then \
 		echo "==> creating $(VENV) with $(PYTHON)"; \
 		$(PYTHON) -m venv $(VENV) || exit 1; \
@@ -50,6 +55,36 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/step_overhead.py
+
+# asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
+#  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;
+#  2. ssdtrain._C rebuilt in place with the sanitizers and tests/test_native_engine.py
+#     run against it. CPython is not built with ASan, so libasan must be loaded first
+#     (LD_PRELOAD, found with `$(CXX) -print-file-name=libasan.so`), together with
+#     libstdc++ (python does not link it, and ASan's C++ exception interceptor aborts
+#     with "real___cxa_throw != 0" when libstdc++ is loaded after it). Leak detection
+#     is off there (the interpreter does not free everything at exit);
+#  3. ssdtrain._C rebuilt normally again, whatever the result, so `make test` and the
+#     editable install keep working without LD_PRELOAD.
+# Needs pybind11 in the venv (installed here) because setup.py build_ext runs
+# without pip's build isolation.
+SANITIZE         := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+ASAN_PRELOAD      = $(shell $(CXX) -print-file-name=libasan.so) $(shell $(CXX) -print-file-name=libstdc++.so)
+ASAN_PYTEST_ARGS ?= -q
+asan-test: $(STAMP)
+	@mkdir -p build/asan
+	$(CXX) -std=c++17 -O1 -g $(SANITIZE) -Wall -Wextra -Icsrc csrc/engine/*.cpp \
+		csrc/tests/engine_selftest.cpp -o build/asan/engine_selftest -pthread
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/asan/engine_selftest
+	@$(PIP) install -q "pybind11>=2.10"
+	CFLAGS="$(SANITIZE) -g" LDFLAGS="$(SANITIZE)" $(VPY) setup.py -q build_ext --inplace \
+		--force --build-temp build/asan/ext
+	@status=0; \
+	LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(VPY) -m pytest tests/test_native_engine.py $(ASAN_PYTEST_ARGS) || status=$$?; \
+	echo "==> rebuilding ssdtrain._C without sanitizers"; \
+	$(VPY) setup.py -q build_ext --inplace --force --build-temp build/native || exit 1; \
+	exit $$status
 
 # Build outputs only; the venv and benchmark results are kept. The stamp goes
 # too, because removing in-place build products (e.g. ssdtrain/_C*.so) breaks

@@ -9,6 +9,9 @@ installed, because two things cannot be expressed there declaratively:
 * the native engine ``ssdtrain._C`` (a pybind11 module built from ``csrc/``).
 """
 
+from glob import glob
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
 PACKAGES = find_packages(include=["ssdtrain", "ssdtrain.*"])
@@ -19,22 +22,30 @@ PACKAGES += [
 ]
 
 # ---------------------------------------------------------------------------
-# NATIVE EXTENSION (csrc/) GOES HERE.
-# The torch-free engine `ssdtrain._C` will be added as a pybind11 extension,
-# e.g.:
-#
-#   from pybind11.setup_helpers import Pybind11Extension, build_ext
-#   EXT_MODULES = [Pybind11Extension("ssdtrain._C", sorted(glob("csrc/**/*.cpp")), ...)]
-#   setup(..., ext_modules=EXT_MODULES, cmdclass={"build_ext": build_ext})
-#
-# It must not include torch headers or import torch at build time
-# (pybind11 is already in [build-system].requires in pyproject.toml).
-# When it lands, add csrc/ sources to the Makefile's $(STAMP) prerequisites.
+# The native engine `ssdtrain._C` (csrc/): torch-free C++17, one pybind11 binding
+# file. pybind11 comes from [build-system].requires; torch is never imported here.
+# The CRC32C hardware path is compiled for SSE4.2 by a target attribute on that one
+# function (csrc/engine/crc32c.cpp), not -msse4.2, so the module still loads and
+# runs on CPUs without SSE4.2. Extra flags (e.g. the Makefile's sanitizer build)
+# come through CFLAGS/LDFLAGS, which setuptools appends.
 # ---------------------------------------------------------------------------
-EXT_MODULES: list = []
+NATIVE_SOURCES = sorted(glob("csrc/engine/*.cpp")) + ["csrc/binding.cpp"]
+
+EXT_MODULES = [
+    Pybind11Extension(
+        "ssdtrain._C",
+        NATIVE_SOURCES,
+        include_dirs=["csrc"],
+        depends=sorted(glob("csrc/engine/*.h")),
+        cxx_std=17,
+        extra_compile_args=["-O2", "-fvisibility=hidden"],
+        extra_link_args=["-pthread"],
+    )
+]
 
 setup(
     packages=PACKAGES,
     package_dir={"ssdtrain.integrations": "integrations"},
     ext_modules=EXT_MODULES,
+    cmdclass={"build_ext": build_ext},
 )

@@ -15,10 +15,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODES = ["none", "ssdtrain", "recompute", "torch_save", "save_on_cpu"]
 
 
-def test_step_overhead_tiny(tmp_path):
+def test_step_overhead_tiny(tmp_path, spill_dir):
     out = tmp_path / "step_overhead.json"
-    spill = tmp_path / "spill"
-    spill.mkdir()
+    spill = spill_dir
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
                                          env.get("PYTHONPATH", "").split(os.pathsep) if p])

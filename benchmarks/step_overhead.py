@@ -1,0 +1,817 @@
+#!/usr/bin/env python
+"""Step time and peak memory of one training step of a GPT, with and without ssdtrain.
+
+Compares, side by side in one run, five ways of holding the activations that
+autograd saves for backward:
+
+* ``none``: plain PyTorch (the reference);
+* ``ssdtrain``: ``with ssdtrain.Offloader(...)`` around forward;
+* ``recompute``: per-block recomputation (``torch.utils.checkpoint``,
+  ``GPTConfig.checkpoint_blocks``);
+* ``torch_save``: a naive synchronous ``saved_tensors_hooks`` pair that
+  ``torch.save``\\ s each large saved tensor to its own file and ``torch.load``\\ s
+  (and deletes) it in backward;
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=False)``.
+
+Each (mode, repeat) runs in a fresh process (this script with the hidden
+``--worker`` flag); modes are interleaved within each repeat so drifts of the
+machine hit every mode alike. A worker builds the same seeded model and batch,
+runs one warm-up step, then ``--steps`` measured steps of forward + backward
+(``zero_grad(set_to_none=True)`` before each; no optimizer). Per step it records
+the wall time, the peak RSS increase over the step (``VmHWM`` after the step minus
+``VmRSS`` before it, ``VmHWM`` reset through ``/proc/self/clear_refs``; children
+run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors go back to the OS),
+the bytes written, CPU times, and, after the first measured step, a SHA-256 of the
+loss and of every gradient, so the parent can report bitwise equality with
+``none``.
+
+Output: a markdown table on stdout (medians over the measured steps of every
+repeat, ratios to ``none``; step times skip steps that other processes disturbed,
+see NOTE [ Contention ]), whether the targets of issue 2 were met, and a JSON
+file with every raw per-step number. Progress goes to stderr. Nothing here
+asserts a timing.
+
+Example::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/step_overhead.py               # defaults, ~9 min
+    PYTHONPATH=. .venv/bin/python benchmarks/step_overhead.py --tiny --repeats 1 --steps 1
+    PYTHONPATH=. .venv/bin/python benchmarks/step_overhead.py --modes none ssdtrain \\
+        --keep-tail-mib 64 --prefetch-mib 128 --spill-dir /nvme/tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import platform
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "step_overhead.json")
+MODES = ("none", "ssdtrain", "recompute", "torch_save", "save_on_cpu")
+MiB = 1 << 20
+KiB = 1 << 10
+
+# Targets from issue 2 (reported, never asserted).
+TARGET_STEP_RATIO = 1.05
+TARGET_MEMORY_RATIO = 0.5
+
+# Model shape. The default saves ~1.15 GiB per step in fp32 (0.9 GiB of it in distinct
+# storages >= 256 KiB that ssdtrain may offload; none's peak RSS delta is ~1.15 GiB) and
+# a step takes ~6 s on this 2-core machine: 15 runs take ~9 min. --tiny is for the tests.
+DEFAULT_MODEL = dict(d_model=512, n_layers=6, n_heads=8, seq_len=512, batch_size=8, vocab=8192)
+TINY_MODEL = dict(d_model=64, n_layers=2, n_heads=2, seq_len=64, batch_size=2, vocab=256)
+# --tiny also offloads everything (its tensors are ~32 KiB, below the 256 KiB default).
+TINY_OFFLOAD = dict(min_tensor_kib=4, keep_tail_mib=0)
+
+MODE_NOTES = {
+    "none": "reference: no hooks",
+    "ssdtrain": "ssdtrain.Offloader around forward",
+    "recompute": "per-block torch.utils.checkpoint: forward runs twice",
+    "torch_save": ("synchronous torch.save/torch.load of each saved tensor >= min size, one file "
+                   "each (weights and views write their whole storage); written data stays in "
+                   "the page cache, which RSS does not count"),
+    "save_on_cpu": ("on a CPU-only machine it copies every saved tensor to another CPU tensor: "
+                    "the cost of a host copy, with no saving"),
+}
+
+
+# --------------------------------------------------------------------------- /proc readers
+def _proc_status(*keys):
+    """The ``/proc/self/status`` fields ``keys`` (kB values), in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in keys:
+                out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _reset_peak_rss():
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _hwm_reset_works():
+    """Whether resetting ``VmHWM`` works here: raise the peak by 64 MiB, free, reset, compare."""
+    block = bytearray(64 * MiB)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    del block
+    before = _proc_status("VmHWM", "VmRSS")
+    try:
+        _reset_peak_rss()
+    except OSError:
+        return False
+    after = _proc_status("VmHWM", "VmRSS")
+    return before["VmHWM"] - before["VmRSS"] > 32 * MiB and \
+        after["VmHWM"] - after["VmRSS"] < 8 * MiB
+
+
+def _proc_io():
+    """``/proc/self/io``: bytes this process sent to and fetched from the storage layer."""
+    out = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("read_bytes", "write_bytes"):
+                    out[name] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_cpu_seconds():
+    """``(busy, steal)`` CPU seconds of the whole machine so far, from ``/proc/stat``.
+
+    ``busy`` minus this process's own CPU time over a step is what other processes
+    (and kernel threads) took from the same cores: a measure of contention.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / _CLK_TCK, steal / _CLK_TCK
+
+
+def _thread_cpu_seconds(native_id):
+    """User + system CPU seconds of one thread of this process (0.0 if it is gone)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    # After "pid (comm)": state is fields[0], utime and stime are fields 14 and 15 of stat.
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def _io_threads_cpu_seconds():
+    return sum(_thread_cpu_seconds(t.native_id) for t in threading.enumerate()
+               if t.name.startswith("ssdtrain-io") and t.native_id is not None)
+
+
+def filesystem_of(path):
+    """``(fstype, device, mount point)`` of the file system holding ``path``."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return "", "", ""
+    path = os.path.realpath(path)
+    best = ("", "", "")
+    for device, point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) \
+                and len(point) >= len(best[2]):
+            best = (fstype, device, point)
+    return best
+
+
+# ----------------------------------------------------------------------------------- worker
+def _digest(loss, model):
+    """SHA-256 of the loss and of each gradient (by name): bitwise equality, cheaply."""
+    def sha(t):
+        t = t.detach().contiguous()
+        h = hashlib.sha256(str((t.dtype, tuple(t.shape))).encode())
+        n = t.numel() * t.element_size()
+        if n:
+            h.update(memoryview((ctypes.c_char * n).from_address(t.data_ptr())))
+        return h.hexdigest()
+
+    grads = {name: (sha(p.grad) if p.grad is not None else None)
+             for name, p in model.named_parameters()}
+    total = hashlib.sha256(sha(loss).encode())
+    for name in sorted(grads):
+        total.update(f"{name}={grads[name]}".encode())
+    return {"loss": float(loss), "loss_sha256": sha(loss), "sha256": total.hexdigest(),
+            "grads": grads}
+
+
+class _TorchSaveHooks:
+    """A naive synchronous offload: one ``torch.save`` file per large saved tensor."""
+
+    def __init__(self, directory, min_bytes):
+        self.directory = directory
+        self.min_bytes = min_bytes
+        self.count = 0
+        self.written = 0
+        self.files = 0
+
+    def pack(self, t):
+        import torch
+        if t.numel() * t.element_size() < self.min_bytes:
+            return t
+        self.count += 1
+        path = os.path.join(self.directory, f"{self.count}.pt")
+        torch.save(t, path)
+        self.written += os.path.getsize(path)
+        self.files += 1
+        return path
+
+    def unpack(self, packed):
+        import torch
+        if not isinstance(packed, str):
+            return packed
+        t = torch.load(packed, weights_only=True)
+        os.remove(packed)
+        return t
+
+    def context(self):
+        import torch
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _eligible_storages(model, idx, targets, min_bytes):
+    """Storages the offloader should record in one forward, counted independently of it.
+
+    Saved tensors >= ``min_bytes`` that are neither parameters/buffers nor leaves
+    requiring grad, grouped by storage: ssdtrain should create one record per
+    storage and write each at most once.
+    """
+    import torch
+    state = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    state |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen = {}
+
+    def pack(t):
+        leaf = t.requires_grad and t.grad_fn is None
+        if t.numel() * t.element_size() >= min_bytes and not leaf:
+            s = t.untyped_storage()
+            if s.data_ptr() not in state:
+                seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(idx, targets)
+    del loss
+    return len(seen), sum(seen.values())
+
+
+def _stats_delta(after, before):
+    """Per-step ``Stats``: counters as differences; ``peak_resident_bytes`` (a maximum) as is."""
+    return {k: (v if k == "peak_resident_bytes" else v - before[k]) for k, v in after.items()
+            if isinstance(v, (int, float))}
+
+
+def _inspect_records(off):
+    """After forward: the records ssdtrain holds for this step (internals, read-only)."""
+    store = off._store
+    with store._lock:
+        records = [r for group in store._registry.values() for r in group]
+        keys = {r.key for r in records}
+        overlapping = 0
+        for group in store._registry.values():
+            spans = sorted((r.lo, r.hi, r.version) for r in group)
+            for (lo1, hi1, v1), (lo2, hi2, v2) in zip(spans, spans[1:]):
+                overlapping += lo2 < hi1 and v1 == v2
+    return records, len(keys), overlapping
+
+
+def worker(mode, cfg, out_path):
+    """One process, one mode: warm-up + measured steps; writes a JSON result to ``out_path``."""
+    import torch
+    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    from gpt import GPT, GPTConfig, make_batch  # noqa: E402
+    import ssdtrain
+
+    torch.set_num_threads(cfg["threads"])
+    hwm_ok = _hwm_reset_works()
+    model_cfg = GPTConfig(vocab_size=cfg["vocab"], seq_len=cfg["seq_len"], d_model=cfg["d_model"],
+                          n_heads=cfg["n_heads"], n_layers=cfg["n_layers"],
+                          checkpoint_blocks=(mode == "recompute"))
+    torch.manual_seed(0)
+    model = GPT(model_cfg)
+    idx, targets = make_batch(model_cfg, cfg["batch_size"], torch.Generator().manual_seed(1))
+
+    overrides = {k: v for k, v in cfg["offload"].items() if v is not None}
+    offload_cfg = ssdtrain.OffloadConfig.from_env(spill_dir=cfg["spill_dir"], **overrides)
+    min_bytes = offload_cfg.min_tensor_bytes
+    result = {"mode": mode, "repeat": cfg["repeat"], "pid": os.getpid(),
+              "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "hwm_reset_works": hwm_ok, "min_tensor_bytes": min_bytes,
+              "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+              "steps": []}
+
+    off = saver = scratch = None
+    if mode == "ssdtrain":
+        off = ssdtrain.Offloader(offload_cfg)
+        result["offload_config"] = {k: (v if isinstance(v, (int, float, str, type(None))) else
+                                        str(v)) for k, v in dataclasses.asdict(off.config).items()}
+        result["engine"] = off.stats().engine
+        context = lambda: off  # noqa: E731
+    elif mode == "torch_save":
+        scratch = tempfile.mkdtemp(prefix="torch_save-", dir=offload_cfg.spill_dir[0])
+        saver = _TorchSaveHooks(scratch, min_bytes)
+        context = saver.context
+    elif mode == "save_on_cpu":
+        context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=False)  # noqa: E731
+    elif mode in ("none", "recompute"):
+        import contextlib
+        context = contextlib.nullcontext
+    else:
+        raise SystemExit(f"step_overhead: unknown mode {mode!r}; choose from {MODES}")
+
+    try:
+        for step in range(1 + cfg["steps"]):
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            rec = {"step": step, "warmup": step == 0}
+            stats0 = dataclasses.asdict(off.stats()) if off is not None else None
+            live0 = off.live_records() if off is not None else 0
+            written0 = saver.written if saver is not None else 0
+            io0, cpu0, machine0 = _proc_io(), os.times(), _machine_cpu_seconds()
+            usage0 = resource.getrusage(resource.RUSAGE_SELF)
+            main0, iocpu0 = time.thread_time(), _io_threads_cpu_seconds()
+            _reset_peak_rss()
+            rss0 = _proc_status("VmRSS")["VmRSS"]
+
+            t0 = time.perf_counter()
+            with context():
+                loss = model(idx, targets)
+            t1 = time.perf_counter()
+            inspect_s = 0.0
+            records = None
+            if off is not None:  # not timed: subtracted below
+                records, n_keys, overlapping = _inspect_records(off)
+                inspect_s = time.perf_counter() - t1
+            loss.backward()
+            t2 = time.perf_counter()
+
+            mem = _proc_status("VmHWM", "VmRSS")
+            main1, iocpu1 = time.thread_time(), _io_threads_cpu_seconds()
+            io1, cpu1, machine1 = _proc_io(), os.times(), _machine_cpu_seconds()
+            usage1 = resource.getrusage(resource.RUSAGE_SELF)
+            own_cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+            rec.update(
+                step_s=t2 - t0 - inspect_s, forward_s=t1 - t0, backward_s=t2 - t1 - inspect_s,
+                rss_before=rss0, rss_after=mem["VmRSS"], peak_rss=mem["VmHWM"],
+                peak_rss_delta=mem["VmHWM"] - rss0,
+                process_cpu_s=own_cpu,
+                other_cpu_s=max(0.0, machine1[0] - machine0[0] - own_cpu),
+                steal_cpu_s=machine1[1] - machine0[1],
+                minor_faults=usage1.ru_minflt - usage0.ru_minflt,
+                main_thread_cpu_s=main1 - main0,
+                disk_write_bytes=io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
+                disk_read_bytes=io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+                written_bytes=0)
+            rec["other_cpu_share"] = (rec["other_cpu_s"] + rec["steal_cpu_s"]) \
+                / (rec["step_s"] * (os.cpu_count() or 1))
+            if saver is not None:
+                rec["written_bytes"] = saver.written - written0
+                rec["files_written"] = saver.files
+                saver.files = 0
+            if off is not None:
+                st = _stats_delta(dataclasses.asdict(off.stats()), stats0)
+                writes = [r.writes for r in records]
+                rec.update(
+                    written_bytes=st["offloaded_bytes"], stats=st,
+                    io_threads_cpu_s=iocpu1 - iocpu0, live_records_before=live0,
+                    records=len(records), record_storages=n_keys,
+                    overlapping_records=overlapping,
+                    records_written_once=sum(w == 1 for w in writes),
+                    records_never_written=sum(w == 0 for w in writes),
+                    max_writes_per_record=max(writes, default=0),
+                    bytes_of_written_records=sum(r.nbytes for r in records if r.writes),
+                    bytes_of_unwritten_records=sum(r.nbytes for r in records if not r.writes))
+                del records
+            if step == 1:
+                result["digest"] = _digest(loss, model)
+            del loss
+            result["steps"].append(rec)
+
+        if mode == "none":  # an independent count of what ssdtrain should record
+            n, nbytes = _eligible_storages(model, idx, targets, min_bytes)
+            result["eligible_storages"], result["eligible_bytes"] = n, nbytes
+        if off is not None:
+            off.wait()
+            result["final_stats"] = dataclasses.asdict(off.stats())
+            result["live_records_end"] = off.live_records()
+    finally:
+        if off is not None:
+            off.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+# ----------------------------------------------------------------------------------- parent
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _measured(run):
+    return [s for s in run["steps"] if not s["warmup"]]
+
+
+def _timed(steps, max_other):
+    """The steps whose timing other processes did not disturb (all of them if none is clean).
+
+    NOTE [ Contention ]: on a shared machine another process busy on the same
+    cores slows a step by up to the share of the CPUs it takes. Each step records
+    that share (``other_cpu_share``, from ``/proc/stat``); step times are
+    summarized over steps below ``--max-other-cpu`` only. Memory and bytes are
+    not affected and use every step.
+    """
+    clean = [s for s in steps if s.get("other_cpu_share", 0.0) <= max_other]
+    return clean or steps
+
+
+def summarize(runs, modes, max_other=1.0):
+    """Per mode: medians over the measured steps of every repeat, ratios to ``none``.
+
+    Times use the steps other processes left alone (NOTE [ Contention ]).
+    """
+    by_mode = {m: [r for r in runs if r["mode"] == m and "error" not in r] for m in modes}
+    ref_digests = {r["repeat"]: r["digest"]["sha256"] for r in by_mode.get("none", [])
+                   if "digest" in r}
+    summary = {}
+    for mode, rs in by_mode.items():
+        steps = [s for r in rs for s in _measured(r)]
+        if not steps:
+            summary[mode] = {"failed": True}
+            continue
+        timed = _timed(steps, max_other)
+        s = {
+            "step_s_median": _median([x["step_s"] for x in timed]),
+            "forward_s_median": _median([x["forward_s"] for x in timed]),
+            "backward_s_median": _median([x["backward_s"] for x in timed]),
+            "timed_steps": sum(x.get("other_cpu_share", 0.0) <= max_other for x in steps),
+            "measured_steps": len(steps),
+            "repeat_step_s_medians": [_median([x["step_s"] for x in _timed(_measured(r),
+                                                                           max_other)])
+                                      for r in rs],
+            "peak_rss_delta_median": _median([x["peak_rss_delta"] for x in steps]),
+            "written_bytes_per_step": _median([x["written_bytes"] for x in steps]),
+            "disk_write_bytes_per_step": _median([x["disk_write_bytes"] for x in steps]),
+            "process_cpu_s_median": _median([x["process_cpu_s"] for x in steps]),
+            "other_cpu_s_median": _median([x["other_cpu_s"] for x in steps]),
+            "other_cpu_share_median": _median([(x["other_cpu_s"] + x["steal_cpu_s"])
+                                               / (x["step_s"] * (os.cpu_count() or 1))
+                                               for x in steps]),
+            "param_bytes": rs[0]["param_bytes"],
+        }
+        if mode == "none":
+            same = len(set(ref_digests.values())) <= 1
+            s["grads_equal"] = same  # the reference is deterministic across repeats
+        else:
+            pairs = [(r["digest"]["sha256"], ref_digests.get(r["repeat"])) for r in rs]
+            s["grads_equal"] = bool(pairs) and all(d == ref and ref is not None
+                                                   for d, ref in pairs)
+            mismatched = set()
+            refs = {r["repeat"]: r for r in by_mode.get("none", [])}
+            for r in rs:
+                ref = refs.get(r["repeat"])
+                if ref is not None:
+                    mismatched |= {n for n, h in r["digest"]["grads"].items()
+                                   if ref["digest"]["grads"].get(n) != h}
+            s["mismatched_grads"] = sorted(mismatched)
+        if mode == "ssdtrain":
+            st = [x["stats"] for x in steps]
+            s.update(
+                stall_s_median=_median([x["stall_seconds"] for x in st]),
+                prefetch_hits_median=_median([x["prefetch_hits"] for x in st]),
+                prefetch_misses_median=_median([x["prefetch_misses"] for x in st]),
+                forwarded_median=_median([x["forwarded"] for x in st]),
+                kept_bytes_median=_median([x["kept_bytes"] for x in st]),
+                unique_bytes_median=_median([x["unique_bytes"] for x in st]),
+                peak_resident_bytes=max(r.get("final_stats", {}).get("peak_resident_bytes", 0)
+                                        for r in rs),
+                io_threads_cpu_s_median=_median([x["io_threads_cpu_s"] for x in steps]),
+                main_thread_cpu_s_median=_median([x["main_thread_cpu_s"] for x in steps]),
+                records_per_step=sorted({x["records"] for x in steps}),
+                record_storages_per_step=sorted({x["record_storages"] for x in steps}),
+                max_writes_per_record=max(x["max_writes_per_record"] for x in steps),
+                records_written_once_per_step=sorted({x["records_written_once"] for x in steps}),
+                records_kept_per_step=sorted({x["records_never_written"] for x in steps}),
+                overlapping_records=max(x["overlapping_records"] for x in steps),
+                live_records_before_step=max(x["live_records_before"] for x in steps),
+                engine=rs[0].get("engine", ""),
+            )
+        summary[mode] = s
+    ref = summary.get("none", {})
+    for mode, s in summary.items():
+        if s.get("failed") or ref.get("failed") or not ref:
+            continue
+        s["step_ratio"] = s["step_s_median"] / ref["step_s_median"]
+        s["memory_ratio"] = s["peak_rss_delta_median"] / ref["peak_rss_delta_median"] \
+            if ref["peak_rss_delta_median"] > 0 else float("nan")
+    return summary
+
+
+def check_targets(runs, summary, max_other=1.0):
+    """Issue 2's targets for ssdtrain versus none: (name, value text, met) triples."""
+    s, ref = summary.get("ssdtrain"), summary.get("none")
+    if not s or not ref or s.get("failed") or ref.get("failed"):
+        return []
+    out = []
+    paired = []
+    by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
+    for (mode, rep), r in by.items():
+        if mode == "ssdtrain" and ("none", rep) in by:
+            a = _median([x["step_s"] for x in _timed(_measured(r), max_other)])
+            b = _median([x["step_s"] for x in _timed(_measured(by[("none", rep)]), max_other)])
+            paired.append(a / b)
+    reliable = s["timed_steps"] > 0 and ref["timed_steps"] > 0
+    out.append((f"step time <= {TARGET_STEP_RATIO:.2f}x none",
+                f"{s['step_ratio']:.3f}x (per-repeat ratios "
+                + ", ".join(f"{p:.3f}" for p in sorted(paired)) + ")"
+                + ("" if reliable else "; every step of a mode was contended"),
+                s["step_ratio"] <= TARGET_STEP_RATIO if reliable else None))
+    grads = s["param_bytes"]
+    act = (s["peak_rss_delta_median"] - grads) / max(1, ref["peak_rss_delta_median"] - grads)
+    out.append((f"peak activation memory <= {TARGET_MEMORY_RATIO:.2f}x none",
+                f"{s['memory_ratio']:.3f}x peak RSS delta ({act:.3f}x without the "
+                f"{grads / MiB:.0f} MiB of gradients both allocate)",
+                s["memory_ratio"] <= TARGET_MEMORY_RATIO))
+    eligible = {r.get("eligible_storages") for r in runs
+                if r["mode"] == "none" and "error" not in r}
+    once = s["max_writes_per_record"] <= 1 and s["overlapping_records"] == 0 \
+        and s["records_per_step"] == s["record_storages_per_step"] \
+        and len(eligible) == 1 and s["record_storages_per_step"] == sorted(eligible)
+    out.append(("every storage written once",
+                f"records/step {s['records_per_step']} (written once "
+                f"{s['records_written_once_per_step']}, kept in memory, never written "
+                f"{s['records_kept_per_step']}), distinct storages/step "
+                f"{s['record_storages_per_step']}, eligible storages counted without ssdtrain "
+                f"{sorted(eligible)}, max writes per record {s['max_writes_per_record']}, "
+                f"overlapping records {s['overlapping_records']}",
+                once))
+    return out
+
+
+def _notes(mode, s):
+    if s.get("failed"):
+        return "FAILED (see stderr / JSON)"
+    notes = []
+    if mode == "ssdtrain":
+        notes.append(f"{s['engine']}; stall {s['stall_s_median']:.2f} s/step; prefetch "
+                     f"{s['prefetch_hits_median']:.0f} hits / {s['prefetch_misses_median']:.0f} "
+                     f"misses; kept {s['kept_bytes_median'] / MiB:.0f} MiB/step; I/O threads CPU "
+                     f"{s['io_threads_cpu_s_median']:.2f} s/step")
+    else:
+        notes.append(MODE_NOTES[mode])
+    if s.get("mismatched_grads"):
+        notes.append(f"{len(s['mismatched_grads'])} grads differ")
+    reps = s["repeat_step_s_medians"]
+    notes.append(f"repeat medians {min(reps):.2f}-{max(reps):.2f} s")
+    if s["timed_steps"] < s["measured_steps"]:
+        notes.append(f"time over {s['timed_steps']}/{s['measured_steps']} steps"
+                     + (" (all contended)" if s["timed_steps"] == 0 else
+                        " (rest contended)"))
+    return "; ".join(notes)
+
+
+def render_table(summary, modes):
+    lines = ["| mode | step time median (s) | ratio to none | peak RSS delta (MiB) | ratio to none "
+             "| written (MiB/step) | grads equal | notes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for mode in modes:
+        s = summary.get(mode, {"failed": True})
+        if s.get("failed"):
+            lines.append(f"| {mode} | - | - | - | - | - | - | {_notes(mode, s)} |")
+            continue
+        ratio = f"{s['step_ratio']:.3f}" if "step_ratio" in s else "-"
+        mratio = f"{s['memory_ratio']:.3f}" if "memory_ratio" in s else "-"
+        lines.append(
+            f"| {mode} | {s['step_s_median']:.3f} | {ratio} | "
+            f"{s['peak_rss_delta_median'] / MiB:.0f} | {mratio} | "
+            f"{s['written_bytes_per_step'] / MiB:.0f} | "
+            f"{'yes' if s['grads_equal'] else 'NO'} | {_notes(mode, s)} |")
+    return "\n".join(lines)
+
+
+def _progress(total):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None and sys.stderr.isatty():
+        bar = tqdm(total=total, unit="run", file=sys.stderr)
+        return bar.update, bar.write, bar.close
+
+    done = [0]
+
+    def update(n=1):
+        done[0] += n
+
+    def write(msg):
+        print(f"[{done[0]}/{total}] {msg}", file=sys.stderr, flush=True)
+
+    return update, write, lambda: None
+
+
+def run_worker(mode, repeat, cfg, env):
+    fd, out_path = tempfile.mkstemp(prefix=f"step_overhead-{mode}-", suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode,
+               "--worker-config", json.dumps(dict(cfg, repeat=repeat)), "--worker-out", out_path]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            return {"mode": mode, "repeat": repeat, "error": f"exit {proc.returncode}",
+                    "stderr": proc.stderr[-8000:], "wall_s": wall}
+        with open(out_path) as f:
+            result = json.load(f)
+        result["wall_s"] = wall
+        return result
+    finally:
+        os.unlink(out_path)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description="Step time and peak memory of a GPT training step under each way of holding "
+                    "activations (none, ssdtrain, recompute, torch_save, save_on_cpu).")
+    m = p.add_argument_group("model (default: ~1.15 GiB of fp32 activations per step)")
+    m.add_argument("--d-model", type=int, help=f"default {DEFAULT_MODEL['d_model']}")
+    m.add_argument("--n-layers", type=int, help=f"default {DEFAULT_MODEL['n_layers']}")
+    m.add_argument("--n-heads", type=int, help=f"default {DEFAULT_MODEL['n_heads']}")
+    m.add_argument("--seq-len", type=int, help=f"default {DEFAULT_MODEL['seq_len']}")
+    m.add_argument("--batch-size", type=int, help=f"default {DEFAULT_MODEL['batch_size']}")
+    m.add_argument("--vocab", type=int, help=f"default {DEFAULT_MODEL['vocab']}")
+    m.add_argument("--tiny", action="store_true",
+                   help=f"a very small model for the test suite ({TINY_MODEL}); also "
+                        f"--min-tensor-kib {TINY_OFFLOAD['min_tensor_kib']} --keep-tail-mib "
+                        f"{TINY_OFFLOAD['keep_tail_mib']} unless given")
+    r = p.add_argument_group("runs")
+    r.add_argument("--steps", type=int, default=3,
+                   help="measured steps per run, after 1 warm-up step (default 3)")
+    r.add_argument("--repeats", type=int, default=3,
+                   help="fresh processes per mode, modes interleaved (default 3)")
+    r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="modes to run (default all); 'none' is needed for ratios")
+    r.add_argument("--threads", type=int, default=2,
+                   help="torch.set_num_threads in every mode (default 2)")
+    r.add_argument("--spill-dir",
+                   help="directory for ssdtrain and torch_save (default: a fresh directory under "
+                        "the system temp dir, removed at the end)")
+    r.add_argument("--max-other-cpu", type=float, default=0.1,
+                   help="step times are summarized over steps during which other processes used "
+                        "at most this share of the CPUs (default 0.1; 1 keeps every step)")
+    r.add_argument("--json", default=DEFAULT_JSON,
+                   help="where to write every raw number (default benchmarks/results/"
+                        "step_overhead.json)")
+    o = p.add_argument_group("ssdtrain (default: ssdtrain's own defaults / SSDTRAIN_* variables)")
+    o.add_argument("--keep-tail-mib", type=float, help="OffloadConfig.keep_tail_bytes in MiB")
+    o.add_argument("--prefetch-mib", type=float, help="OffloadConfig.prefetch_bytes in MiB")
+    o.add_argument("--min-tensor-kib", type=float,
+                   help="OffloadConfig.min_tensor_bytes in KiB (also torch_save's threshold)")
+    o.add_argument("--io-threads", type=int, help="OffloadConfig.io_threads")
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--worker-config", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        worker(args.worker, json.loads(args.worker_config), args.worker_out)
+        return 0
+    if args.steps < 1 or args.repeats < 1:
+        raise SystemExit("step_overhead: --steps and --repeats must be >= 1")
+
+    preset = TINY_MODEL if args.tiny else DEFAULT_MODEL
+    model = {k: (getattr(args, k) if getattr(args, k) is not None else v)
+             for k, v in preset.items()}
+    if args.tiny:
+        for k, v in TINY_OFFLOAD.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+    offload = {
+        "keep_tail_bytes": None if args.keep_tail_mib is None else int(args.keep_tail_mib * MiB),
+        "prefetch_bytes": None if args.prefetch_mib is None else int(args.prefetch_mib * MiB),
+        "min_tensor_bytes": None if args.min_tensor_kib is None else int(args.min_tensor_kib * KiB),
+        "io_threads": args.io_threads,
+    }
+    own_spill = args.spill_dir is None
+    spill_dir = tempfile.mkdtemp(prefix="ssdtrain-bench-") if own_spill \
+        else os.path.abspath(args.spill_dir)
+    if not os.path.isdir(spill_dir):
+        raise SystemExit(f"step_overhead: --spill-dir {spill_dir!r} is not a directory")
+    cfg = dict(model, steps=args.steps, threads=args.threads, spill_dir=spill_dir, offload=offload)
+
+    env = dict(os.environ)
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the OS: RSS is meaningful
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(args.threads)
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in
+                                                       env.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p])
+    env.setdefault("PYTHONWARNINGS", "ignore")  # torch warns when NumPy is absent
+
+    command = shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd())
+                          else sys.executable] + sys.argv)
+    fstype, device, mount = filesystem_of(spill_dir)
+    machine = {"cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
+               "python": platform.python_version(), "platform": platform.platform(),
+               "spill_dir": spill_dir, "spill_fs": fstype, "spill_device": device,
+               "spill_mount": mount}
+
+    runs = []
+    total = args.repeats * len(args.modes)
+    update, write, close = _progress(total)
+    try:
+        for repeat in range(args.repeats):
+            for mode in args.modes:
+                result = run_worker(mode, repeat, cfg, env)
+                runs.append(result)
+                if "error" in result:
+                    write(f"repeat {repeat + 1} {mode}: FAILED ({result['error']})\n"
+                          f"{result['stderr']}")
+                else:
+                    st = [x["step_s"] for x in _measured(result)]
+                    pk = [x["peak_rss_delta"] for x in _measured(result)]
+                    write(f"repeat {repeat + 1}/{args.repeats} {mode:<11} step "
+                          f"{_median(st):.3f} s, peak RSS delta {_median(pk) / MiB:.0f} MiB "
+                          f"({result['wall_s']:.0f} s wall)")
+                update(1)
+    finally:
+        close()
+        if own_spill:
+            shutil.rmtree(spill_dir, ignore_errors=True)
+
+    ok = [r for r in runs if "error" not in r]
+    if ok:
+        machine["torch"] = ok[0]["torch"]
+        machine["torch_threads"] = ok[0]["threads"]
+    summary = summarize(runs, args.modes, args.max_other_cpu)
+    targets = check_targets(runs, summary, args.max_other_cpu)
+    hwm_ok = all(r.get("hwm_reset_works") for r in ok)
+
+    print(f"## step_overhead: {model['n_layers']} layers, d_model {model['d_model']}, "
+          f"{model['n_heads']} heads, seq {model['seq_len']}, batch {model['batch_size']}, "
+          f"vocab {model['vocab']}, fp32; {args.steps} measured steps x {args.repeats} repeats")
+    print()
+    print(render_table(summary, args.modes))
+    print()
+    ref = summary.get("none", {})
+    if ref and not ref.get("failed"):
+        print(f"Peak RSS delta = VmHWM after forward+backward minus VmRSS before; it includes the "
+              f"{ref['param_bytes'] / MiB:.0f} MiB of gradients (zero_grad(set_to_none=True) "
+              f"before each step). Medians over the measured steps of all repeats.")
+    busy = {m: s["other_cpu_share_median"] for m, s in summary.items() if not s.get("failed")}
+    contended = sum(s["measured_steps"] - s["timed_steps"] for s in summary.values()
+                    if not s.get("failed"))
+    if contended:
+        print(f"WARNING: other processes took more than {args.max_other_cpu:.0%} of the CPUs "
+              f"during {contended} measured steps (median share per mode: "
+              + ", ".join(f"{m} {v:.0%}" for m, v in busy.items()) + "); step times use the "
+              "other steps only (where a mode has none, all of its steps, and its times are "
+              "unreliable). A quiet machine gives better numbers.")
+    if not hwm_ok:
+        print("WARNING: resetting VmHWM via /proc/self/clear_refs did not work here; peak RSS "
+              "deltas are peaks since process start.")
+    print(f"Machine: {machine['cpu_count']} CPUs ({machine['cpu_affinity']} usable), torch "
+          f"{machine.get('torch', '?')} with {machine.get('torch_threads', '?')} threads, python "
+          f"{machine['python']}, spill_dir {spill_dir} on {fstype or '?'} ({device or '?'})")
+    print(f"Command: {command}")
+    if targets:
+        print()
+        print("Targets (issue 2, ssdtrain vs none; reported, not asserted):")
+        for name, value, met in targets:
+            verdict = "unknown (contended)" if met is None else "met" if met else "NOT met"
+            print(f"- {name}: {value} -> {verdict}")
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"command": command, "machine": machine, "model": model,
+                   "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
+                   "offload_overrides": offload, "modes": args.modes,
+                   "targets": [{"name": n, "value": v, "met": m} for n, v, m in targets],
+                   "summary": summary, "runs": runs}, f, indent=1)
+    print(f"JSON: {args.json}")
+    failed = [f"{r['mode']}#{r['repeat']}" for r in runs if "error" in r]
+    if failed:
+        print(f"step_overhead: runs failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+// The only file that touches Python: the module `ssdtrain._C`.
+//
+// NOTE [ Completions, the GIL and shutdown ]
+// The engine's workers call a Python callback when a request ends, so they must take
+// the GIL, and a thread holding the GIL must never wait for a worker: shutdown(), the
+// destructor and every call that can block release the GIL first. The callback is
+// stored as a raw owned reference and released by the worker under the GIL right
+// after the call (or, if it never ran, by whichever thread destroys it, taking the GIL).
+// If the last reference to the Engine is dropped inside a callback, the destructor
+// runs on a worker thread; Engine::shutdown then detaches the workers instead of
+// joining itself, and the GIL is kept (nothing blocks). While the interpreter is finalizing, a worker never takes the GIL
+// (that would end the thread inside C++ code): the callback is skipped and leaked.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "engine/crc32c.h"
+#include "engine/engine.h"
+
+namespace py = pybind11;
+
+namespace {
+
+bool interpreter_finalizing() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+class PyCompletion final : public ssdtrain::Completion {
+ public:
+  explicit PyCompletion(py::function fn) : fn_(fn.release().ptr()) {}  // called with the GIL
+  ~PyCompletion() override {
+    if (fn_ == nullptr || interpreter_finalizing()) return;
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(fn_);
+    PyGILState_Release(gil);
+  }
+  PyCompletion(const PyCompletion&) = delete;
+  PyCompletion& operator=(const PyCompletion&) = delete;
+
+  // Not noexcept: see Completion (pthread_exit while taking the GIL at finalization).
+  void complete(int err, const std::string& message) override {
+    if (fn_ == nullptr || interpreter_finalizing()) return;
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* fn = std::exchange(fn_, nullptr);
+    PyObject* code = PyLong_FromLong(err);
+    PyObject* text = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()),
+                                          "replace");
+    PyObject* result = nullptr;
+    if (code != nullptr && text != nullptr) {
+      result = PyObject_CallFunctionObjArgs(fn, code, text, nullptr);
+    }
+    if (result == nullptr) {
+      // A callback must not raise; report it like an exception in a __del__.
+      PyErr_WriteUnraisable(fn);
+    }
+    Py_XDECREF(result);
+    Py_XDECREF(text);
+    Py_XDECREF(code);
+    Py_DECREF(fn);
+    PyGILState_Release(gil);
+  }
+
+ private:
+  PyObject* fn_;  // owned
+};
+
+ssdtrain::Backend parse_backend(const std::string& name) {
+  if (name == "auto") return ssdtrain::Backend::kAuto;
+  if (name == "uring") return ssdtrain::Backend::kUring;
+  if (name == "threads") return ssdtrain::Backend::kThreads;
+  throw std::invalid_argument("backend must be 'auto', 'uring' or 'threads', got '" + name + "'");
+}
+
+class PyEngine {
+ public:
+  PyEngine(int threads, std::size_t chunk_bytes, const std::string& backend)
+      : engine_(std::make_unique<ssdtrain::Engine>(threads, chunk_bytes, parse_backend(backend))) {}
+
+  // Runs with the GIL held (Python dropped the object), possibly on a worker thread,
+  // inside a callback: there the engine only detaches its workers, which does not
+  // block, and the GIL is kept (a worker retaking the GIL after the main thread
+  // began finalizing would be ended by CPython).
+  ~PyEngine() {
+    if (PyGILState_Check() && !engine_->on_worker_thread()) {
+      PyThreadState* ts = PyEval_SaveThread();
+      engine_.reset();
+      PyEval_RestoreThread(ts);
+    } else {
+      engine_.reset();
+    }
+  }
+
+  std::string backend() const { return ssdtrain::Engine::backend_name(engine_->backend()); }
+
+  void submit(ssdtrain::Op op, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
+              std::size_t nbytes, std::string path, py::function callback) {
+    auto done = std::make_unique<PyCompletion>(std::move(callback));
+    py::gil_scoped_release nogil;
+    engine_->submit(op, fd, direct, offset, address, nbytes, std::move(path), std::move(done));
+  }
+
+  void shutdown() {
+    py::gil_scoped_release nogil;
+    engine_->shutdown();
+  }
+
+ private:
+  std::unique_ptr<ssdtrain::Engine> engine_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ssdtrain's native I/O engine (torch-free); use it through ssdtrain.io.native.";
+
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init<int, std::size_t, const std::string&>(), py::arg("threads"),
+           py::arg("chunk_bytes"), py::arg("backend") = "auto",
+           "A pool of `threads` workers; requests split at address multiples of `chunk_bytes`.\n"
+           "backend: 'auto' (io_uring where it works, else threads), 'uring' or 'threads'.")
+      .def_property_readonly("backend", &PyEngine::backend,
+                             "The back end in use: 'uring' or 'threads'.")
+      .def(
+          "submit_write",
+          [](PyEngine& self, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
+             std::size_t nbytes, std::string path, py::function callback) {
+            self.submit(ssdtrain::Op::kWrite, fd, direct, offset, address, nbytes,
+                        std::move(path), std::move(callback));
+          },
+          py::arg("fd"), py::arg("direct"), py::arg("offset"), py::arg("address"),
+          py::arg("nbytes"), py::arg("path"), py::arg("callback"),
+          "Write `nbytes` at `address` to `fd` at `offset`; later, on a worker thread,\n"
+          "callback(errno, message) with errno 0 on success. Keep the memory alive until then.")
+      .def(
+          "submit_read",
+          [](PyEngine& self, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
+             std::size_t nbytes, std::string path, py::function callback) {
+            self.submit(ssdtrain::Op::kRead, fd, direct, offset, address, nbytes,
+                        std::move(path), std::move(callback));
+          },
+          py::arg("fd"), py::arg("direct"), py::arg("offset"), py::arg("address"),
+          py::arg("nbytes"), py::arg("path"), py::arg("callback"),
+          "Read `nbytes` from `fd` at `offset` into `address`; callback as for submit_write.")
+      .def("shutdown", &PyEngine::shutdown,
+           "Finish every queued request (each callback runs), then stop the workers.");
+
+  m.def(
+      "crc32c",
+      [](std::uintptr_t address, std::size_t nbytes, std::uint32_t seed) {
+        py::gil_scoped_release nogil;
+        return ssdtrain::crc32c(reinterpret_cast<const void*>(address), nbytes, seed);
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("seed") = 0,
+      "CRC32C of `nbytes` at `address`; `seed` is a previous result to extend.");
+  m.def(
+      "crc32c_table",
+      [](std::uintptr_t address, std::size_t nbytes, std::uint32_t seed) {
+        py::gil_scoped_release nogil;
+        return ssdtrain::crc32c_table(reinterpret_cast<const void*>(address), nbytes, seed);
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("seed") = 0,
+      "CRC32C by the portable table implementation (what crc32c uses without SSE4.2).");
+  m.attr("crc32c_hardware") = ssdtrain::crc32c_hardware();
+  m.def(
+      "uring_probe",
+      [] {
+        std::string why;
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = ssdtrain::Engine::uring_available(&why);
+        }
+        return py::make_tuple(ok, why);
+      },
+      "(usable, reason): whether the io_uring back end works here, and why not.");
+}

@@ -1,0 +1,459 @@
+#include "engine/engine.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <utility>
+
+#include "engine/aligned_buffer.h"
+#include "engine/io_error.h"
+#include "engine/uring.h"
+
+namespace ssdtrain {
+namespace {
+
+constexpr std::size_t kMaxSyscallBytes = std::size_t{1} << 30;  // Linux caps one call at ~2 GiB
+constexpr std::size_t kUringSegmentBytes = std::size_t{1} << 20;  // one SQE moves at most this
+constexpr unsigned kRingEntries = 64;  // SQEs in flight per worker
+
+std::uint64_t align_down(std::uint64_t x, std::uint64_t a = kBlock) { return x - x % a; }
+std::uint64_t align_up(std::uint64_t x, std::uint64_t a = kBlock) { return align_down(x + a - 1, a); }
+
+struct Request {
+  Op op;
+  int fd;
+  bool direct;
+  std::uint64_t offset;
+  std::uintptr_t address;
+  std::size_t nbytes;
+  std::string path;
+  std::unique_ptr<Completion> done;
+
+  std::mutex mu;
+  std::size_t remaining = 0;  // pieces not yet finished
+  int err = 0;                // the first failure wins
+  std::string message;
+};
+
+struct Piece {
+  std::shared_ptr<Request> request;
+  std::uint64_t offset;
+  std::uintptr_t address;
+  std::size_t nbytes;
+};
+
+// One contiguous file range moved by one system call (or one SQE, resubmitted on short I/O).
+struct Segment {
+  char* buf;
+  std::size_t len;
+  std::uint64_t offset;
+  std::size_t done = 0;
+};
+
+// A partial O_DIRECT edge block: `len` caller bytes at `user` <-> `bounce`.
+struct EdgeCopy {
+  char* user;
+  char* bounce;
+  std::size_t len;
+};
+
+// What each worker owns: two bounce blocks (head and tail edges can be in flight at
+// once on io_uring) and, on the io_uring back end, its ring.
+struct Worker {
+  AlignedBuffer head{kBlock, kBlock};
+  AlignedBuffer tail{kBlock, kBlock};
+  std::unique_ptr<Uring> ring;
+};
+
+void pwrite_all(int fd, const char* buf, std::size_t len, std::uint64_t offset,
+                const std::string& path) {
+  std::size_t done = 0;
+  while (done < len) {
+    const ssize_t n = pwrite(fd, buf + done, std::min(len - done, kMaxSyscallBytes),
+                             static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw IoError(errno, "pwrite", offset + done, len - done, path);
+    }
+    if (n == 0) {
+      throw IoError(EIO, "pwrite", offset + done, len - done, path,
+                    "short write (" + std::to_string(done) + " of " + std::to_string(len) +
+                        " bytes)");
+    }
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+void pread_all(int fd, char* buf, std::size_t len, std::uint64_t offset, const std::string& path) {
+  std::size_t done = 0;
+  while (done < len) {
+    const ssize_t n = pread(fd, buf + done, std::min(len - done, kMaxSyscallBytes),
+                            static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw IoError(errno, "pread", offset + done, len - done, path);
+    }
+    if (n == 0) {
+      throw IoError(EIO, "pread", offset + done, len - done, path,
+                    "short read (" + std::to_string(done) + " of " + std::to_string(len) +
+                        " bytes): spill data truncated");
+    }
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+// Splits [address, address + nbytes) of a piece into system-call segments. On O_DIRECT
+// files the partial first and last blocks go through the worker's bounce blocks
+// (whole blocks: each slot owns its edge blocks); the aligned middle is used in place.
+void plan(const Piece& p, Worker& w, std::size_t max_segment, std::vector<Segment>* segments,
+          std::vector<EdgeCopy>* edges) {
+  char* const base = reinterpret_cast<char*>(p.address);
+  auto add_range = [&](std::uintptr_t start, std::uintptr_t stop) {
+    while (start < stop) {
+      const std::size_t len = std::min<std::size_t>(stop - start, max_segment);
+      segments->push_back({base + (start - p.address), len, p.offset + (start - p.address)});
+      start += len;
+    }
+  };
+  const std::uintptr_t end = p.address + p.nbytes;
+  if (!p.request->direct) {
+    add_range(p.address, end);
+    return;
+  }
+  std::uintptr_t lo = align_up(p.address), hi = align_down(end);
+  if (lo > hi) lo = hi = end;  // starts and ends inside one block
+  auto add_edge = [&](std::uintptr_t start, std::uintptr_t stop, AlignedBuffer& bounce) {
+    if (start >= stop) return;
+    const std::uintptr_t block = align_down(start);
+    char* b = bounce.data() + (start - block);
+    edges->push_back({base + (start - p.address), b, stop - start});
+    // offset ≡ address (mod kBlock), so the block's file offset is >= 0 and aligned.
+    segments->push_back({bounce.data(), kBlock, p.offset - (p.address - block)});
+  };
+  add_edge(p.address, lo, w.head);
+  add_range(lo, hi);
+  add_edge(hi, end, w.tail);
+}
+
+void run_threads(const Piece& p, const std::vector<Segment>& segments) {
+  const Request& r = *p.request;
+  for (const Segment& s : segments) {
+    if (r.op == Op::kWrite) {
+      pwrite_all(r.fd, s.buf, s.len, s.offset, r.path);
+    } else {
+      pread_all(r.fd, s.buf, s.len, s.offset, r.path);
+    }
+  }
+}
+
+// Keeps up to the ring's capacity of segments in flight; a short transfer is
+// resubmitted for its remainder. On failure, nothing new is submitted, but the
+// function returns only after every submitted SQE has completed: the kernel may
+// still be using the memory until then.
+void run_uring(Uring& ring, const Piece& p, std::vector<Segment>& segments) {
+  const Request& r = *p.request;
+  const bool write = r.op == Op::kWrite;
+  const char* op = write ? "io_uring write" : "io_uring read";
+  std::vector<std::size_t> retry;
+  std::unique_ptr<IoError> failure;
+  std::size_t next = 0;
+  unsigned inflight = 0;
+  for (;;) {
+    while (!failure && inflight < ring.capacity() && (!retry.empty() || next < segments.size())) {
+      std::size_t i;
+      if (!retry.empty()) {
+        i = retry.back();
+        retry.pop_back();
+      } else {
+        i = next++;
+      }
+      Segment& s = segments[i];
+      ring.prepare(write, r.fd, s.buf + s.done, static_cast<unsigned>(s.len - s.done),
+                   s.offset + s.done, i);
+      ++inflight;
+    }
+    if (inflight == 0) break;
+    ring.submit_and_wait(1);
+    std::uint64_t i;
+    int res;
+    while (ring.pop(&i, &res)) {
+      --inflight;
+      Segment& s = segments[i];
+      if (failure) continue;
+      if (res == -EINTR || res == -EAGAIN) {
+        retry.push_back(i);
+      } else if (res < 0) {
+        failure = std::make_unique<IoError>(-res, op, s.offset + s.done, s.len - s.done, r.path);
+      } else if (res == 0) {
+        failure = std::make_unique<IoError>(
+            EIO, op, s.offset + s.done, s.len - s.done, r.path,
+            std::string(write ? "short write (" : "short read (") + std::to_string(s.done) +
+                " of " + std::to_string(s.len) + " bytes)" +
+                (write ? "" : ": spill data truncated"));
+      } else {
+        s.done += static_cast<std::size_t>(res);
+        if (s.done < s.len) retry.push_back(i);
+      }
+    }
+  }
+  if (failure) throw *failure;
+}
+
+// Buffered files: make written data durable, then drop the record's pages (whole
+// blocks: DONTNEED skips partial pages, and the slot owns every block it touches) so
+// spilled data really leaves RAM. Same steps as the posix engine.
+void finish_buffered(const Request& r) {
+  if (r.op == Op::kWrite && fdatasync(r.fd) != 0) {
+    throw IoError(errno, "fdatasync", r.offset, r.nbytes, r.path);
+  }
+  const std::uint64_t start = align_down(r.offset);
+  const std::uint64_t len = align_up(r.offset + r.nbytes) - start;
+  const int rc = posix_fadvise(r.fd, static_cast<off_t>(start), static_cast<off_t>(len),
+                               POSIX_FADV_DONTNEED);
+  if (rc != 0) throw IoError(rc, "posix_fadvise(DONTNEED)", r.offset, r.nbytes, r.path);
+}
+
+void piece_done(Request& r, int err, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (err != 0 && r.err == 0) {
+      r.err = err;
+      r.message = message;
+    }
+    if (--r.remaining > 0) return;
+  }
+  // The last piece: no other worker touches the request any more.
+  if (r.err == 0 && !r.direct) {
+    try {
+      finish_buffered(r);
+    } catch (const IoError& e) {
+      r.err = e.err();
+      r.message = e.what();
+    }
+  }
+  std::unique_ptr<Completion> done = std::move(r.done);
+  done->complete(r.err, r.message);
+}
+
+void run_piece(Worker& w, const Piece& p) {
+  int err = 0;
+  std::string message;
+  try {
+    std::vector<Segment> segments;
+    std::vector<EdgeCopy> edges;
+    plan(p, w, w.ring ? kUringSegmentBytes : kMaxSyscallBytes, &segments, &edges);
+    const bool write = p.request->op == Op::kWrite;
+    if (write) {
+      for (const EdgeCopy& e : edges) {
+        std::memset(e.bounce - (reinterpret_cast<std::uintptr_t>(e.user) % kBlock), 0, kBlock);
+        std::memcpy(e.bounce, e.user, e.len);
+      }
+    }
+    if (w.ring) {
+      run_uring(*w.ring, p, segments);
+    } else {
+      run_threads(p, segments);
+    }
+    if (!write) {
+      for (const EdgeCopy& e : edges) std::memcpy(e.user, e.bounce, e.len);
+    }
+  } catch (const IoError& e) {
+    err = e.err();
+    message = e.what();
+  } catch (const std::exception& e) {
+    err = EIO;
+    message = std::string("internal error in the native engine: ") + e.what() + "; please report";
+  }
+  piece_done(*p.request, err, message);
+}
+
+}  // namespace
+
+struct Engine::State {
+  std::mutex mu;
+  std::condition_variable work;     // a piece was queued, or stopping was set
+  std::condition_variable drained;  // a worker exited
+  std::deque<Piece> queue;
+  bool stopping = false;
+  unsigned running = 0;  // workers not yet exited
+  Backend backend = Backend::kThreads;
+  std::size_t chunk_bytes = 0;
+  std::vector<std::unique_ptr<Worker>> workers;
+};
+
+namespace {
+
+// The engine whose worker this thread is, if any (see Engine::shutdown).
+thread_local const Engine::State* tls_worker_of = nullptr;
+
+// Holds the shared state, so a detached worker (see Engine::shutdown) keeps it alive.
+void worker_main(std::shared_ptr<Engine::State> s, std::size_t index) {
+  tls_worker_of = s.get();
+  Worker& w = *s->workers[index];
+  for (;;) {
+    Piece p;
+    {
+      std::unique_lock<std::mutex> lock(s->mu);
+      s->work.wait(lock, [&] { return s->stopping || !s->queue.empty(); });
+      if (s->queue.empty()) break;  // stopping, and every queued piece is done
+      p = std::move(s->queue.front());
+      s->queue.pop_front();
+    }
+    run_piece(w, p);
+  }
+  std::lock_guard<std::mutex> lock(s->mu);
+  --s->running;
+  s->drained.notify_all();
+}
+
+}  // namespace
+
+bool Engine::uring_available(std::string* why) {
+  static const std::pair<bool, std::string> probed = [] {
+    std::string reason;
+    const bool ok = Uring::probe(&reason);
+    return std::make_pair(ok, reason);
+  }();
+  if (why) *why = probed.second;
+  return probed.first;
+}
+
+const char* Engine::backend_name(Backend b) noexcept {
+  switch (b) {
+    case Backend::kUring: return "uring";
+    case Backend::kThreads: return "threads";
+    case Backend::kAuto: return "auto";
+  }
+  return "?";
+}
+
+Engine::Engine(int threads, std::size_t chunk_bytes, Backend backend)
+    : state_(std::make_shared<State>()) {
+  if (threads < 1 || threads > 1024) {
+    throw std::invalid_argument("threads must be in [1, 1024], got " + std::to_string(threads));
+  }
+  if (chunk_bytes == 0 || chunk_bytes % kBlock != 0) {
+    throw std::invalid_argument("chunk_bytes must be a positive multiple of " +
+                                std::to_string(kBlock) + ", got " + std::to_string(chunk_bytes));
+  }
+  state_->chunk_bytes = chunk_bytes;
+  Backend chosen = Backend::kThreads;
+  if (backend != Backend::kThreads) {
+    std::string why;
+    if (uring_available(&why)) {
+      chosen = Backend::kUring;
+    } else if (backend == Backend::kUring) {
+      throw std::runtime_error("io_uring is not usable here: " + why);
+    }
+  }
+  for (int i = 0; i < threads; ++i) {
+    auto w = std::make_unique<Worker>();
+    if (chosen == Backend::kUring) {
+      try {
+        w->ring = std::make_unique<Uring>(kRingEntries);
+      } catch (const IoError& e) {  // e.g. RLIMIT_MEMLOCK on old kernels
+        if (backend == Backend::kUring) {
+          throw std::runtime_error(std::string("io_uring is not usable here: ") + e.what());
+        }
+        chosen = Backend::kThreads;
+        for (auto& other : state_->workers) other->ring.reset();
+      }
+    }
+    state_->workers.push_back(std::move(w));
+  }
+  state_->backend = chosen;
+  try {
+    for (int i = 0; i < threads; ++i) {
+      {
+        std::lock_guard<std::mutex> lock(state_->mu);
+        ++state_->running;
+      }
+      threads_.emplace_back(worker_main, state_, static_cast<std::size_t>(i));
+    }
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      --state_->running;  // the thread that failed to start
+    }
+    shutdown();
+    throw;
+  }
+}
+
+Engine::~Engine() { shutdown(); }
+
+Backend Engine::backend() const noexcept { return state_->backend; }
+
+bool Engine::on_worker_thread() const noexcept { return tls_worker_of == state_.get(); }
+
+void Engine::submit(Op op, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
+                    std::size_t nbytes, std::string path, std::unique_ptr<Completion> done) {
+  if (direct && offset % kBlock != address % kBlock) {
+    throw std::invalid_argument("O_DIRECT request with offset " + std::to_string(offset) +
+                                " not congruent to address " + std::to_string(address) +
+                                " modulo " + std::to_string(kBlock));
+  }
+  if (!done) throw std::invalid_argument("a request needs a completion");
+  auto r = std::make_shared<Request>();
+  r->op = op;
+  r->fd = fd;
+  r->direct = direct;
+  r->offset = offset;
+  r->address = address;
+  r->nbytes = nbytes;
+  r->path = std::move(path);
+  r->done = std::move(done);
+  std::vector<Piece> pieces;
+  const std::size_t chunk = state_->chunk_bytes;
+  std::uintptr_t start = address;
+  const std::uintptr_t end = address + nbytes;
+  do {  // an empty request is one empty piece, so it completes (and syncs) like any other
+    const std::uintptr_t stop = std::min<std::uintptr_t>(align_down(start + chunk, chunk), end);
+    pieces.push_back({r, offset + (start - address), start, stop - start});
+    start = stop;
+  } while (start < end);
+  r->remaining = pieces.size();
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->stopping) {
+      throw std::runtime_error("ssdtrain: the native I/O engine was shut down; no request can be "
+                               "submitted after shutdown()");
+    }
+    for (Piece& p : pieces) state_->queue.push_back(std::move(p));
+  }
+  if (pieces.size() == 1) {
+    state_->work.notify_one();
+  } else {
+    state_->work.notify_all();
+  }
+}
+
+void Engine::shutdown() {
+  std::vector<std::thread> mine;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stopping = true;
+    mine.swap(threads_);  // a concurrent shutdown() gets none and only waits below
+  }
+  state_->work.notify_all();
+  if (on_worker_thread()) {
+    // Called from inside a completion (e.g. the last reference to the engine dropped
+    // there). A worker cannot join itself, nor wait for the others while they may
+    // wait for it: detach them; they finish the queue and exit on their own.
+    for (std::thread& t : mine) t.detach();
+    return;
+  }
+  for (std::thread& t : mine) t.join();
+  // Also waits for workers that another caller took (or a worker detached).
+  std::unique_lock<std::mutex> lock(state_->mu);
+  state_->drained.wait(lock, [&] { return state_->running == 0; });
+}
+
+}  // namespace ssdtrain

@@ -1,0 +1,128 @@
+"""The ``native`` engine: the C++ engine in ``csrc/`` (module ``ssdtrain._C``).
+
+Same contract as the posix reference engine (``ssdtrain/io/posix.py``): a request
+is split at address multiples of ``chunk_bytes`` across ``io_threads`` workers; on
+``O_DIRECT`` files the file offset is congruent to the address modulo ``BLOCK``
+(NOTE [ Zero-copy O_DIRECT from unaligned tensors ]) and only the partial first and
+last blocks pass through an aligned bounce block; on buffered files a write ends with
+``fdatasync`` and ``POSIX_FADV_DONTNEED``, a read with ``POSIX_FADV_DONTNEED``.
+Workers submit through io_uring where the kernel allows it (probed at run time),
+with ``pread``/``pwrite`` otherwise; ``backend`` says which is in use. No call here
+holds the GIL while it waits on I/O (see NOTE [ Completions, the GIL and shutdown ]
+in ``csrc/binding.cpp``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import Future
+
+from .._errors import ConfigError, SpillIOError
+from .._spill import BLOCK
+from .base import Engine
+
+try:
+    from .. import _C
+except ImportError as _e:  # not built (or built for another Python)
+    _C = None
+    _UNAVAILABLE = (f"ssdtrain._C cannot be imported ({_e}); build it with "
+                    f"`pip install -e .` (or `make venv`), which needs a C++17 compiler.")
+else:
+    _UNAVAILABLE = ""
+
+__all__ = ["NativeEngine", "available", "unavailable_reason"]
+
+BACKENDS = ("auto", "uring", "threads")
+
+
+def available() -> bool:
+    """Whether the native engine can be used here (``ssdtrain._C`` imports)."""
+    return _C is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False; ``""`` when it is True."""
+    return _UNAVAILABLE
+
+
+class _Completion:
+    """The callback of one request: runs on an engine worker and settles the future."""
+
+    __slots__ = ("future", "verb", "file", "offset", "nbytes")
+
+    def __init__(self, future, verb, file, offset, nbytes):
+        self.future, self.verb, self.file = future, verb, file
+        self.offset, self.nbytes = offset, nbytes
+
+    def __call__(self, err: int, message: str) -> None:
+        if err == 0:
+            self.future.set_result(self.nbytes)
+            return
+        self.future.set_exception(SpillIOError(
+            f"ssdtrain: {self.verb} {self.nbytes} bytes at offset {self.offset} of "
+            f"{self.file.name} failed: {message}. Check free space and the device's health; "
+            f"the data of this record is lost only if it was not kept in memory.",
+            errno=err, filename=self.file.directory))
+
+
+class NativeEngine(Engine):
+    """Engine over ``ssdtrain._C``: a native worker pool with io_uring or pread/pwrite.
+
+    Args:
+        io_threads: worker threads. Default 4.
+        chunk_bytes: requests are split at addresses that are multiples of this (a
+            positive multiple of ``BLOCK``) so several workers share a large request.
+            Default 16 MiB.
+        backend: ``"auto"`` (io_uring where the kernel allows it, else the thread
+            pool), ``"uring"`` (fail if io_uring is unusable) or ``"threads"``.
+            Default ``"auto"``.
+
+    Raises:
+        ConfigError: the module is not built, an argument is invalid, or
+            ``backend="uring"`` where io_uring cannot be used.
+    """
+
+    name = "native"
+
+    def __init__(self, *, io_threads: int = 4, chunk_bytes: int = 16 << 20,
+                 backend: str = "auto"):
+        if _C is None:
+            raise ConfigError(f"ssdtrain: the native I/O engine is not available: {_UNAVAILABLE} "
+                              f"Or use engine='posix'.")
+        if backend not in BACKENDS:
+            raise ConfigError(f"ssdtrain: backend must be one of {BACKENDS}, got {backend!r}.")
+        if io_threads < 1 or chunk_bytes <= 0 or chunk_bytes % BLOCK:
+            raise ConfigError(f"ssdtrain: the native engine needs io_threads >= 1 and chunk_bytes "
+                              f"a positive multiple of {BLOCK}; got io_threads={io_threads}, "
+                              f"chunk_bytes={chunk_bytes}.")
+        try:
+            engine = _C.Engine(io_threads, chunk_bytes, backend)
+        except RuntimeError as e:  # backend="uring" where the kernel refuses it
+            raise ConfigError(f"ssdtrain: the native engine's {backend!r} back end cannot start: "
+                              f"{e}. Use backend='auto' or 'threads'.") from None
+        self.chunk_bytes = chunk_bytes
+        self.backend = engine.backend
+        self._engine = engine
+        # Drains and joins the workers at shutdown(), when this object is collected,
+        # or at interpreter exit (before finalization, when callbacks can still run).
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+
+    def write(self, file, offset, address, nbytes):
+        return self._submit(self._engine.submit_write, "writing", file, offset, address, nbytes)
+
+    def read(self, file, offset, address, nbytes):
+        return self._submit(self._engine.submit_read, "reading", file, offset, address, nbytes)
+
+    def shutdown(self):
+        self._finalizer()
+
+    def _submit(self, submit, verb, file, offset, address, nbytes):
+        if file.direct and offset % BLOCK != address % BLOCK:
+            raise AssertionError(f"ssdtrain: O_DIRECT request with offset {offset} not congruent "
+                                 f"to address {address:#x} modulo {BLOCK}; please report.")
+        future = Future()
+        future.set_running_or_notify_cancel()
+        # A closed SpillFile has fd -1: the system call then fails with EBADF, as in posix.
+        submit(file.fd, file.direct, offset, address, nbytes, file.name,
+               _Completion(future, verb, file, offset, nbytes))
+        return future
