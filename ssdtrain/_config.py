@@ -18,9 +18,9 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
-ENGINES = ("auto", "posix")
+ENGINES = ("auto", "native", "posix")
 # Engines planned but not part of this build yet; named so the error can say so.
-_FUTURE_ENGINES = ("native", "kvikio")
+_FUTURE_ENGINES = ("kvikio",)
 DIRECT_IO_MODES = ("auto", "on", "off")
 
 _UNITS = {
@@ -79,20 +79,24 @@ class OffloadConfig:
     """Saved tensors smaller than this stay in memory: below it the per-request cost
     outweighs the memory freed. Default 256 KiB."""
 
-    prefetch_bytes: int = 512 * MiB
-    """How many bytes backward may have loaded ahead of its use. Loading starts, in
-    reverse order of saving, when forward ends. Larger hides more read latency and uses
-    more memory during backward. Default 512 MiB."""
+    prefetch_bytes: int = 256 * MiB
+    """How many bytes of saved activations may be in memory ahead of backward's use:
+    the kept tail counts, and reads (in reverse order of saving, from the end of
+    forward) fill the rest as backward consumes. Larger hides more read latency and uses
+    more memory during backward. Default 256 MiB."""
 
-    keep_tail_bytes: int = 256 * MiB
+    keep_tail_bytes: int = 128 * MiB
     """The last activations of forward, up to this many bytes, are never written: backward
     needs them first, so writing and reading them back would only stall it. Writes lag
-    forward by this much. Default 256 MiB; ``0`` offloads everything eligible."""
+    forward by this much. Default 128 MiB; ``0`` offloads everything eligible."""
 
     engine: str = "auto"
-    """I/O engine: ``"auto"`` (the best available) or ``"posix"`` (pure-Python
-    ``pwrite``/``pread`` on a thread pool, the reference). ``"native"`` and ``"kvikio"``
-    come with later versions. Default ``"auto"``."""
+    """I/O engine: ``"auto"`` (``"native"`` where ``ssdtrain._C`` is built, else
+    ``"posix"``; the choice is logged and shown in :attr:`Stats.engine`), ``"native"``
+    (the C++ engine: io_uring or a thread pool, raising :class:`ConfigError` if it is
+    not built) or ``"posix"`` (pure-Python ``pwrite``/``preadv`` on a thread pool, the
+    reference). ``"kvikio"`` (GPUDirect Storage) comes with the GPU data path.
+    Default ``"auto"``."""
 
     io_threads: int = 4
     """Worker threads doing I/O; each blocking call releases the GIL. Default 4."""

@@ -111,6 +111,63 @@ class Handle:
             store.release(self.record, self.seen)
 
 
+class ReadBuffers:
+    """Page-aligned read destinations, reused within backward.
+
+    A fresh anonymous mapping costs a page fault and a zeroed page per 4 KiB, paid
+    in the kernel by the reading thread: on a small machine that is CPU taken from
+    compute. A buffer whose storage has died goes back to a free list (by exact
+    size: the same layers save the same sizes step after step) and serves the next
+    read. Idle buffers are bounded by ``limit`` bytes and dropped when forward
+    begins, so they never add to forward's peak.
+    """
+
+    def __init__(self, limit):
+        self._lock = threading.Lock()
+        self._free = collections.defaultdict(list)  # mapping size -> [mmap]
+        self._idle = 0
+        self._limit = limit
+
+    def storage(self, misalign, nbytes):
+        """An uint8 storage of ``nbytes`` whose address is ``misalign`` modulo ``BLOCK``."""
+        size = align_up(misalign + nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            mm = free.pop() if free else None
+            if mm is not None:
+                self._idle -= size
+        if mm is None:
+            mm = mmap.mmap(-1, size)
+        storage = torch.frombuffer(memoryview(mm)[misalign:misalign + nbytes],
+                                   dtype=torch.uint8).untyped_storage()
+        # Storage objects are preserved while their StorageImpl lives, so this runs
+        # when the last view of the loaded bytes is gone.
+        weakref.finalize(storage, self._give_back, mm, size)
+        return storage
+
+    def _give_back(self, mm, size):
+        with self._lock:
+            if self._idle + size <= self._limit:
+                self._free[size].append(mm)
+                self._idle += size
+                return
+        _unmap(mm)
+
+    def trim(self):
+        with self._lock:
+            free, self._free, self._idle = self._free, collections.defaultdict(list), 0
+        for group in free.values():
+            for mm in group:
+                _unmap(mm)
+
+
+def _unmap(mm):
+    try:
+        mm.close()
+    except BufferError:  # still exported by a dying memoryview: the GC unmaps it
+        pass
+
+
 class Kept:
     """A saved tensor passed through in memory, with the version it was saved at.
 
@@ -172,6 +229,7 @@ class Store:
         self._deferred = collections.deque()   # (record, seen) released while the lock was busy
         self._errors = []
         self._live = 0
+        self._buffers = ReadBuffers(config.prefetch_bytes)
         self.closed = False
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
@@ -182,6 +240,7 @@ class Store:
         with self._lock:
             self._check_open()
             self._drain()
+            self._buffers.trim()  # idle read buffers would only add to forward's peak
             self._current = _Pass()
 
     def end_pass(self):
@@ -194,6 +253,10 @@ class Store:
             for rec in self._tail:
                 rec.state = State.KEPT
                 self.stats.kept_bytes += rec.nbytes
+                # The kept tail is what backward uses first: it fills the window, so
+                # kept + prefetched bytes stay within prefetch_bytes (not their sum).
+                rec.prefetched = True
+                self._ahead += rec.nbytes
             self._tail.clear()
             self._tail_bytes = 0
             todo = {id(r): r for r in p.records if r.state in (State.WRITING, State.ON_DISK)}
@@ -322,7 +385,7 @@ class Store:
             if rec.source is not None and rec.source._version != rec.version:
                 raise _inplace_error(rec.source, rec.source._version, rec.version)
             if rec.state in _RESIDENT:
-                if first and rec.prefetched:
+                if first and rec.prefetched and rec.state is not State.KEPT:
                     self.stats.prefetch_hits += 1
                 else:
                     self.stats.forwarded += 1
@@ -384,9 +447,7 @@ class Store:
 
     def _start_read(self, rec, attach):
         misalign = rec.slot.offset % BLOCK
-        mm = mmap.mmap(-1, align_up(misalign + rec.nbytes))  # page aligned, freed with the storage
-        storage = torch.frombuffer(memoryview(mm)[misalign:misalign + rec.nbytes],
-                                   dtype=torch.uint8).untyped_storage()
+        storage = self._buffers.storage(misalign, rec.nbytes)
         rec.storage, rec.base = storage, 0
         self._add_resident(rec.nbytes)
         rec.state = State.LOADING

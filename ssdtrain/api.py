@@ -122,8 +122,9 @@ class Offloader:
         except BaseException:
             spill.close()
             raise
-        self._stats.engine = engine.name + ("+O_DIRECT" if all(f.direct for f in spill.files)
-                                            else "+buffered")
+        backend = getattr(engine, "backend", None)
+        self._stats.engine = engine.name + (f"({backend})" if backend else "") + \
+            ("+O_DIRECT" if all(f.direct for f in spill.files) else "+buffered")
         log.info("ssdtrain: engine %s, %d I/O threads, spill_dir %s", self._stats.engine,
                  config.io_threads, config.spill_dir)
         self._store = Store(config, spill, engine, self._stats)

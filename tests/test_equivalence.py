@@ -38,9 +38,14 @@ SETTINGS = {
     # (f) a mix: 64 KiB threshold (smaller activations kept), a 256 KiB tail kept,
     #     the rest written.
     "mixed-tail": dict(min_tensor_bytes=64 * KiB, keep_tail_bytes=256 * KiB),
+    # (g) the pure-Python reference engine (the others use engine="auto": native where built).
+    "posix-written-prefetch": dict(min_tensor_bytes=4096, keep_tail_bytes=0, engine="posix"),
+    "posix-written-noprefetch": dict(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes=0,
+                                     engine="posix"),
 }
-WRITES = {"written-prefetch", "written-noprefetch", "buffered", "tiny-chunks", "mixed-tail"}
-PREFETCH = WRITES - {"written-noprefetch"}
+WRITES = {"written-prefetch", "written-noprefetch", "buffered", "tiny-chunks", "mixed-tail",
+          "posix-written-prefetch", "posix-written-noprefetch"}
+PREFETCH = WRITES - {"written-noprefetch", "posix-written-noprefetch"}
 
 _REFERENCE = {}
 
@@ -104,7 +109,7 @@ def test_grads_bitwise_equal(name, dtype, setting, make_offloader):
         assert s2.offloaded_bytes == 0 and s2.records_written == 0 and s2.bytes_read == 0
         assert s2.kept_bytes > 0
         assert s2.forwarded > 0  # every unpack served from ssdtrain's in-memory records
-    if setting == "written-noprefetch":
+    if setting in ("written-noprefetch", "posix-written-noprefetch"):
         assert s2.prefetch_hits == 0
         assert step2["prefetch_misses"] > 0
         assert step2["prefetch_misses"] == step2["records_read"]

@@ -251,7 +251,7 @@ def test_inplace_on_saved_temporary_view_raises(spill_dir, keep_tail_bytes):
 
 def test_inplace_while_write_in_flight_raises(spill_dir):
     """The in-place op lands while the write is still running; caught when the write completes."""
-    off = _offloader(spill_dir)
+    off = _offloader(spill_dir, engine="posix")  # the gate hooks the posix engine's writes
     gate = _GatedWrites(off)
     try:
         x = torch.randn(N, N, requires_grad=True)
@@ -274,7 +274,7 @@ def test_inplace_while_write_in_flight_raises(spill_dir):
 def test_inplace_then_backward_during_write_raises(spill_dir):
     """Backward reaches the record while its write is still held: served from memory, and
     still caught."""
-    off = _offloader(spill_dir)
+    off = _offloader(spill_dir, engine="posix")  # the gate hooks the posix engine's writes
     gate = _GatedWrites(off)
     try:
         x = torch.randn(N, N, requires_grad=True)

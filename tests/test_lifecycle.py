@@ -595,7 +595,7 @@ def _settled_resources(before, timeout=30.0):
 
 def test_offloader_released_when_collected(spill_dir):
     before = _resources()
-    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **DISK)
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", **DISK)
     spill_fd = off._store.spill.files[0].fd
     spill_target = _fd_target(spill_fd)
     assert spill_target is not None
@@ -625,7 +625,7 @@ def test_graph_outlives_its_offloader(spill_dir):
     before = _resources()
     ref = run_step(*ALL_MODELS["mlp"](torch.float32))
     model, inputs = ALL_MODELS["mlp"](torch.float32)
-    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **DISK)
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", **DISK)
     with off:
         loss = model(*inputs)
     off.wait()
@@ -649,7 +649,7 @@ def test_collected_with_writes_in_flight(spill_dir):
     purpose: the engine's writes wait on an event). Everything must still be released,
     and no error may be raised on an I/O thread."""
     before = _resources()
-    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **DISK)
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", **DISK)
     engine = off._store.engine
     write_piece = engine._write_piece
     gate = threading.Event()
