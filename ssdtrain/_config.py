@@ -7,7 +7,7 @@ Environment variables (``SSDTRAIN_*``) are read in exactly one place,
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 from ._errors import ConfigError
