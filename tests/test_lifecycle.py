@@ -322,7 +322,8 @@ def test_exit_ends_interception_only(make_offloader):
     x = torch.randn(1 << 16, requires_grad=True)
     (x * 2).sin().sum().backward()
     assert off.stats().packed_bytes == packed
-    # ... but the graph built inside still comes back.
+    # ... but the graph built inside still comes back (from disk: writes done first).
+    off.wait()
     loss.backward()
     assert_same(ref, (loss.detach(), _grads(model)))
     assert off.stats().bytes_read > 0
@@ -425,6 +426,7 @@ def test_reenter_after_exit(make_offloader):
     for step in range(3):
         batch = _variant(inputs, step)
         assert_same(run_step(model_ref, batch), run_step(model, batch, off))
+    off.wait()  # writes are counted when they complete
     assert off.stats().records_written > 0
     _assert_nothing_left(off)
 
@@ -435,6 +437,7 @@ def test_offload_one_shot(spill_dir):
     with ssdtrain.offload(spill_dir=str(spill_dir), **DISK) as off:
         assert isinstance(off, ssdtrain.Offloader)
         loss = model(*inputs)
+    off.wait()  # written before backward, so backward reads them back
     loss.backward()
     assert_same(ref, (loss.detach(), _grads(model)))
     s = off.stats()
