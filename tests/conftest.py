@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,14 @@ def make_offloader(spill_dir):
     yield make
     for off in made:
         off.close()
+
+
+@pytest.fixture(autouse=True)
+def _settle_background_release():
+    """A collected store releases its threads and files on a helper thread; let that
+    finish after each test so tests counting fds and threads see only their own."""
+    yield
+    gc.collect()
+    for thread in threading.enumerate():
+        if thread.name == "ssdtrain-release":
+            thread.join(timeout=30)
