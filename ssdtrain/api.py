@@ -1,5 +1,6 @@
 """The public surface: :class:`Offloader`, :func:`offload` and :class:`Stats`."""
 
+import contextlib
 import dataclasses
 import logging
 import tempfile
@@ -130,31 +131,122 @@ class Offloader:
         self._store = Store(config, spill, engine, self._stats)
         self._hooks = None
         self._owner = None
+        self._in_forward = False
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
+        self.begin_forward()
+        try:
+            self._start_hooks()
+        except BaseException:
+            self._in_forward = False
+            self._store.end_pass()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self._hooks is None:
+            return False
+        self._stop_hooks(exc_type, exc, tb)
+        self._end_forward(raise_pending=exc_type is None)
+        return False
+
+    def begin_forward(self) -> None:
+        """Open a forward pass without intercepting yet (see :meth:`intercept`).
+
+        ``with offloader:`` is ``begin_forward()``, interception, ``end_forward()``.
+        Integrations that enter a context per layer (Megatron's ``TransformerBlock``)
+        open the pass once, intercept around the layers that should offload, and end
+        it after the last of them, so prefetch for backward starts there.
+
+        Raises:
+            SSDTrainError: a forward pass is already open.
+        """
+        if self._in_forward:
+            raise SSDTrainError(f"ssdtrain: a forward pass of this Offloader is already open "
+                                f"(entered on thread {self._owner}); it cannot be entered twice "
+                                f"at once. End it first (exit the `with` block or call "
+                                f"end_forward()), or use one Offloader per concurrent forward.")
+        self._store.begin_pass()
+        self._in_forward = True
+        self._owner = threading.current_thread().name
+
+    def end_forward(self) -> None:
+        """End the pass opened by :meth:`begin_forward`.
+
+        The last ``keep_tail_bytes`` of records stay in memory and prefetch for
+        backward starts. A write that failed during forward is raised here.
+
+        Raises:
+            SSDTrainError: no forward pass is open, or interception is still on.
+            SpillIOError: a write failed.
+        """
+        if self._hooks is not None:
+            raise SSDTrainError("ssdtrain: end_forward() called while intercepting; leave the "
+                                "`with offloader.intercept():` block first.")
+        if not self._in_forward:
+            raise SSDTrainError("ssdtrain: end_forward() called with no open forward pass; "
+                                "call begin_forward() first.")
+        self._end_forward(raise_pending=True)
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether a forward pass is open (between begin and end)."""
+        return self._in_forward
+
+    @contextlib.contextmanager
+    def intercept(self):
+        """Intercept saved tensors inside an open forward pass (one layer, say).
+
+        Tensors saved in the block belong to the pass opened by :meth:`begin_forward`;
+        between blocks nothing is intercepted. Entering it again for the next layer is
+        the intended use.
+
+        Raises:
+            SSDTrainError: no forward pass is open, or interception is already on.
+
+        Example::
+
+            off.begin_forward()
+            for i, layer in enumerate(layers):
+                with off.intercept() if i < 4 else contextlib.nullcontext():
+                    x = layer(x)
+            off.end_forward()
+            loss(x).backward()
+        """
+        if not self._in_forward:
+            raise SSDTrainError("ssdtrain: intercept() needs an open forward pass; call "
+                                "begin_forward() first (or use `with offloader:`).")
+        self._start_hooks()
+        try:
+            yield self
+        except BaseException as e:
+            self._stop_hooks(type(e), e, e.__traceback__)
+            raise
+        else:
+            self._stop_hooks(None, None, None)
+
+    def _start_hooks(self):
         if self._hooks is not None:
             raise SSDTrainError("ssdtrain: this Offloader is already intercepting (entered "
                                 f"on thread {self._owner}); it cannot be entered twice at once. "
                                 "Use one Offloader per concurrent forward, or exit it first.")
-        self._store.begin_pass()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack)
         hooks.__enter__()
         self._hooks = hooks
         self._owner = threading.current_thread().name
         TRACKER.start()
-        return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def _stop_hooks(self, exc_type, exc, tb):
         hooks, self._hooks = self._hooks, None
-        if hooks is None:
-            return False
         TRACKER.stop()
         hooks.__exit__(exc_type, exc, tb)
+
+    def _end_forward(self, raise_pending):
+        self._in_forward = False
         self._store.end_pass()
-        if exc_type is None:
+        if raise_pending:
             self._store.raise_pending_error()
-        return False
 
     # ------------------------------------------------------------------ info
     def stats(self) -> Stats:
@@ -189,9 +281,9 @@ class Offloader:
         Idempotent. After it, unpacking a tensor saved under this offloader raises
         :class:`~ssdtrain.OffloaderClosedError`.
         """
-        if self._hooks is not None:
-            raise SSDTrainError("ssdtrain: close() called inside `with offloader:`; exit the "
-                                "block first.")
+        if self._hooks is not None or self._in_forward:
+            raise SSDTrainError("ssdtrain: close() called inside a forward pass (`with offloader:` "
+                                "or begin_forward()); exit the block (or call end_forward()) first.")
         self._store.close()
 
     def __repr__(self):
