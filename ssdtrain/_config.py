@@ -111,13 +111,27 @@ class OffloadConfig:
     ``POSIX_FADV_DONTNEED``, so written data still leaves RAM. ``"auto"``: ``O_DIRECT``
     where the file system supports it. Default ``"auto"``."""
 
+    write_behind_bytes: int = 1 * GiB
+    """Most bytes whose writes may be in flight at once. When forward saves faster than
+    the disk takes them, the pack that goes beyond it waits for the oldest write
+    (counted in :attr:`Stats.write_stall_seconds`), so memory stays bounded by
+    ``keep_tail_bytes + write_behind_bytes`` plus one record. Default 1 GiB; ``0``
+    waits for every write before forward goes on (for debugging)."""
+
+    verify: bool = False
+    """Checksum every record (CRC32C, the SSE4.2 instruction where present) when it is
+    written and check it when it is read back; a mismatch or a truncated spill file
+    raises :class:`~ssdtrain.IntegrityError`. Needs ``ssdtrain._C`` (the native
+    module). Default ``False``."""
+
     io_timeout_s: float = 600.0
     """Longest wait for one I/O request before a :class:`~ssdtrain.SpillIOError` names the
     record and the file. Default 600 s."""
 
     def __post_init__(self):
         self.spill_dir = _normalize_dirs(self.spill_dir)
-        for name in ("min_tensor_bytes", "prefetch_bytes", "keep_tail_bytes", "io_chunk_bytes"):
+        for name in ("min_tensor_bytes", "prefetch_bytes", "keep_tail_bytes", "io_chunk_bytes",
+                     "write_behind_bytes"):
             setattr(self, name, parse_bytes(getattr(self, name), name=name))
         if self.io_chunk_bytes < 4 * KiB:
             raise ConfigError(f"ssdtrain: io_chunk_bytes must be at least 4096, got "
@@ -137,6 +151,8 @@ class OffloadConfig:
         if self.direct_io not in DIRECT_IO_MODES:
             raise ConfigError(f"ssdtrain: direct_io must be one of {DIRECT_IO_MODES} (or a bool), "
                               f"got {self.direct_io!r}.")
+        if not isinstance(self.verify, bool):
+            raise ConfigError(f"ssdtrain: verify must be True or False, got {self.verify!r}.")
         if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
                 or not self.io_timeout_s > 0:
             raise ConfigError(f"ssdtrain: io_timeout_s must be a number of seconds > 0, got "
@@ -192,7 +208,17 @@ def _from_env_string(name, raw):
         except ValueError:
             raise ConfigError(f"ssdtrain: SSDTRAIN_IO_TIMEOUT_S must be a number, got {raw!r}.") \
                 from None
+    if name == "verify":
+        value = _BOOLS.get(raw.strip().lower())
+        if value is None:
+            raise ConfigError(f"ssdtrain: SSDTRAIN_VERIFY must be one of {sorted(_BOOLS)}, got "
+                              f"{raw!r}.")
+        return value
     return raw  # byte fields parse strings themselves; engine/direct_io are names
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
 
 
 def _normalize_dirs(value) -> Optional[List[str]]:

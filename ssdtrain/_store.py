@@ -20,6 +20,7 @@ future that is already done runs its callback inline).
 
 import collections
 import enum
+import functools
 import logging
 import mmap
 import threading
@@ -29,6 +30,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from . import _checksum
 from ._errors import (InplaceModificationError, OffloaderClosedError, SSDTrainError,
                       SpillIOError)
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
@@ -59,7 +61,7 @@ class Record:
 
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "slot", "future", "state", "seq", "handles", "unseen", "generation", "error",
-                 "prefetched", "pinned", "writes", "owner", "__weakref__")
+                 "prefetched", "pinned", "writes", "owner", "crc", "__weakref__")
 
     def __init__(self, key, sref, lo, hi, version, source, seq):
         self.key, self.sref = key, sref
@@ -80,6 +82,7 @@ class Record:
         self.pinned = False             # prefetch wants the bytes kept when the write ends
         self.writes = 0
         self.owner = None               # the _Pass that packed it last (prefetch window)
+        self.crc = None                 # CRC32C of the bytes written (verify=True)
 
     def __repr__(self):
         return f"<Record {self.state.value} {self.nbytes} B seq={self.seq}>"
@@ -218,6 +221,9 @@ class Store:
         self.engine = engine
         self.stats = stats
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)  # notified when a write ends
+        self._writing = collections.OrderedDict()  # WRITING records, oldest first
+        self._writing_bytes = 0
         self._registry = {}                    # storage key -> [Record]
         self._tail = collections.OrderedDict()  # PENDING records, oldest first
         self._tail_bytes = 0
@@ -317,7 +323,30 @@ class Store:
             self._trim_tail(attach)
             handle = Handle(self, rec, t, version)
         self._attach(attach)
+        if self._writing_bytes > self.cfg.write_behind_bytes:
+            self._throttle()
         return handle
+
+    def _throttle(self):
+        """Wait until the writes in flight fit in ``write_behind_bytes`` (never under the
+        lock: the condition releases it while waiting)."""
+        limit = self.cfg.write_behind_bytes
+        t0 = time.perf_counter()
+        try:
+            with self._written:
+                while self._writing_bytes > limit and not self.closed:
+                    oldest = next(iter(self._writing))
+                    if not self._written.wait(timeout=self.cfg.io_timeout_s) \
+                            and oldest.state is State.WRITING:
+                        raise SpillIOError(
+                            f"ssdtrain: writing record {oldest!r} to {oldest.slot.file.name} did "
+                            f"not finish within io_timeout_s={self.cfg.io_timeout_s} s; the "
+                            f"device may be hung or overloaded.",
+                            filename=oldest.slot.file.directory)
+                    if self._errors:
+                        raise self._errors.pop(0)
+        finally:
+            self.stats.write_stall_seconds += time.perf_counter() - t0
 
     def _trim_tail(self, attach):
         while self._tail_bytes > self.cfg.keep_tail_bytes and self._tail:
@@ -330,7 +359,11 @@ class Store:
         rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
         rec.state = State.WRITING
         rec.writes += 1
+        self._writing[rec] = None
+        self._writing_bytes += rec.nbytes
         fut = self.engine.write(rec.slot.file, rec.slot.offset, address, rec.nbytes)
+        if self.cfg.verify:  # the future's result becomes the CRC of what was written
+            fut = _checksum.checked(fut, functools.partial(_checksum.crc32c, address, rec.nbytes))
         rec.future = fut
         attach.append((fut, _weak_callback(self, Store._write_done, rec)))
 
@@ -339,6 +372,10 @@ class Store:
             if rec.future is not fut:
                 return
             rec.future = None
+            if rec in self._writing:
+                del self._writing[rec]
+                self._writing_bytes -= rec.nbytes
+                self._written.notify_all()
             exc = fut.exception()
             if exc is not None:
                 rec.error = exc
@@ -351,6 +388,8 @@ class Store:
             else:
                 self.stats.offloaded_bytes += rec.nbytes
                 self.stats.records_written += 1
+                if self.cfg.verify:
+                    rec.crc = fut.result()
                 rec.source = None
                 if rec.pinned and rec.state is State.WRITING:
                     rec.state = State.LOADED  # prefetch reached it before the write ended
@@ -452,6 +491,9 @@ class Store:
         self._add_resident(rec.nbytes)
         rec.state = State.LOADING
         fut = self.engine.read(rec.slot.file, rec.slot.offset, storage.data_ptr(), rec.nbytes)
+        if self.cfg.verify:
+            fut = _checksum.checked(fut, functools.partial(
+                _verify, rec, rec.crc, rec.slot, storage.data_ptr(), rec.nbytes))
         rec.future = fut
         attach.append((fut, _weak_callback(self, Store._on_read_done, rec)))
 
@@ -614,6 +656,9 @@ class Store:
                         rec.slot = None
                 self._registry.clear()
                 self._tail.clear()
+                self._writing.clear()
+                self._writing_bytes = 0
+                self._written.notify_all()
                 self._passes.clear()
                 self._resident = 0
             if self._finalizer.detach() is not None:
@@ -633,6 +678,13 @@ def _release_in_background(engine, spill):
     # the interpreter waits for the last writes before the files close.
     threading.Thread(target=_release_resources, args=(engine, spill),
                      name="ssdtrain-release").start()
+
+
+def _verify(rec, expected, slot, address, nbytes):
+    observed = _checksum.crc32c(address, nbytes)
+    if observed != expected:
+        raise _checksum.mismatch(f"record {rec!r}", f"{slot.file.name} at offset {slot.offset}",
+                                 expected, observed)
 
 
 def _inplace_error(t, now, expected):

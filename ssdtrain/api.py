@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _checksum
 from ._config import OffloadConfig
 from ._errors import ConfigError, SSDTrainError
 from ._policy import TRACKER
@@ -44,6 +45,8 @@ class Stats:
     """Unpacks that had to start a read themselves."""
     stall_seconds: float = 0.0
     """Time unpack spent waiting for reads."""
+    write_stall_seconds: float = 0.0
+    """Time pack spent waiting for writes beyond ``write_behind_bytes``."""
     bytes_read: int = 0
     """Bytes read back from the spill tier."""
     forwarded: int = 0
@@ -62,7 +65,8 @@ class Stats:
                 f"({self.records_written} writes), deduplicated {_mib(self.deduplicated_bytes)}, "
                 f"kept {_mib(self.kept_bytes)}, read {_mib(self.bytes_read)}, prefetch "
                 f"{self.prefetch_hits} hits / {self.prefetch_misses} misses, stalled "
-                f"{self.stall_seconds * 1e3:.1f} ms, peak resident "
+                f"{self.stall_seconds * 1e3:.1f} ms (writes {self.write_stall_seconds * 1e3:.1f} ms), "
+                f"peak resident "
                 f"{_mib(self.peak_resident_bytes)} [{self.engine}]")
 
 
@@ -114,6 +118,8 @@ class Offloader:
             config = config.replace(**overrides)
         if config.spill_dir is None:
             config = config.replace(spill_dir=tempfile.gettempdir())
+        if config.verify and not _checksum.available():
+            _checksum.crc32c(0, 0)  # raises the ConfigError that says what to do
         self.config = config
         self._stats = Stats()
         spill = SpillSet(config.spill_dir, config.direct_io)
@@ -125,7 +131,8 @@ class Offloader:
             raise
         backend = getattr(engine, "backend", None)
         self._stats.engine = engine.name + (f"({backend})" if backend else "") + \
-            ("+O_DIRECT" if all(f.direct for f in spill.files) else "+buffered")
+            ("+O_DIRECT" if all(f.direct for f in spill.files) else "+buffered") + \
+            ("+crc32c" if config.verify else "")
         log.info("ssdtrain: engine %s, %d I/O threads, spill_dir %s", self._stats.engine,
                  config.io_threads, config.spill_dir)
         self._store = Store(config, spill, engine, self._stats)

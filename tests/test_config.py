@@ -9,6 +9,7 @@ when the :class:`~ssdtrain.Offloader` is created, not at the first write.
 from __future__ import annotations
 
 import logging
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -26,7 +27,8 @@ from ssdtrain._config import parse_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 REPO = Path(ssdtrain.__file__).resolve().parent.parent
-BYTE_FIELDS = ("min_tensor_bytes", "prefetch_bytes", "keep_tail_bytes", "io_chunk_bytes")
+BYTE_FIELDS = ("min_tensor_bytes", "prefetch_bytes", "keep_tail_bytes", "io_chunk_bytes",
+               "write_behind_bytes")
 
 
 @pytest.fixture(autouse=True)
@@ -189,6 +191,22 @@ def test_defaults():
     assert cfg.io_chunk_bytes == 16 * MiB
     assert cfg.direct_io == "auto"
     assert cfg.io_timeout_s == 600
+    assert cfg.write_behind_bytes == GiB
+    assert cfg.verify is False
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "true", None, 1.0], ids=repr)
+def test_bad_verify(value):
+    with pytest.raises(ConfigError) as excinfo:
+        OffloadConfig(verify=value)
+    _assert_config_error(excinfo, "verify")
+
+
+@pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("ON", True),
+                                           ("yes", True), ("0", False), ("off", False),
+                                           (" False ", False), ("no", False)])
+def test_from_env_verify(raw, expected):
+    assert OffloadConfig.from_env({"SSDTRAIN_VERIFY": raw}).verify is expected
 
 
 @pytest.mark.parametrize("value, expected", [(True, "on"), (False, "off"), ("on", "on"),
@@ -251,6 +269,8 @@ def test_from_env_reads_every_field(tmp_path):
         "SSDTRAIN_IO_CHUNK_BYTES": "8193",
         "SSDTRAIN_DIRECT_IO": "off",
         "SSDTRAIN_IO_TIMEOUT_S": "2.5",
+        "SSDTRAIN_WRITE_BEHIND_BYTES": "64MiB",
+        "SSDTRAIN_VERIFY": "1",
         "PATH": "/nonexistent",           # other variables are ignored
         "XSSDTRAIN_ENGINE": "native",
     }
@@ -264,6 +284,10 @@ def test_from_env_reads_every_field(tmp_path):
     assert cfg.io_chunk_bytes == 8192
     assert cfg.direct_io == "off"
     assert cfg.io_timeout_s == 2.5
+    assert cfg.write_behind_bytes == 64 * MiB
+    assert cfg.verify is True
+    assert {f.name for f in dataclasses.fields(OffloadConfig)} == {
+        k[len("SSDTRAIN_"):].lower() for k in environ if k.startswith("SSDTRAIN_")}
 
 
 def test_from_env_empty_gives_defaults():
@@ -321,6 +345,7 @@ def test_from_env_bad_io_threads_out_of_range(raw):
     ("SSDTRAIN_IO_CHUNK_BYTES", "1KiB", "io_chunk_bytes"),
     ("SSDTRAIN_ENGINE", "kvikio", "engine"),
     ("SSDTRAIN_DIRECT_IO", "maybe", "direct_io"),
+    ("SSDTRAIN_VERIFY", "perhaps", "SSDTRAIN_VERIFY"),
     ("SSDTRAIN_SPILL_DIR", "", "spill_dir"),
 ])
 def test_from_env_bad_values(key, raw, field):

@@ -53,10 +53,11 @@ def gpt_ref():
 
 @pytest.mark.parametrize("prefetch_bytes", [0, "1MiB", "4MiB"])
 def test_peak_resident_far_below_activations(make_offloader, gpt_ref, prefetch_bytes):
-    """keep_tail_bytes=0 and a small prefetch window: at most a fraction of the activations
-    is ever held in memory at once (~35 MiB of them, the largest record 2 MiB)."""
+    """keep_tail_bytes=0, a small write-behind and prefetch window: at most a fraction of
+    the activations is ever held in memory at once (~35 MiB of them, the largest record
+    2 MiB), however slow the disk (write_behind_bytes makes forward wait for it)."""
     off = make_offloader(min_tensor_bytes="64KiB", keep_tail_bytes=0,
-                         prefetch_bytes=prefetch_bytes)
+                         prefetch_bytes=prefetch_bytes, write_behind_bytes="4MiB")
     model, inputs = _gpt()
     assert_same(gpt_ref, run_step(model, inputs, off))
     off.wait()
@@ -200,3 +201,60 @@ def test_peak_rss_drops(tmp_path):
     for name in ref:
         assert torch.equal(got[name], ref[name]), f"{name} differs with ssdtrain"
     assert os.listdir(spill_dir) == []
+
+
+# ------------------------------------------------------------------ write-behind bound
+
+class _SlowWrites:
+    """Delays every write's completion by ``delay`` seconds: a disk slower than forward."""
+
+    def __init__(self, offloader, delay):
+        engine = offloader._store.engine
+        self._write, self.delay = engine.write, delay
+        engine.write = self.write
+
+    def write(self, file, offset, address, nbytes):
+        import concurrent.futures
+        import threading
+        import time
+        inner = self._write(file, offset, address, nbytes)
+        outer = concurrent.futures.Future()
+
+        def settle():
+            time.sleep(self.delay)
+            try:
+                outer.set_result(inner.result())
+            except Exception as e:  # pass the engine's error on unchanged
+                outer.set_exception(e)
+        threading.Thread(target=settle, daemon=True).start()
+        return outer
+
+
+@pytest.mark.parametrize("limit_mib", [0, 2, 6])
+def test_write_behind_bounds_memory_when_the_disk_is_slow(make_offloader, gpt_ref, limit_mib):
+    """With writes slower than forward, resident bytes never exceed write_behind_bytes plus
+    one record (2 MiB here) plus the prefetch window; forward waited for the disk."""
+    off = make_offloader(min_tensor_bytes="64KiB", keep_tail_bytes=0, prefetch_bytes="1MiB",
+                         write_behind_bytes=f"{limit_mib}MiB")
+    _SlowWrites(off, delay=0.02)
+    model, inputs = _gpt()
+    assert_same(gpt_ref, run_step(model, inputs, off))
+    off.wait()
+    s = off.stats()
+    assert s.offloaded_bytes == s.unique_bytes >= 16 * MiB
+    assert s.write_stall_seconds > 0
+    assert s.peak_resident_bytes <= (limit_mib + 2 + 1) * MiB, s.summary()
+
+
+def test_without_a_bound_slow_writes_pile_up(make_offloader, gpt_ref):
+    """The measure above is not vacuous: with a large write_behind_bytes the same slow
+    disk leaves most activations in memory at once, and forward never waits."""
+    off = make_offloader(min_tensor_bytes="64KiB", keep_tail_bytes=0, prefetch_bytes="1MiB",
+                         write_behind_bytes="1GiB")
+    _SlowWrites(off, delay=0.5)
+    model, inputs = _gpt()
+    assert_same(gpt_ref, run_step(model, inputs, off))
+    off.wait()
+    s = off.stats()
+    assert s.write_stall_seconds == 0
+    assert s.peak_resident_bytes > 9 * MiB, s.summary()

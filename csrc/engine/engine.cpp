@@ -101,7 +101,9 @@ void pread_all(int fd, char* buf, std::size_t len, std::uint64_t offset, const s
       throw IoError(errno, "pread", offset + done, len - done, path);
     }
     if (n == 0) {
-      throw IoError(EIO, "pread", offset + done, len - done, path,
+      // End of file: the spill file is shorter than what was written to it. ENODATA
+      // tells the Python side to raise IntegrityError rather than SpillIOError.
+      throw IoError(ENODATA, "pread", offset + done, len - done, path,
                     "short read (" + std::to_string(done) + " of " + std::to_string(len) +
                         " bytes): spill data truncated");
     }
@@ -193,7 +195,7 @@ void run_uring(Uring& ring, const Piece& p, std::vector<Segment>& segments) {
         failure = std::make_unique<IoError>(-res, op, s.offset + s.done, s.len - s.done, r.path);
       } else if (res == 0) {
         failure = std::make_unique<IoError>(
-            EIO, op, s.offset + s.done, s.len - s.done, r.path,
+            write ? EIO : ENODATA, op, s.offset + s.done, s.len - s.done, r.path,
             std::string(write ? "short write (" : "short read (") + std::to_string(s.done) +
                 " of " + std::to_string(s.len) + " bytes)" +
                 (write ? "" : ": spill data truncated"));

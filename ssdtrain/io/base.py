@@ -1,7 +1,10 @@
 """The interface every I/O engine implements."""
 
 import abc
+import errno as _errno
 from concurrent.futures import Future
+
+from .._errors import IntegrityError, SpillIOError
 
 
 class Engine(abc.ABC):
@@ -20,3 +23,19 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Finish queued requests and stop the workers."""
+
+
+def io_error(verb: str, file, offset: int, nbytes: int, err: int, message: str):
+    """The error for a failed request: :class:`SpillIOError` with errno and directory, or
+    :class:`IntegrityError` when a read ran into the end of the file (``ENODATA``: the
+    spill file is shorter than what was written to it)."""
+    if verb == "reading" and err == _errno.ENODATA:
+        return IntegrityError(
+            f"ssdtrain: reading {nbytes} bytes at offset {offset} of {file.name} ran past the "
+            f"end of the file ({message}): the spill file was truncated after the write. The "
+            f"data of this record is gone; do not let other programs modify spill_dir "
+            f"({file.directory}).")
+    return SpillIOError(
+        f"ssdtrain: {verb} {nbytes} bytes at offset {offset} of {file.name} failed: {message} "
+        f"(errno {err}). Check free space and the device's health; the data of this record is "
+        f"lost only if it was not kept in memory.", errno=err, filename=file.directory)

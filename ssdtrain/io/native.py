@@ -17,9 +17,9 @@ from __future__ import annotations
 import weakref
 from concurrent.futures import Future
 
-from .._errors import ConfigError, SpillIOError
+from .._errors import ConfigError
 from .._spill import BLOCK
-from .base import Engine
+from .base import Engine, io_error
 
 try:
     from .. import _C
@@ -58,11 +58,8 @@ class _Completion:
         if err == 0:
             self.future.set_result(self.nbytes)
             return
-        self.future.set_exception(SpillIOError(
-            f"ssdtrain: {self.verb} {self.nbytes} bytes at offset {self.offset} of "
-            f"{self.file.name} failed: {message}. Check free space and the device's health; "
-            f"the data of this record is lost only if it was not kept in memory.",
-            errno=err, filename=self.file.directory))
+        self.future.set_exception(io_error(self.verb, self.file, self.offset, self.nbytes, err,
+                                           message))
 
 
 class NativeEngine(Engine):

@@ -11,6 +11,7 @@ does not stay in the page cache.
 """
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -18,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .._errors import SpillIOError
 from .._spill import BLOCK, align_down, align_up
-from .base import Engine
+from .base import Engine, io_error
 
 __all__ = ["PosixEngine"]
 
@@ -117,11 +118,7 @@ class PosixEngine(Engine):
             fn(fd, file.direct, offset, address, nbytes)
         except OSError as e:
             verb = "writing" if fn == self._write_piece else "reading"
-            req.piece_done(SpillIOError(
-                f"ssdtrain: {verb} {nbytes} bytes at offset {offset} of {file.name} failed: "
-                f"{e.strerror or e} (errno {e.errno}). Check free space and the device's health; "
-                f"the data of this record is lost only if it was not kept in memory.",
-                errno=e.errno, filename=file.directory))
+            req.piece_done(io_error(verb, file, offset, nbytes, e.errno, e.strerror or str(e)))
             return
         except BaseException as e:  # never leave a future pending: a waiter would hang
             req.piece_done(e)
@@ -186,7 +183,9 @@ def _preadv_all(fd, view, offset):
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            raise OSError(5, f"short read ({done} of {len(view)} bytes): spill data truncated")
+            # End of file: see ssdtrain.io.base.io_error (ENODATA -> IntegrityError).
+            raise OSError(errno.ENODATA, f"short read ({done} of {len(view)} bytes): spill data "
+                                         f"truncated")
         done += n
 
 

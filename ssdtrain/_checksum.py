@@ -1,0 +1,60 @@
+"""CRC32C of records: computed when a write ends, checked when a read ends.
+
+The checksum is taken on the thread that completes the I/O, outside the store's
+lock, by chaining a future behind the engine's (:func:`checked`): the store sees
+one future per request either way, and a mismatch arrives as that future's
+:class:`~ssdtrain.IntegrityError`, on the same path as an I/O error.
+"""
+
+from concurrent.futures import Future
+
+from ._errors import ConfigError, IntegrityError
+
+__all__ = ["available", "crc32c", "checked", "mismatch"]
+
+try:
+    from . import _C
+except ImportError:  # the native module is not built
+    _C = None
+
+
+def available() -> bool:
+    """Whether checksums can be computed here (they need ``ssdtrain._C``)."""
+    return _C is not None
+
+
+def crc32c(address: int, nbytes: int) -> int:
+    """CRC32C of ``nbytes`` at ``address`` (releases the GIL; SSE4.2 where present)."""
+    if _C is None:
+        raise ConfigError("ssdtrain: verify=True needs the native module ssdtrain._C, which is "
+                          "not built here; build it with `pip install -e .` (a C++17 compiler) "
+                          "or set verify=False.")
+    return _C.crc32c(address, nbytes)
+
+
+def checked(inner: Future, then) -> Future:
+    """A future that completes with ``then()`` once ``inner`` succeeds.
+
+    ``then`` runs on the thread that completes ``inner``; an exception from ``inner``
+    or from ``then`` becomes the returned future's exception.
+    """
+    outer = Future()
+    outer.set_running_or_notify_cancel()
+
+    def settle(fut):
+        try:
+            fut.result()
+            outer.set_result(then())
+        except BaseException as e:  # never leave outer pending: a waiter would hang
+            outer.set_exception(e)
+    inner.add_done_callback(settle)
+    return outer
+
+
+def mismatch(what: str, where: str, expected: int, observed: int) -> IntegrityError:
+    """The error for data read back that does not match its checksum."""
+    return IntegrityError(
+        f"ssdtrain: {what} read back from {where} has CRC32C {observed:#010x}; {expected:#010x} "
+        f"was written. The spill data was corrupted on the device or on its way; backward "
+        f"stops here rather than compute wrong gradients. Check the device (dmesg, SMART) or "
+        f"move spill_dir to another one.")
