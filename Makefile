@@ -13,7 +13,7 @@ PYTHON         ?= python3
 VENV           ?= .venv
 TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
-EXTRAS         ?= test,bench
+EXTRAS         ?= test,bench,megatron,deepspeed
 PYTEST_ARGS    ?=
 CXX            ?= g++
 
@@ -42,7 +42,7 @@ $(STAMP): setup.py pyproject.toml $(NATIVE_SRCS)
 		$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)" || exit 1; \
 	fi
 	@echo "==> installing ssdtrain (editable) with extras [$(EXTRAS)]"
-	@$(PIP) install -q -e ".[$(EXTRAS)]"
+	@DS_BUILD_OPS=0 $(PIP) install -q -e ".[$(EXTRAS)]"
 	@touch $@
 
 venv: $(STAMP)

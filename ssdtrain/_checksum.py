@@ -1,16 +1,14 @@
 """CRC32C of records: computed when a write ends, checked when a read ends.
 
 The checksum is taken on the thread that completes the I/O, outside the store's
-lock, by chaining a future behind the engine's (:func:`checked`): the store sees
+lock, by chaining a future behind the engine's (:func:`ssdtrain.io.base.then`): the store sees
 one future per request either way, and a mismatch arrives as that future's
 :class:`~ssdtrain.IntegrityError`, on the same path as an I/O error.
 """
 
-from concurrent.futures import Future
-
 from ._errors import ConfigError, IntegrityError
 
-__all__ = ["available", "crc32c", "checked", "mismatch"]
+__all__ = ["available", "crc32c", "mismatch"]
 
 try:
     from . import _C
@@ -30,25 +28,6 @@ def crc32c(address: int, nbytes: int) -> int:
                           "not built here; build it with `pip install -e .` (a C++17 compiler) "
                           "or set verify=False.")
     return _C.crc32c(address, nbytes)
-
-
-def checked(inner: Future, then) -> Future:
-    """A future that completes with ``then()`` once ``inner`` succeeds.
-
-    ``then`` runs on the thread that completes ``inner``; an exception from ``inner``
-    or from ``then`` becomes the returned future's exception.
-    """
-    outer = Future()
-    outer.set_running_or_notify_cancel()
-
-    def settle(fut):
-        try:
-            fut.result()
-            outer.set_result(then())
-        except BaseException as e:  # never leave outer pending: a waiter would hang
-            outer.set_exception(e)
-    inner.add_done_callback(settle)
-    return outer
 
 
 def mismatch(what: str, where: str, expected: int, observed: int) -> IntegrityError:

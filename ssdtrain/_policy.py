@@ -18,13 +18,13 @@ __all__ = ["ModuleStateTracker", "TRACKER", "is_offloadable_kind"]
 
 
 def is_offloadable_kind(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a plain strided CPU tensor ssdtrain knows how to spill and rebuild.
+    """Whether ``t`` is a plain strided CPU or CUDA tensor ssdtrain can spill and rebuild.
 
     Everything else (subclasses, sparse, nested, quantized, meta, conj/neg views,
-    and, until the GPU data path lands, CUDA tensors) is passed through in memory.
+    other devices) is passed through in memory.
     """
     return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) \
-        and t.layout == torch.strided and t.device.type == "cpu" \
+        and t.layout == torch.strided and t.device.type in ("cpu", "cuda") \
         and not t.is_quantized and not t.is_conj() and not t.is_neg()
 
 

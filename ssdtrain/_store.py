@@ -33,9 +33,11 @@ import torch
 from . import _checksum
 from ._errors import (InplaceModificationError, OffloaderClosedError, SSDTrainError,
                       SpillIOError)
+from ._device import is_device_tensor
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._policy import TRACKER, is_offloadable_kind
 from ._spill import BLOCK, align_up
+from .io.base import then
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -61,7 +63,8 @@ class Record:
 
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "slot", "future", "state", "seq", "handles", "unseen", "generation", "error",
-                 "prefetched", "pinned", "writes", "owner", "crc", "__weakref__")
+                 "prefetched", "pinned", "writes", "owner", "crc", "device", "staging", "ready",
+                 "__weakref__")
 
     def __init__(self, key, sref, lo, hi, version, source, seq):
         self.key, self.sref = key, sref
@@ -83,6 +86,9 @@ class Record:
         self.writes = 0
         self.owner = None               # the _Pass that packed it last (prefetch window)
         self.crc = None                 # CRC32C of the bytes written (verify=True)
+        self.device = None              # DeviceTransfers of a CUDA record (_device.py)
+        self.staging = None             # pinned copy being written (CUDA records)
+        self.ready = None               # event: the loaded device copy has landed
 
     def __repr__(self):
         return f"<Record {self.state.value} {self.nbytes} B seq={self.seq}>"
@@ -236,10 +242,12 @@ class Store:
         self._errors = []
         self._live = 0
         self._buffers = ReadBuffers(config.prefetch_bytes)
+        self._devices = {}                     # torch.device -> DeviceTransfers
         self.closed = False
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _release_in_background, engine, spill)
+        self._finalizer = weakref.finalize(self, _release_in_background, engine, spill,
+                                           self._devices)
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
@@ -304,6 +312,8 @@ class Store:
             if rec is None:
                 lo, hi = record_range(extent, storage.nbytes())
                 rec = Record(key, StorageWeakRef(storage), lo, hi, version, t.detach(), self._seq)
+                if is_device_tensor(t):
+                    rec.device = self._transfers(t.device)
                 self._registry.setdefault(key, []).append(rec)
                 self._live += 1
                 stats.unique_bytes += rec.nbytes
@@ -354,24 +364,44 @@ class Store:
             self._tail_bytes -= rec.nbytes
             self._start_write(rec, attach)
 
+    def _transfers(self, device):
+        dev = self._devices.get(device)
+        if dev is None:
+            from ._device import DeviceTransfers  # the only import of CUDA code
+            dev = self._devices[device] = DeviceTransfers(device, self.engine.device_memory)
+        return dev
+
     def _start_write(self, rec, attach):
-        address = rec.storage.data_ptr() + rec.base
+        dev, ready = rec.device, None
+        if dev is None:
+            address = rec.storage.data_ptr() + rec.base
+        else:  # NOTE [ Device records ] in _device.py
+            address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes)
         rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
         rec.state = State.WRITING
         rec.writes += 1
         self._writing[rec] = None
         self._writing_bytes += rec.nbytes
-        fut = self.engine.write(rec.slot.file, rec.slot.offset, address, rec.nbytes)
-        if self.cfg.verify:  # the future's result becomes the CRC of what was written
-            fut = _checksum.checked(fut, functools.partial(_checksum.crc32c, address, rec.nbytes))
+        submit = functools.partial(self._submit_write, rec.slot, address, rec.nbytes,
+                                   dev is not None and dev.direct)
+        fut = submit() if ready is None else dev.after(ready, submit)
         rec.future = fut
         attach.append((fut, _weak_callback(self, Store._write_done, rec)))
+
+    def _submit_write(self, slot, address, nbytes, on_device):
+        if on_device:
+            return self.engine.write(slot.file, slot.offset, address, nbytes, device=True)
+        fut = self.engine.write(slot.file, slot.offset, address, nbytes)
+        if self.cfg.verify:  # the future's result becomes the CRC of what was written
+            fut = then(fut, functools.partial(_checksum.crc32c, address, nbytes))
+        return fut
 
     def _write_done(self, rec, fut):
         with self._lock:
             if rec.future is not fut:
                 return
             rec.future = None
+            rec.staging = None
             if rec in self._writing:
                 del self._writing[rec]
                 self._writing_bytes -= rec.nbytes
@@ -449,6 +479,8 @@ class Store:
             if storage is None:
                 raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
                                     f"please report this bug.")
+            if rec.device is not None:
+                rec.device.consume(storage, rec.ready)
             if handle.seen != rec.generation:
                 handle.seen = rec.generation
                 rec.unseen -= 1
@@ -485,15 +517,23 @@ class Store:
             self.stats.stall_seconds += time.perf_counter() - t0
 
     def _start_read(self, rec, attach):
-        misalign = rec.slot.offset % BLOCK
-        storage = self._buffers.storage(misalign, rec.nbytes)
-        rec.storage, rec.base = storage, 0
+        misalign, dev, slot = rec.slot.offset % BLOCK, rec.device, rec.slot
+        if dev is None:
+            storage = self._buffers.storage(misalign, rec.nbytes)
+            rec.storage, rec.base = storage, 0
+            address = storage.data_ptr()
+        else:  # lands in staging (or device memory); the storage is set when it is done
+            address, buf = dev.read_buffer(misalign, rec.nbytes)
         self._add_resident(rec.nbytes)
         rec.state = State.LOADING
-        fut = self.engine.read(rec.slot.file, rec.slot.offset, storage.data_ptr(), rec.nbytes)
-        if self.cfg.verify:
-            fut = _checksum.checked(fut, functools.partial(
-                _verify, rec, rec.crc, rec.slot, storage.data_ptr(), rec.nbytes))
+        if dev is not None and dev.direct:
+            fut = self.engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)
+        else:
+            fut = self.engine.read(slot.file, slot.offset, address, rec.nbytes)
+            if self.cfg.verify:
+                fut = then(fut, functools.partial(_verify, rec, rec.crc, slot, address, rec.nbytes))
+        if dev is not None:
+            fut = then(fut, functools.partial(dev.stage_in, buf))
         rec.future = fut
         attach.append((fut, _weak_callback(self, Store._on_read_done, rec)))
 
@@ -513,6 +553,8 @@ class Store:
             rec.storage = None
             self._add_resident(-rec.nbytes)
         else:
+            if rec.device is not None:
+                rec.storage, rec.base, rec.ready = fut.result()
             rec.state = State.LOADED
             self.stats.bytes_read += rec.nbytes
             self.stats.records_read += 1
@@ -522,7 +564,7 @@ class Store:
     def _evict(self, rec):
         """Every live handle has been unpacked: drop the copy (retain_graph reads again)."""
         rec.state = State.ON_DISK
-        rec.storage = None
+        rec.storage = rec.ready = None
         rec.generation += 1
         rec.unseen = rec.handles
         self._add_resident(-rec.nbytes)
@@ -588,7 +630,7 @@ class Store:
         if rec.slot is not None and not self.closed:
             rec.slot.file.free(rec.slot)
         rec.slot = None
-        rec.storage = rec.source = None
+        rec.storage = rec.source = rec.staging = rec.ready = None
         rec.state = State.FREED
         self._live -= 1
         group = self._registry.get(rec.key)
@@ -652,7 +694,7 @@ class Store:
                 self.closed = True
                 for group in self._registry.values():
                     for rec in group:
-                        rec.storage = rec.source = None
+                        rec.storage = rec.source = rec.staging = rec.ready = None
                         rec.slot = None
                 self._registry.clear()
                 self._tail.clear()
@@ -662,21 +704,23 @@ class Store:
                 self._passes.clear()
                 self._resident = 0
             if self._finalizer.detach() is not None:
-                _release_resources(self.engine, self.spill)
+                _release_resources(self.engine, self.spill, self._devices)
 
 
-def _release_resources(engine, spill):
+def _release_resources(engine, spill, devices):
     try:
+        for dev in list(devices.values()):
+            dev.close()  # writes waiting for a device copy are submitted first
         engine.shutdown()  # waits for requests still queued: they use the files
     finally:
         spill.close()
 
 
-def _release_in_background(engine, spill):
+def _release_in_background(engine, spill, devices):
     # A garbage-collected store must not block whatever thread dropped it (it may even
     # be an engine worker, which cannot join itself). Not a daemon: at exit,
     # the interpreter waits for the last writes before the files close.
-    threading.Thread(target=_release_resources, args=(engine, spill),
+    threading.Thread(target=_release_resources, args=(engine, spill, devices),
                      name="ssdtrain-release").start()
 
 

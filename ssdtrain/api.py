@@ -125,7 +125,9 @@ class Offloader:
         spill = SpillSet(config.spill_dir, config.direct_io)
         try:
             engine = make_engine(config.engine, io_threads=config.io_threads,
-                                 io_chunk_bytes=config.io_chunk_bytes)
+                                 io_chunk_bytes=config.io_chunk_bytes,
+                                 directories=[f.directory for f in spill.files],
+                                 verify=config.verify)
         except BaseException:
             spill.close()
             raise

@@ -77,11 +77,39 @@ def test_unknown_engine(value):
     _assert_config_error(excinfo, "engine")
 
 
-@pytest.mark.parametrize("value", ["kvikio"])
-def test_engines_not_in_this_build(value):
+def test_kvikio_where_gds_does_not_work_says_why(tmp_path):
+    """engine='kvikio' is a valid name; where kvikio/cuFile cannot do I/O (here: no GPU),
+    building the offloader fails with the probe's reason and what to use instead."""
+    from ssdtrain.io import gds
+    reason = gds.probe(str(tmp_path))
+    if not reason:
+        pytest.skip("GPUDirect Storage works on this machine")
+    assert OffloadConfig(engine="kvikio").engine == "kvikio"
     with pytest.raises(ConfigError) as excinfo:
-        OffloadConfig(engine=value)
-    _assert_config_error(excinfo, "engine", value, "not part of this build")
+        Offloader(OffloadConfig(spill_dir=str(tmp_path), engine="kvikio"))
+    _assert_config_error(excinfo, "kvikio", reason, "engine='native'")
+
+
+def test_kvikio_with_verify_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as excinfo:
+        Offloader(OffloadConfig(spill_dir=str(tmp_path), engine="kvikio", verify=True))
+    _assert_config_error(excinfo, "verify=True", "kvikio")
+
+
+def test_auto_passes_over_kvikio_where_the_probe_fails(tmp_path, caplog, monkeypatch):
+    """auto = kvikio only if the real test I/O passed; the log says why it was not picked."""
+    import logging
+    from ssdtrain import io as ssd_io
+    from ssdtrain.io import gds, native
+    monkeypatch.setattr(ssd_io, "_logged_auto", False)
+    monkeypatch.setitem(gds._probed, str(tmp_path), "cuFile said no (test)")
+    with caplog.at_level(logging.INFO, logger="ssdtrain"):
+        off = Offloader(OffloadConfig(spill_dir=str(tmp_path), engine="auto"))
+    off.close()
+    expected = "native" if native.available() else "posix"
+    assert off.stats().engine.startswith(expected)
+    assert f"engine auto -> {expected}" in caplog.text
+    assert "cuFile said no (test)" in caplog.text
 
 
 @pytest.mark.parametrize("value", ["auto", "native", "posix"])
@@ -343,7 +371,7 @@ def test_from_env_bad_io_threads_out_of_range(raw):
     ("SSDTRAIN_IO_TIMEOUT_S", "0", "io_timeout_s"),
     ("SSDTRAIN_PREFETCH_BYTES", "lots", "prefetch_bytes"),
     ("SSDTRAIN_IO_CHUNK_BYTES", "1KiB", "io_chunk_bytes"),
-    ("SSDTRAIN_ENGINE", "kvikio", "engine"),
+    ("SSDTRAIN_ENGINE", "gds", "engine"),
     ("SSDTRAIN_DIRECT_IO", "maybe", "direct_io"),
     ("SSDTRAIN_VERIFY", "perhaps", "SSDTRAIN_VERIFY"),
     ("SSDTRAIN_SPILL_DIR", "", "spill_dir"),
@@ -405,7 +433,7 @@ def test_offloader_rejects_non_config(bad):
 
 
 @pytest.mark.parametrize("overrides, field", [({"io_threads": 0}, "io_threads"),
-                                              ({"engine": "kvikio"}, "engine"),
+                                              ({"engine": "gds"}, "engine"),
                                               ({"min_tensor_byte": 1}, "min_tensor_byte")])
 def test_offloader_bad_overrides(tmp_path, overrides, field):
     with pytest.raises(ConfigError) as excinfo:

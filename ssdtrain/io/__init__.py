@@ -10,27 +10,38 @@ until the future is done. ``posix`` is the pure-Python reference engine.
 import logging
 
 from .._errors import ConfigError
-from . import native
+from . import gds, native
 from .base import Engine
 from .posix import PosixEngine
 
-__all__ = ["Engine", "PosixEngine", "make_engine"]
+__all__ = ["Engine", "PosixEngine", "make_engine"]  # gds.KvikioEngine: GPUDirect Storage
 
 log = logging.getLogger("ssdtrain")
 _logged_auto = False
 
 
-def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int) -> Engine:
-    """The engine called ``name``; ``"auto"``: native where it is built, else posix."""
+def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=(),
+                verify: bool = False) -> Engine:
+    """The engine called ``name``.
+
+    ``"auto"``: ``kvikio`` where GPUDirect Storage passes :func:`gds.probe` in every
+    directory, else ``native`` where it is built, else ``posix``; the choice and the
+    reasons for passing over the others are logged once per process. ``verify``
+    (CRC32C of host copies) rules kvikio out: device records never pass through host
+    memory there.
+    """
     global _logged_auto
     if name == "auto":
-        if native.available():
-            name = "native"
-        else:
-            if not _logged_auto:
-                log.info("ssdtrain: engine auto -> posix (%s)", native.unavailable_reason())
-            name = "posix"
+        name, why = _auto(directories, verify)
+        if not _logged_auto:
+            log.info("ssdtrain: engine auto -> %s (%s)", name, why)
         _logged_auto = True
+    if name == "kvikio":
+        if verify:
+            raise ConfigError("ssdtrain: verify=True cannot be used with engine='kvikio': "
+                              "GPUDirect Storage moves device records without a host copy to "
+                              "checksum. Use engine='native' with verify=True, or verify=False.")
+        return gds.KvikioEngine(io_threads=io_threads, directories=directories)
     if name == "native":
         if not native.available():
             raise ConfigError(f"ssdtrain: engine='native' is not available: "
@@ -39,3 +50,18 @@ def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int) -> Engine:
     if name == "posix":
         return PosixEngine(io_threads=io_threads, chunk_bytes=io_chunk_bytes)
     raise AssertionError(f"ssdtrain: unknown engine {name!r} passed validation; please report.")
+
+
+def _auto(directories, verify):
+    """``(engine name, why)`` for ``engine="auto"``."""
+    if verify:
+        reasons = ["verify=True checksums host copies"]
+    else:
+        reasons = [r for r in (gds.probe(d) for d in directories) if r] or \
+            ([] if directories else ["no spill directory to probe"])
+    if not reasons:
+        return "kvikio", "GPUDirect Storage works in every spill directory"
+    no_gds = f"no GPUDirect Storage: {reasons[0]}"
+    if native.available():
+        return "native", no_gds
+    return "posix", f"{no_gds}; no native engine: {native.unavailable_reason()}"

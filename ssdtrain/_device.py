@@ -1,0 +1,144 @@
+"""The only module that knows CUDA: streams, events and pinned staging for device records.
+
+See NOTE [ Device records ] for the ordering rules; every function here is small
+on purpose, because CI has no GPU: the tests in tests/test_device.py run
+wherever CUDA exists.
+
+NOTE [ Device records ]
+=======================
+
+A record whose storage lives on a CUDA device moves like a host record (the same
+states, slots and engines), with three extra rules (DESIGN invariant 3):
+
+1. **Writes start after the producer.** The saved tensor may still be being
+   computed when pack runs (kernels are asynchronous). Pack makes the
+   offload stream wait for the current stream, and copies device -> pinned
+   staging there (or, with a GPUDirect engine, records an event on the current
+   stream). A single "ssdtrain-d2h" thread waits for that copy's event and only
+   then submits the disk write: forward never synchronizes with the device.
+2. **The block is not reused before the copy ends.** The record holds the saved
+   tensor (``Record.source``) until the disk write has completed, and the write
+   starts only after the copy's event: when that reference drops, the copy is
+   long done, so the caching allocator may reuse the block at once. No
+   ``record_stream`` is needed on this side.
+3. **Loads are consumed after they land.** A read lands in pinned staging and is
+   copied host -> device on the prefetch stream, into memory allocated on that
+   stream; an event marks the copy's end. Unpack makes the consumer stream (the
+   current stream of autograd's device thread) wait on that event and calls
+   ``record_stream`` for it, so the allocator does not hand the block to the
+   prefetch stream again while backward still reads it (pytorch/pytorch#106360).
+
+In-place modification is checked when the write ends, after the copy's event: an
+in-place op called before the check bumped the version already (the record fails
+with autograd's message); one called after it runs after the copy on the device.
+Pinned staging comes from torch's caching host allocator, which records the
+streams using a block and does not reuse it before they are done.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ._spill import BLOCK
+from .io.base import then
+
+__all__ = ["DeviceTransfers", "is_device_tensor"]
+
+
+def is_device_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a CUDA device (a record that needs :class:`DeviceTransfers`)."""
+    return t.device.type == "cuda"
+
+
+def _bytes_view(storage, base: int, nbytes: int, device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, base, (nbytes,), (1,))
+
+
+class DeviceTransfers:
+    """Streams, events and staging for the records of one CUDA device.
+
+    Args:
+        device: the ``torch.device`` (with its index).
+        direct: the engine takes device addresses (GPUDirect Storage): no staging.
+    """
+
+    def __init__(self, device: torch.device, direct: bool):
+        self.device = device
+        self.direct = direct
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        # One thread: waits for copies to end, then submits the disk write.
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="ssdtrain-d2h")
+        self._closed = threading.Event()
+
+    # ------------------------------------------------------------------ writes
+    def stage_out(self, storage, base: int, nbytes: int):
+        """Start moving ``nbytes`` at byte ``base`` of a device storage towards the disk.
+
+        Returns ``(address, keepalive, event)``: the address the engine writes from
+        (pinned staging, or the device memory itself when ``direct``), an object to
+        hold until the write ends, and the event to wait for before writing.
+        """
+        producer = torch.cuda.current_stream(self.device)
+        if self.direct:
+            ready = torch.cuda.Event()
+            ready.record(producer)
+            return storage.data_ptr() + base, None, ready
+        src = _bytes_view(storage, base, nbytes, self.device)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.d2h.wait_stream(producer)
+        with torch.cuda.stream(self.d2h):
+            host.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.d2h)
+        return host.data_ptr(), host, done
+
+    def after(self, event, submit) -> Future:
+        """``submit()`` (which returns a future) once ``event`` has completed, on the
+        waiter thread; the returned future completes with that future's outcome."""
+        ready = self._waiter.submit(event.synchronize)  # releases the GIL while it waits
+        return then(ready, submit)
+
+    # ------------------------------------------------------------------- reads
+    def read_buffer(self, misalign: int, nbytes: int):
+        """Where a read lands: ``(address, keepalive)``, ``address % BLOCK == misalign``.
+
+        Pinned host staging, or (``direct``) device memory allocated on the prefetch
+        stream; ``keepalive`` is the tensor to pass to :meth:`stage_in`.
+        """
+        if self.direct:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+                buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, device=self.device)
+        else:
+            buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=True)
+        shift = (misalign - buf.data_ptr()) % BLOCK
+        view = buf[shift:shift + nbytes]
+        return view.data_ptr(), view
+
+    def stage_in(self, buf: torch.Tensor):
+        """After the read into ``buf`` ended: ``(device storage, byte offset, event or None)``.
+
+        Staged data is copied to device memory allocated on the prefetch stream; the
+        event marks the copy's end. Runs on the engine thread that finished the read.
+        """
+        if self.direct:
+            return buf.untyped_storage(), buf.storage_offset(), None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            dst = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+            dst.copy_(buf, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.h2d)
+        return dst.untyped_storage(), 0, ready
+
+    def consume(self, storage, ready) -> None:
+        """Make the current stream wait for a load and keep its block from early reuse."""
+        consumer = torch.cuda.current_stream(self.device)
+        if ready is not None:
+            consumer.wait_event(ready)
+        _bytes_view(storage, 0, storage.nbytes(), self.device).record_stream(consumer)
+
+    def close(self) -> None:
+        self._waiter.shutdown(wait=True)

@@ -1,0 +1,181 @@
+"""The ``kvikio`` engine: GPUDirect Storage through NVIDIA's kvikio (cuFile).
+
+Device records go straight between GPU memory and the spill file (no pinned
+staging, no host copy); host records go through kvikio's host path. kvikio
+imports on machines where cuFile cannot do any I/O (no GPU driver, no
+``nvidia-fs``, a file system GDS does not support) and then falls back to
+"compatibility mode" (POSIX I/O through its own bounce buffers), which is slower
+than the native engine with pinned staging. So :func:`probe` does a real small
+write and read of device memory in the spill directory, with compatibility mode
+refused, and ``engine="auto"`` picks kvikio only where that probe passed.
+
+Install with ``pip install ssdtrain[gds]`` (CUDA 12). Never needed in CI.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from .._errors import ConfigError
+from .base import Engine, io_error
+
+__all__ = ["KvikioEngine", "probe"]
+
+_probed = {}            # directory -> "" (works) or the reason it does not
+_probe_lock = threading.Lock()
+_PROBE_BYTES = 1 << 20
+
+
+class _DeviceBuffer:
+    """A CUDA address as an object kvikio accepts (``__cuda_array_interface__``)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (address, False), "version": 3,
+                                         "strides": None}
+
+
+def _host_buffer(address: int, nbytes: int):
+    import ctypes
+    return (ctypes.c_char * nbytes).from_address(address)
+
+
+def _compat_mode_reason(kvikio) -> str:
+    """Why kvikio would not use cuFile here ("" when it would), across kvikio versions."""
+    defaults = getattr(kvikio, "defaults", None)
+    try:
+        if hasattr(defaults, "is_compat_mode_preferred"):       # kvikio >= 24.12
+            on = defaults.is_compat_mode_preferred()
+        elif hasattr(defaults, "compat_mode"):                  # older releases
+            on = bool(defaults.compat_mode())
+        else:
+            return ""
+    except Exception as e:  # noqa: BLE001 - any failure means "not usable"
+        return f"kvikio cannot report its compatibility mode ({e!r})"
+    return ("kvikio runs in compatibility mode (cuFile or the nvidia-fs driver is unavailable: "
+            "POSIX I/O through host bounce buffers, slower than the native engine)") if on else ""
+
+
+def probe(directory: str) -> str:
+    """``""`` if GPUDirect Storage works in ``directory``, else why not (cached per directory).
+
+    Works means: kvikio imports, a CUDA device is present, kvikio is not in
+    compatibility mode, and a 1 MiB write of device memory to a file in
+    ``directory`` reads back bit-exact.
+    """
+    with _probe_lock:
+        if directory not in _probed:
+            _probed[directory] = _probe(directory)
+        return _probed[directory]
+
+
+def _probe(directory: str) -> str:
+    try:
+        import kvikio
+    except ImportError as e:
+        return f"kvikio is not installed ({e}); `pip install ssdtrain[gds]` on a CUDA 12 machine"
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    reason = _compat_mode_reason(kvikio)
+    if reason:
+        return reason
+    path = os.path.join(directory, f".ssdtrain-gds-probe-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        src = torch.randint(0, 256, (_PROBE_BYTES,), dtype=torch.uint8, device="cuda")
+        dst = torch.zeros_like(src)
+        torch.cuda.synchronize()
+        f = kvikio.CuFile(path, "w+")
+        try:
+            wrote = f.pwrite(_DeviceBuffer(src.data_ptr(), _PROBE_BYTES), _PROBE_BYTES, 0).get()
+            read = f.pread(_DeviceBuffer(dst.data_ptr(), _PROBE_BYTES), _PROBE_BYTES, 0).get()
+        finally:
+            f.close()
+        if wrote != _PROBE_BYTES or read != _PROBE_BYTES or not torch.equal(src, dst):
+            return (f"a GPUDirect Storage test I/O in {directory} returned wrong data "
+                    f"(wrote {wrote}, read {read} of {_PROBE_BYTES} bytes)")
+    except Exception as e:  # noqa: BLE001 - every failure is a reason not to use it
+        return f"a GPUDirect Storage test I/O in {directory} failed: {e!r}"
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return ""
+
+
+class KvikioEngine(Engine):
+    """Engine over kvikio's ``CuFile``: device memory to NVMe without host staging.
+
+    Each spill file is opened a second time through kvikio (``/proc/self/fd/N``,
+    so the anonymous file needs no name). Requests run on ``io_threads`` waiter
+    threads that block in kvikio (which splits them over its own thread pool)
+    with the GIL released.
+
+    Args:
+        io_threads: requests in flight at once. Default 4.
+        directories: the spill directories; each must pass :func:`probe`.
+
+    Raises:
+        ConfigError: kvikio or cuFile does not work in one of ``directories``.
+    """
+
+    name = "kvikio"
+    device_memory = True
+
+    def __init__(self, *, io_threads: int = 4, directories=()):
+        for d in directories:
+            reason = probe(d)
+            if reason:
+                raise ConfigError(f"ssdtrain: engine='kvikio' cannot be used for spill_dir {d!r}: "
+                                  f"{reason}. Use engine='auto' (it picks the native engine "
+                                  f"here) or engine='native'.")
+        import kvikio
+        self._kvikio = kvikio
+        self._files = {}   # SpillFile -> CuFile
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ssdtrain-gds")
+
+    def write(self, file, offset, address, nbytes, device=False):
+        return self._pool.submit(self._run, "writing", file, offset, address, nbytes, device)
+
+    def read(self, file, offset, address, nbytes, device=False):
+        return self._pool.submit(self._run, "reading", file, offset, address, nbytes, device)
+
+    def shutdown(self):
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+
+    def _cufile(self, file):
+        with self._lock:
+            f = self._files.get(file)
+            if f is None:
+                if file.fd < 0:
+                    raise OSError(_errno.EBADF, "the spill file is closed")
+                f = self._files[file] = self._kvikio.CuFile(f"/proc/self/fd/{file.fd}", "r+")
+            return f
+
+    def _run(self, verb, file, offset, address, nbytes, device):
+        buf = _DeviceBuffer(address, nbytes) if device else _host_buffer(address, nbytes)
+        try:
+            f = self._cufile(file)
+            op = f.pwrite if verb == "writing" else f.pread
+            done = op(buf, nbytes, offset).get()
+        except OSError as e:
+            raise io_error(verb, file, offset, nbytes, e.errno or _errno.EIO, str(e)) from None
+        except (RuntimeError, ValueError) as e:  # kvikio reports cuFile errors this way
+            raise io_error(verb, file, offset, nbytes, _errno.EIO, f"kvikio: {e}") from None
+        if done != nbytes:
+            err = _errno.ENODATA if verb == "reading" else _errno.ENOSPC
+            raise io_error(verb, file, offset, nbytes, err,
+                           f"kvikio moved {done} of {nbytes} bytes")
+        return nbytes
+
