@@ -236,7 +236,9 @@ def test_write_behind_bounds_memory_when_the_disk_is_slow(make_offloader, gpt_re
     one record (2 MiB here) plus the prefetch window; forward waited for the disk."""
     off = make_offloader(min_tensor_bytes="64KiB", keep_tail_bytes=0, prefetch_bytes="1MiB",
                          write_behind_bytes=f"{limit_mib}MiB")
-    _SlowWrites(off, delay=0.02)
+    # Each write takes 0.2 s; forward saves its >= 16 MiB within far less, so even the
+    # 6 MiB bound is reached while writes are in flight and pack must wait.
+    _SlowWrites(off, delay=0.2)
     model, inputs = _gpt()
     assert_same(gpt_ref, run_step(model, inputs, off))
     off.wait()

@@ -1,0 +1,569 @@
+#!/usr/bin/env python
+"""GPU smoke test: step time and peak device memory of a ~1B-parameter GPT on CUDA.
+
+One command for a GPU owner. Compares, side by side in one run, four ways of
+holding the activations autograd saves for backward, on the GPT of
+``examples/gpt.py`` in bf16:
+
+* ``none``: plain PyTorch (the reference);
+* ``ssdtrain``: ``with ssdtrain.Offloader(...)`` around forward;
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
+* ``checkpoint``: per-block recomputation (``torch.utils.checkpoint``,
+  ``GPTConfig.checkpoint_blocks``).
+
+The default model (``--d-model 2048 --n-layers 18 --n-heads 16 --seq-len 2048
+--vocab 50304``) has ~1.01B parameters; with ``--batch-size 4`` it should need
+~16 GiB with no offload (weights and gradients 2 GiB each, ~10 GiB of saved
+activations by a count of the saved tensors: an estimate, not measured here), so
+it fits one 24 GiB or larger GPU; lower ``--batch-size`` on smaller ones. ``--small``
+is a quick try (a few MiB).
+
+Each (mode, repeat) runs in a fresh process (this script with the hidden
+``--worker`` flag); modes are interleaved within each repeat. A worker builds
+the same seeded model and batch, runs ``--warmup`` steps, then ``--steps``
+measured steps of forward + backward (``zero_grad(set_to_none=True)`` first; no
+optimizer, so the memory compared is that of activations and gradients). Per
+step: wall time between two ``torch.cuda.synchronize()``; peak device memory
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``) and its
+increase over the memory allocated before the step (activations + gradients);
+the host's peak RSS increase (``VmHWM`` reset through ``/proc/self/clear_refs``,
+where save_on_cpu keeps its copies); for ssdtrain its ``Stats`` per step. After
+the first measured step a SHA-256 of the loss and of every gradient lets the
+parent report bitwise equality with ``none`` (only meaningful when ``none``
+itself repeats bitwise across processes: the output says whether it did).
+Deterministic algorithms are requested (``torch.use_deterministic_algorithms(True,
+warn_only=True)``, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``) unless
+``--no-deterministic``.
+
+Without CUDA the script prints why and exits with status 2.
+
+Example::
+
+    .venv/bin/python benchmarks/gpu_smoke.py --spill-dir /nvme/tmp            # ~1B, bf16
+    .venv/bin/python benchmarks/gpu_smoke.py --small --repeats 1               # seconds
+    .venv/bin/python benchmarks/gpu_smoke.py --batch-size 2 --modes none ssdtrain
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "gpu_smoke.json")
+MODES = ("none", "ssdtrain", "save_on_cpu", "checkpoint")
+MiB, GiB = 1 << 20, 1 << 30
+EXIT_NO_CUDA = 2
+
+# ~1.01B parameters: 12 * L * d^2 in the blocks + (vocab + seq) * d in the embeddings.
+DEFAULT_MODEL = dict(vocab=50304, seq_len=2048, d_model=2048, n_heads=16, n_layers=18,
+                     batch_size=4)
+SMALL_MODEL = dict(vocab=1024, seq_len=256, d_model=256, n_heads=4, n_layers=2, batch_size=2)
+# --small also offloads everything (its tensors are ~0.5 MiB, near the 256 KiB default).
+SMALL_OFFLOAD = dict(min_tensor_kib=4, keep_tail_mib=0)
+
+MODE_NOTES = {
+    "none": "reference: no hooks",
+    "save_on_cpu": "pinned host copies of every saved tensor (host RAM is the tier)",
+    "checkpoint": "per-block torch.utils.checkpoint: forward runs twice",
+}
+
+
+def count_parameters(m):
+    """Parameters of ``examples/gpt.py``'s GPT with tied embeddings and ``mlp_ratio`` 4."""
+    d, n_layers = m["d_model"], m["n_layers"]
+    per_block = 12 * d * d + 13 * d  # qkv, proj, 2 MLP matrices; their biases; 2 LayerNorms
+    return n_layers * per_block + (m["vocab"] + m["seq_len"]) * d + 2 * d
+
+
+def cuda_unavailable_reason():
+    """Why CUDA cannot be used here (``""`` when it can)."""
+    try:
+        import torch
+    except ImportError as e:
+        return f"torch cannot be imported ({e})"
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is built without CUDA; install a CUDA build of "
+                f"torch (e.g. make test TORCH_SPEC=torch TORCH_PIP_ARGS='--index-url "
+                f"https://download.pytorch.org/whl/cu124')")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+                + "; check the driver with nvidia-smi")
+    return ""
+
+
+# --------------------------------------------------------------------------- host memory
+def _proc_status(*keys):
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in keys:
+                out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _reset_peak_rss():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class _Cuda:
+    """Device clock and memory counters on CUDA."""
+
+    name = "cuda"
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+        self.device = torch.device("cuda")
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+    def reset_peak(self):
+        self.torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self):
+        return self.torch.cuda.memory_allocated()
+
+    def peak(self):
+        return self.torch.cuda.max_memory_allocated()
+
+    def describe(self):
+        p = self.torch.cuda.get_device_properties(0)
+        return {"name": p.name, "total_memory": p.total_memory,
+                "capability": f"{p.major}.{p.minor}", "cuda": self.torch.version.cuda}
+
+
+class _CpuDryRun(_Cuda):
+    """The same loop on CPU, for testing this script where no GPU exists (RSS as memory)."""
+
+    name = "cpu (dry run)"
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+        self.device = torch.device("cpu")
+
+    def sync(self):
+        pass
+
+    def reset_peak(self):
+        _reset_peak_rss()
+
+    def allocated(self):
+        return _proc_status("VmRSS")["VmRSS"]
+
+    def peak(self):
+        return _proc_status("VmHWM")["VmHWM"]
+
+    def describe(self):
+        return {"name": "cpu (dry run: memory columns are host RSS)"}
+
+
+# ----------------------------------------------------------------------------------- worker
+def _digest(loss, model):
+    """SHA-256 of the loss and of each gradient (by name), computed on CPU copies."""
+    def sha(t):
+        t = t.detach().to("cpu").contiguous()
+        h = hashlib.sha256(str((t.dtype, tuple(t.shape))).encode())
+        n = t.numel() * t.element_size()
+        if n:
+            h.update(memoryview((ctypes.c_char * n).from_address(t.data_ptr())))
+        return h.hexdigest()
+
+    total = hashlib.sha256(sha(loss).encode())
+    grads = {}
+    for name, p in sorted(model.named_parameters()):
+        grads[name] = sha(p.grad) if p.grad is not None else None
+        total.update(f"{name}={grads[name]}".encode())
+    return {"loss": float(loss), "sha256": total.hexdigest(), "grads": grads}
+
+
+def _stats_delta(after, before):
+    return {k: (v if k == "peak_resident_bytes" else v - before[k]) for k, v in after.items()
+            if isinstance(v, (int, float))}
+
+
+def worker(mode, cfg, out_path):
+    """One process, one mode: warm-up + measured steps; a JSON result to ``out_path``."""
+    import torch
+    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    from gpt import GPT, GPTConfig, make_batch  # noqa: E402
+    import ssdtrain
+
+    dev = _CpuDryRun() if cfg["cpu_dry_run"] else _Cuda()
+    if cfg["deterministic"]:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    result = {"mode": mode, "repeat": cfg["repeat"], "pid": os.getpid(),
+              "torch": torch.__version__, "device": dev.describe(), "steps": []}
+    model_cfg = GPTConfig(vocab_size=cfg["vocab"], seq_len=cfg["seq_len"], d_model=cfg["d_model"],
+                          n_heads=cfg["n_heads"], n_layers=cfg["n_layers"],
+                          checkpoint_blocks=(mode == "checkpoint"))
+    dtype = getattr(torch, cfg["dtype"])
+    torch.manual_seed(0)
+    with dev.device:  # initialise on the device: a 1B model inits in seconds there
+        model = GPT(model_cfg).to(dtype)
+    idx, targets = make_batch(model_cfg, cfg["batch_size"], torch.Generator().manual_seed(1))
+    idx, targets = idx.to(dev.device), targets.to(dev.device)
+    result["param_count"] = sum(p.numel() for p in model.parameters())
+    result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    off = None
+    if mode == "ssdtrain":
+        overrides = {k: v for k, v in cfg["offload"].items() if v is not None}
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig.from_env(spill_dir=cfg["spill_dir"],
+                                                                 **overrides))
+        result["engine"] = off.stats().engine
+        result["offload_config"] = {k: (v if isinstance(v, (int, float, str, type(None)))
+                                        else str(v))
+                                    for k, v in dataclasses.asdict(off.config).items()}
+        context = lambda: off  # noqa: E731
+    elif mode == "save_on_cpu":
+        pin = dev.name == "cuda"
+        context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)  # noqa: E731
+    elif mode in ("none", "checkpoint"):
+        context = contextlib.nullcontext
+    else:
+        raise SystemExit(f"gpu_smoke: unknown mode {mode!r}; choose from {MODES}")
+
+    try:
+        for step in range(cfg["warmup"] + cfg["steps"]):
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            rec = {"step": step, "warmup": step < cfg["warmup"]}
+            stats0 = dataclasses.asdict(off.stats()) if off is not None else None
+            dev.sync()
+            dev.reset_peak()
+            _reset_peak_rss()
+            mem0 = dev.allocated()
+            rss0 = _proc_status("VmRSS")["VmRSS"]
+            t0 = time.perf_counter()
+            with context():
+                loss = model(idx, targets)
+            loss.backward()
+            dev.sync()
+            rec["step_s"] = time.perf_counter() - t0
+            peak = dev.peak()
+            rec.update(mem_before=mem0, peak_mem=peak, peak_mem_delta=peak - mem0,
+                       host_peak_rss_delta=_proc_status("VmHWM")["VmHWM"] - rss0)
+            if off is not None:
+                rec["stats"] = _stats_delta(dataclasses.asdict(off.stats()), stats0)
+            if step == cfg["warmup"]:
+                result["digest"] = _digest(loss, model)
+            del loss
+            result["steps"].append(rec)
+        if off is not None:
+            off.wait()
+            result["final_stats"] = dataclasses.asdict(off.stats())
+    except torch.cuda.OutOfMemoryError as e:
+        result["oom"] = str(e).splitlines()[0]
+    finally:
+        if off is not None:
+            off.close()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+# ----------------------------------------------------------------------------------- parent
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _measured(run):
+    return [s for s in run["steps"] if not s["warmup"]]
+
+
+def summarize(runs, modes):
+    """Per mode: medians over the measured steps of every repeat; ratios to ``none``."""
+    by_mode = {m: [r for r in runs if r["mode"] == m and "error" not in r] for m in modes}
+    ref_digests = {r["repeat"]: r["digest"]["sha256"] for r in by_mode.get("none", [])
+                   if "digest" in r}
+    reference_repeats = len(set(ref_digests.values())) <= 1 if ref_digests else None
+    summary = {}
+    for mode, rs in by_mode.items():
+        ooms = [r["oom"] for r in rs if "oom" in r]
+        steps = [s for r in rs if "oom" not in r for s in _measured(r)]
+        if not steps:
+            summary[mode] = {"failed": True, "oom": ooms[0] if ooms else None}
+            continue
+        s = {"step_s_median": _median([x["step_s"] for x in steps]),
+             "repeat_step_s_medians": [_median([x["step_s"] for x in _measured(r)])
+                                       for r in rs if "oom" not in r],
+             "peak_mem_median": _median([x["peak_mem"] for x in steps]),
+             "peak_mem_delta_median": _median([x["peak_mem_delta"] for x in steps]),
+             "host_peak_rss_delta_median": _median([x["host_peak_rss_delta"] for x in steps]),
+             "param_count": rs[0]["param_count"], "param_bytes": rs[0]["param_bytes"],
+             "measured_steps": len(steps), "oom_runs": len(ooms)}
+        digests = [(r["digest"]["sha256"], ref_digests.get(r["repeat"])) for r in rs
+                   if "digest" in r]
+        if mode == "none":
+            s["grads_equal"] = reference_repeats
+        else:
+            s["grads_equal"] = bool(digests) and all(d == ref for d, ref in digests)
+        if mode == "ssdtrain":
+            st = [x["stats"] for x in steps]
+            s.update(engine=rs[0].get("engine", ""),
+                     offloaded_bytes_per_step=_median([x["offloaded_bytes"] for x in st]),
+                     kept_bytes_per_step=_median([x["kept_bytes"] for x in st]),
+                     stall_s_median=_median([x["stall_seconds"] for x in st]),
+                     prefetch_misses_median=_median([x["prefetch_misses"] for x in st]))
+        summary[mode] = s
+    ref = summary.get("none", {})
+    for mode, s in summary.items():
+        if s.get("failed") or not ref or ref.get("failed"):
+            continue
+        s["step_ratio"] = s["step_s_median"] / ref["step_s_median"]
+        s["memory_ratio"] = (s["peak_mem_delta_median"] / ref["peak_mem_delta_median"]
+                             if ref["peak_mem_delta_median"] > 0 else float("nan"))
+    return summary, reference_repeats
+
+
+def _notes(mode, s):
+    if s.get("failed"):
+        return f"OUT OF MEMORY: {s['oom']}" if s.get("oom") else "FAILED (see stderr / JSON)"
+    notes = []
+    if mode == "ssdtrain":
+        notes.append(f"{s['engine']}; offloaded {s['offloaded_bytes_per_step'] / GiB:.2f} GiB/step"
+                     f", kept {s['kept_bytes_per_step'] / GiB:.2f} GiB/step; stall "
+                     f"{s['stall_s_median']:.3f} s/step; {s['prefetch_misses_median']:.0f} "
+                     f"prefetch misses/step")
+        if s["offloaded_bytes_per_step"] == 0:
+            notes.append("NOTHING OFFLOADED: every saved tensor was kept in memory (all "
+                         "below min_tensor_bytes or within keep_tail_bytes?)")
+    else:
+        notes.append(MODE_NOTES[mode])
+    reps = s["repeat_step_s_medians"]
+    notes.append(f"repeat medians {min(reps):.3f}-{max(reps):.3f} s")
+    if s["oom_runs"]:
+        notes.append(f"{s['oom_runs']} runs out of memory")
+    return "; ".join(notes)
+
+
+def render_table(summary, modes):
+    lines = ["| mode | step time median (s) | ratio to none | peak device memory (GiB) | "
+             "step peak over start (GiB) | ratio to none | host peak RSS delta (GiB) | "
+             "grads equal | notes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for mode in modes:
+        s = summary.get(mode, {"failed": True})
+        if s.get("failed"):
+            lines.append(f"| {mode} | - | - | - | - | - | - | - | {_notes(mode, s)} |")
+            continue
+        equal = {True: "yes", False: "NO", None: "?"}[s["grads_equal"]]
+        ratio = f"{s['step_ratio']:.3f}" if "step_ratio" in s else "-"
+        mratio = f"{s['memory_ratio']:.3f}" if "memory_ratio" in s else "-"
+        lines.append(f"| {mode} | {s['step_s_median']:.3f} | {ratio} | "
+                     f"{s['peak_mem_median'] / GiB:.2f} | {s['peak_mem_delta_median'] / GiB:.2f} | "
+                     f"{mratio} | {s['host_peak_rss_delta_median'] / GiB:.2f} | {equal} | "
+                     f"{_notes(mode, s)} |")
+    return "\n".join(lines)
+
+
+def _progress(total):
+    done = [0]
+
+    def write(msg):
+        print(f"[{done[0]}/{total}] {msg}", file=sys.stderr, flush=True)
+
+    def update(n=1):
+        done[0] += n
+
+    return update, write
+
+
+def run_worker(mode, repeat, cfg, env):
+    fd, out_path = tempfile.mkstemp(prefix=f"gpu_smoke-{mode}-", suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode,
+               "--worker-config", json.dumps(dict(cfg, repeat=repeat)), "--worker-out", out_path]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            return {"mode": mode, "repeat": repeat, "error": f"exit {proc.returncode}",
+                    "stderr": proc.stderr[-8000:], "wall_s": wall}
+        with open(out_path) as f:
+            result = json.load(f)
+        result["wall_s"] = wall
+        return result
+    finally:
+        os.unlink(out_path)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description="Step time and peak GPU memory of a ~1B-parameter bf16 GPT on CUDA with no "
+                    "offload, ssdtrain, save_on_cpu and checkpointing. Exits 2 without CUDA.")
+    m = p.add_argument_group("model (default ~1.01B parameters, bf16)")
+    for key in ("d_model", "n_layers", "n_heads", "seq_len", "batch_size", "vocab"):
+        m.add_argument("--" + key.replace("_", "-"), type=int,
+                       help=f"default {DEFAULT_MODEL[key]} ({SMALL_MODEL[key]} with --small)")
+    m.add_argument("--small", action="store_true",
+                   help=f"a small model for a quick try ({SMALL_MODEL}); also --min-tensor-kib "
+                        f"{SMALL_OFFLOAD['min_tensor_kib']} --keep-tail-mib "
+                        f"{SMALL_OFFLOAD['keep_tail_mib']} unless given")
+    m.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="parameter and activation dtype (default bfloat16)")
+    r = p.add_argument_group("runs")
+    r.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
+    r.add_argument("--warmup", type=int, default=2, help="warm-up steps per run (default 2)")
+    r.add_argument("--repeats", type=int, default=3,
+                   help="fresh processes per mode, modes interleaved (default 3)")
+    r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="modes to run (default all); 'none' is needed for ratios")
+    r.add_argument("--spill-dir",
+                   help="directory on the NVMe for ssdtrain (default: a fresh directory under "
+                        "the system temp dir, removed at the end)")
+    r.add_argument("--no-deterministic", dest="deterministic", action="store_false",
+                   help="do not request deterministic algorithms (grads then may differ "
+                        "between processes even without offloading)")
+    r.add_argument("--json", default=DEFAULT_JSON,
+                   help="where to write every raw number (default benchmarks/results/"
+                        "gpu_smoke.json)")
+    o = p.add_argument_group("ssdtrain (default: ssdtrain's defaults / SSDTRAIN_* variables)")
+    o.add_argument("--keep-tail-mib", type=float, help="OffloadConfig.keep_tail_bytes in MiB")
+    o.add_argument("--prefetch-mib", type=float, help="OffloadConfig.prefetch_bytes in MiB")
+    o.add_argument("--min-tensor-kib", type=float, help="OffloadConfig.min_tensor_bytes in KiB")
+    o.add_argument("--io-threads", type=int, help="OffloadConfig.io_threads")
+    o.add_argument("--engine", help="OffloadConfig.engine")
+    p.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--worker-config", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        worker(args.worker, json.loads(args.worker_config), args.worker_out)
+        return 0
+    if not args.cpu_dry_run:
+        why = cuda_unavailable_reason()
+        if why:
+            print(f"gpu_smoke: CUDA is not available: {why}. This script measures step time and "
+                  f"GPU memory on a CUDA GPU; run it on a machine with one. (On CPU, "
+                  f"benchmarks/step_overhead.py measures the same comparison.)", file=sys.stderr)
+            return EXIT_NO_CUDA
+    if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
+        raise SystemExit("gpu_smoke: --steps and --repeats must be >= 1, --warmup >= 0")
+
+    preset = SMALL_MODEL if args.small else DEFAULT_MODEL
+    model = {k: (getattr(args, k) if getattr(args, k) is not None else v)
+             for k, v in preset.items()}
+    if args.small:
+        for k, v in SMALL_OFFLOAD.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+    if model["d_model"] % model["n_heads"]:
+        raise SystemExit("gpu_smoke: --d-model must be divisible by --n-heads")
+    offload = {
+        "keep_tail_bytes": None if args.keep_tail_mib is None else int(args.keep_tail_mib * MiB),
+        "prefetch_bytes": None if args.prefetch_mib is None else int(args.prefetch_mib * MiB),
+        "min_tensor_bytes": (None if args.min_tensor_kib is None
+                             else int(args.min_tensor_kib * 1024)),
+        "io_threads": args.io_threads, "engine": args.engine,
+    }
+    own_spill = args.spill_dir is None
+    spill_dir = tempfile.mkdtemp(prefix="ssdtrain-gpu-smoke-") if own_spill \
+        else os.path.abspath(args.spill_dir)
+    if not os.path.isdir(spill_dir):
+        raise SystemExit(f"gpu_smoke: --spill-dir {spill_dir!r} is not a directory")
+    cfg = dict(model, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
+               spill_dir=spill_dir, offload=offload, deterministic=args.deterministic,
+               cpu_dry_run=args.cpu_dry_run)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in
+                                                       env.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p])
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    if args.deterministic:
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    command = shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd())
+                          else sys.executable] + sys.argv)
+
+    runs = []
+    total = args.repeats * len(args.modes)
+    update, write = _progress(total)
+    try:
+        for repeat in range(args.repeats):
+            for mode in args.modes:
+                result = run_worker(mode, repeat, cfg, env)
+                runs.append(result)
+                if "error" in result:
+                    write(f"repeat {repeat + 1} {mode}: FAILED ({result['error']})\n"
+                          f"{result['stderr']}")
+                elif "oom" in result:
+                    write(f"repeat {repeat + 1} {mode}: out of memory")
+                else:
+                    st = [x["step_s"] for x in _measured(result)]
+                    pk = [x["peak_mem"] for x in _measured(result)]
+                    write(f"repeat {repeat + 1}/{args.repeats} {mode:<11} step "
+                          f"{_median(st):.3f} s, peak {_median(pk) / GiB:.2f} GiB "
+                          f"({result['wall_s']:.0f} s wall)")
+                update(1)
+    finally:
+        if own_spill:
+            shutil.rmtree(spill_dir, ignore_errors=True)
+
+    summary, reference_repeats = summarize(runs, args.modes)
+    ok = [r for r in runs if "error" not in r]
+    device = ok[0]["device"] if ok else {}
+    params = count_parameters(model)
+    size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.1f}M"
+    print(f"## gpu_smoke: GPT {size} parameters ({model['n_layers']} layers, "
+          f"d_model {model['d_model']}, {model['n_heads']} heads, seq {model['seq_len']}, "
+          f"batch {model['batch_size']}, vocab {model['vocab']}), {args.dtype}; "
+          f"{args.steps} measured steps x {args.repeats} repeats on {device.get('name', '?')}")
+    print()
+    print(render_table(summary, args.modes))
+    print()
+    print("Step peak over start = max_memory_allocated during forward+backward minus "
+          "memory_allocated before it (activations + gradients; no optimizer). Medians over the "
+          "measured steps of all repeats.")
+    if reference_repeats is False:
+        print("NOTE: 'none' itself gave different gradients in different processes "
+              "(non-deterministic kernels), so 'grads equal' cannot show bitwise equality here.")
+    print(f"Machine: {platform.platform()}, python {platform.python_version()}, torch "
+          f"{ok[0]['torch'] if ok else '?'}, device {json.dumps(device)}, spill_dir {spill_dir}")
+    print(f"Command: {command}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"command": command, "model": model, "param_count": params,
+                   "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
+                   "repeats": args.repeats, "modes": args.modes, "offload_overrides": offload,
+                   "reference_repeats_bitwise": reference_repeats, "device": device,
+                   "summary": summary, "runs": runs}, f, indent=1)
+    print(f"JSON: {args.json}")
+    failed = [f"{r['mode']}#{r['repeat']}" for r in runs if "error" in r]
+    if failed:
+        print(f"gpu_smoke: runs failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
