@@ -48,25 +48,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import gc
-import hashlib
 import json
 import os
 import platform
-import shlex
 import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
+from _common import (  # noqa: E402
+    add_offload_arguments, add_worker_arguments, command_line, digest, finish, jsonable_config,
+    measured, median, model_from_args, offload_overrides, proc_status, progress, reset_peak_rss,
+    run_worker, stats_delta, work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "gpu_smoke.json")
 MODES = ("none", "ssdtrain", "save_on_cpu", "checkpoint")
-MiB, GiB = 1 << 20, 1 << 30
+GiB = 1 << 30
 EXIT_NO_CUDA = 2
 
 # ~1.01B parameters: 12 * L * d^2 in the blocks + (vocab + seq) * d in the embeddings.
@@ -109,24 +109,6 @@ def cuda_unavailable_reason():
 
 
 # --------------------------------------------------------------------------- host memory
-def _proc_status(*keys):
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name in keys:
-                out[name] = int(rest.split()[0]) * 1024
-    return out
-
-
-def _reset_peak_rss():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 class _Cuda:
     """Device clock and memory counters on CUDA."""
 
@@ -169,42 +151,19 @@ class _CpuDryRun(_Cuda):
         pass
 
     def reset_peak(self):
-        _reset_peak_rss()
+        reset_peak_rss(ignore_errors=True)
 
     def allocated(self):
-        return _proc_status("VmRSS")["VmRSS"]
+        return proc_status("VmRSS")["VmRSS"]
 
     def peak(self):
-        return _proc_status("VmHWM")["VmHWM"]
+        return proc_status("VmHWM")["VmHWM"]
 
     def describe(self):
         return {"name": "cpu (dry run: memory columns are host RSS)"}
 
 
 # ----------------------------------------------------------------------------------- worker
-def _digest(loss, model):
-    """SHA-256 of the loss and of each gradient (by name), computed on CPU copies."""
-    def sha(t):
-        t = t.detach().to("cpu").contiguous()
-        h = hashlib.sha256(str((t.dtype, tuple(t.shape))).encode())
-        n = t.numel() * t.element_size()
-        if n:
-            h.update(memoryview((ctypes.c_char * n).from_address(t.data_ptr())))
-        return h.hexdigest()
-
-    total = hashlib.sha256(sha(loss).encode())
-    grads = {}
-    for name, p in sorted(model.named_parameters()):
-        grads[name] = sha(p.grad) if p.grad is not None else None
-        total.update(f"{name}={grads[name]}".encode())
-    return {"loss": float(loss), "sha256": total.hexdigest(), "grads": grads}
-
-
-def _stats_delta(after, before):
-    return {k: (v if k == "peak_resident_bytes" else v - before[k]) for k, v in after.items()
-            if isinstance(v, (int, float))}
-
-
 def worker(mode, cfg, out_path):
     """One process, one mode: warm-up + measured steps; a JSON result to ``out_path``."""
     import torch
@@ -235,9 +194,7 @@ def worker(mode, cfg, out_path):
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig.from_env(spill_dir=cfg["spill_dir"],
                                                                  **overrides))
         result["engine"] = off.stats().engine
-        result["offload_config"] = {k: (v if isinstance(v, (int, float, str, type(None)))
-                                        else str(v))
-                                    for k, v in dataclasses.asdict(off.config).items()}
+        result["offload_config"] = jsonable_config(off.config)
         context = lambda: off  # noqa: E731
     elif mode == "save_on_cpu":
         pin = dev.name == "cuda"
@@ -255,9 +212,9 @@ def worker(mode, cfg, out_path):
             stats0 = dataclasses.asdict(off.stats()) if off is not None else None
             dev.sync()
             dev.reset_peak()
-            _reset_peak_rss()
+            reset_peak_rss(ignore_errors=True)
             mem0 = dev.allocated()
-            rss0 = _proc_status("VmRSS")["VmRSS"]
+            rss0 = proc_status("VmRSS")["VmRSS"]
             t0 = time.perf_counter()
             with context():
                 loss = model(idx, targets)
@@ -266,11 +223,11 @@ def worker(mode, cfg, out_path):
             rec["step_s"] = time.perf_counter() - t0
             peak = dev.peak()
             rec.update(mem_before=mem0, peak_mem=peak, peak_mem_delta=peak - mem0,
-                       host_peak_rss_delta=_proc_status("VmHWM")["VmHWM"] - rss0)
+                       host_peak_rss_delta=proc_status("VmHWM")["VmHWM"] - rss0)
             if off is not None:
-                rec["stats"] = _stats_delta(dataclasses.asdict(off.stats()), stats0)
+                rec["stats"] = stats_delta(dataclasses.asdict(off.stats()), stats0)
             if step == cfg["warmup"]:
-                result["digest"] = _digest(loss, model)
+                result["digest"] = digest(loss, sorted(model.named_parameters()))
             del loss
             result["steps"].append(rec)
         if off is not None:
@@ -286,14 +243,6 @@ def worker(mode, cfg, out_path):
 
 
 # ----------------------------------------------------------------------------------- parent
-def _median(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _measured(run):
-    return [s for s in run["steps"] if not s["warmup"]]
-
-
 def summarize(runs, modes):
     """Per mode: medians over the measured steps of every repeat; ratios to ``none``."""
     by_mode = {m: [r for r in runs if r["mode"] == m and "error" not in r] for m in modes}
@@ -303,16 +252,16 @@ def summarize(runs, modes):
     summary = {}
     for mode, rs in by_mode.items():
         ooms = [r["oom"] for r in rs if "oom" in r]
-        steps = [s for r in rs if "oom" not in r for s in _measured(r)]
+        steps = [s for r in rs if "oom" not in r for s in measured(r)]
         if not steps:
             summary[mode] = {"failed": True, "oom": ooms[0] if ooms else None}
             continue
-        s = {"step_s_median": _median([x["step_s"] for x in steps]),
-             "repeat_step_s_medians": [_median([x["step_s"] for x in _measured(r)])
+        s = {"step_s_median": median([x["step_s"] for x in steps]),
+             "repeat_step_s_medians": [median([x["step_s"] for x in measured(r)])
                                        for r in rs if "oom" not in r],
-             "peak_mem_median": _median([x["peak_mem"] for x in steps]),
-             "peak_mem_delta_median": _median([x["peak_mem_delta"] for x in steps]),
-             "host_peak_rss_delta_median": _median([x["host_peak_rss_delta"] for x in steps]),
+             "peak_mem_median": median([x["peak_mem"] for x in steps]),
+             "peak_mem_delta_median": median([x["peak_mem_delta"] for x in steps]),
+             "host_peak_rss_delta_median": median([x["host_peak_rss_delta"] for x in steps]),
              "param_count": rs[0]["param_count"], "param_bytes": rs[0]["param_bytes"],
              "measured_steps": len(steps), "oom_runs": len(ooms)}
         digests = [(r["digest"]["sha256"], ref_digests.get(r["repeat"])) for r in rs
@@ -324,10 +273,10 @@ def summarize(runs, modes):
         if mode == "ssdtrain":
             st = [x["stats"] for x in steps]
             s.update(engine=rs[0].get("engine", ""),
-                     offloaded_bytes_per_step=_median([x["offloaded_bytes"] for x in st]),
-                     kept_bytes_per_step=_median([x["kept_bytes"] for x in st]),
-                     stall_s_median=_median([x["stall_seconds"] for x in st]),
-                     prefetch_misses_median=_median([x["prefetch_misses"] for x in st]))
+                     offloaded_bytes_per_step=median([x["offloaded_bytes"] for x in st]),
+                     kept_bytes_per_step=median([x["kept_bytes"] for x in st]),
+                     stall_s_median=median([x["stall_seconds"] for x in st]),
+                     prefetch_misses_median=median([x["prefetch_misses"] for x in st]))
         summary[mode] = s
     ref = summary.get("none", {})
     for mode, s in summary.items():
@@ -380,39 +329,6 @@ def render_table(summary, modes):
     return "\n".join(lines)
 
 
-def _progress(total):
-    done = [0]
-
-    def write(msg):
-        print(f"[{done[0]}/{total}] {msg}", file=sys.stderr, flush=True)
-
-    def update(n=1):
-        done[0] += n
-
-    return update, write
-
-
-def run_worker(mode, repeat, cfg, env):
-    fd, out_path = tempfile.mkstemp(prefix=f"gpu_smoke-{mode}-", suffix=".json")
-    os.close(fd)
-    try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode,
-               "--worker-config", json.dumps(dict(cfg, repeat=repeat)), "--worker-out", out_path]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            return {"mode": mode, "repeat": repeat, "error": f"exit {proc.returncode}",
-                    "stderr": proc.stderr[-8000:], "wall_s": wall}
-        with open(out_path) as f:
-            result = json.load(f)
-        result["wall_s"] = wall
-        return result
-    finally:
-        os.unlink(out_path)
-
-
 def build_parser():
     p = argparse.ArgumentParser(
         description="Step time and peak GPU memory of a ~1B-parameter bf16 GPT on CUDA with no "
@@ -444,15 +360,10 @@ def build_parser():
                    help="where to write every raw number (default benchmarks/results/"
                         "gpu_smoke.json)")
     o = p.add_argument_group("ssdtrain (default: ssdtrain's defaults / SSDTRAIN_* variables)")
-    o.add_argument("--keep-tail-mib", type=float, help="OffloadConfig.keep_tail_bytes in MiB")
-    o.add_argument("--prefetch-mib", type=float, help="OffloadConfig.prefetch_bytes in MiB")
-    o.add_argument("--min-tensor-kib", type=float, help="OffloadConfig.min_tensor_bytes in KiB")
-    o.add_argument("--io-threads", type=int, help="OffloadConfig.io_threads")
+    add_offload_arguments(o)
     o.add_argument("--engine", help="OffloadConfig.engine")
     p.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--worker-config", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_worker_arguments(p, MODES)
     return p
 
 
@@ -471,47 +382,28 @@ def main(argv=None):
     if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("gpu_smoke: --steps and --repeats must be >= 1, --warmup >= 0")
 
-    preset = SMALL_MODEL if args.small else DEFAULT_MODEL
-    model = {k: (getattr(args, k) if getattr(args, k) is not None else v)
-             for k, v in preset.items()}
-    if args.small:
-        for k, v in SMALL_OFFLOAD.items():
-            if getattr(args, k) is None:
-                setattr(args, k, v)
+    model = model_from_args(args, SMALL_MODEL if args.small else DEFAULT_MODEL, SMALL_OFFLOAD,
+                            args.small)
     if model["d_model"] % model["n_heads"]:
         raise SystemExit("gpu_smoke: --d-model must be divisible by --n-heads")
-    offload = {
-        "keep_tail_bytes": None if args.keep_tail_mib is None else int(args.keep_tail_mib * MiB),
-        "prefetch_bytes": None if args.prefetch_mib is None else int(args.prefetch_mib * MiB),
-        "min_tensor_bytes": (None if args.min_tensor_kib is None
-                             else int(args.min_tensor_kib * 1024)),
-        "io_threads": args.io_threads, "engine": args.engine,
-    }
-    own_spill = args.spill_dir is None
-    spill_dir = tempfile.mkdtemp(prefix="ssdtrain-gpu-smoke-") if own_spill \
-        else os.path.abspath(args.spill_dir)
-    if not os.path.isdir(spill_dir):
-        raise SystemExit(f"gpu_smoke: --spill-dir {spill_dir!r} is not a directory")
+    offload = dict(offload_overrides(args), engine=args.engine)
+    spill_dir, own_spill = work_dir(args.spill_dir, "ssdtrain-gpu-smoke-", "gpu_smoke",
+                                    "--spill-dir")
     cfg = dict(model, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
                spill_dir=spill_dir, offload=offload, deterministic=args.deterministic,
                cpu_dry_run=args.cpu_dry_run)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in
-                                                       env.get("PYTHONPATH", "").split(os.pathsep)
-                                                       if p])
-    env.setdefault("PYTHONWARNINGS", "ignore")
+    env = worker_env(REPO_ROOT)
     if args.deterministic:
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    command = shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd())
-                          else sys.executable] + sys.argv)
+    command = command_line()
 
     runs = []
     total = args.repeats * len(args.modes)
-    update, write = _progress(total)
+    update, write, _ = progress(total, use_tqdm=False)
     try:
         for repeat in range(args.repeats):
             for mode in args.modes:
-                result = run_worker(mode, repeat, cfg, env)
+                result = run_worker(__file__, "gpu_smoke", mode, repeat, cfg, env)
                 runs.append(result)
                 if "error" in result:
                     write(f"repeat {repeat + 1} {mode}: FAILED ({result['error']})\n"
@@ -519,10 +411,10 @@ def main(argv=None):
                 elif "oom" in result:
                     write(f"repeat {repeat + 1} {mode}: out of memory")
                 else:
-                    st = [x["step_s"] for x in _measured(result)]
-                    pk = [x["peak_mem"] for x in _measured(result)]
+                    st = [x["step_s"] for x in measured(result)]
+                    pk = [x["peak_mem"] for x in measured(result)]
                     write(f"repeat {repeat + 1}/{args.repeats} {mode:<11} step "
-                          f"{_median(st):.3f} s, peak {_median(pk) / GiB:.2f} GiB "
+                          f"{median(st):.3f} s, peak {median(pk) / GiB:.2f} GiB "
                           f"({result['wall_s']:.0f} s wall)")
                 update(1)
     finally:
@@ -550,19 +442,13 @@ def main(argv=None):
     print(f"Machine: {platform.platform()}, python {platform.python_version()}, torch "
           f"{ok[0]['torch'] if ok else '?'}, device {json.dumps(device)}, spill_dir {spill_dir}")
     print(f"Command: {command}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"command": command, "model": model, "param_count": params,
+    return finish("gpu_smoke", args.json,
+                  {"command": command, "model": model, "param_count": params,
                    "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
                    "repeats": args.repeats, "modes": args.modes, "offload_overrides": offload,
                    "reference_repeats_bitwise": reference_repeats, "device": device,
-                   "summary": summary, "runs": runs}, f, indent=1)
-    print(f"JSON: {args.json}")
-    failed = [f"{r['mode']}#{r['repeat']}" for r in runs if "error" in r]
-    if failed:
-        print(f"gpu_smoke: runs failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+                   "summary": summary, "runs": runs},
+                  [f"{r['mode']}#{r['repeat']}" for r in runs if "error" in r])
 
 
 if __name__ == "__main__":

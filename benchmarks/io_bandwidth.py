@@ -73,11 +73,14 @@ import re
 import resource
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
+from _common import (  # noqa: E402
+    add_worker_arguments, command_line, finish, median, mount_of, progress, spawn_worker, work_dir,
+    worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "io_bandwidth.json")
@@ -150,17 +153,7 @@ def _device_sectors(device):
 
 def block_device_of(path):
     """The ``/proc/diskstats`` name of the block device holding ``path`` (``""`` if none)."""
-    try:
-        with open("/proc/self/mounts") as f:
-            mounts = [line.split()[:2] for line in f if len(line.split()) >= 2]
-    except OSError:
-        return ""
-    path = os.path.realpath(path)
-    best, device = "", ""
-    for dev, point in mounts:
-        point = point.replace("\\040", " ")
-        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, device = point, dev
+    device = mount_of(path)[0]
     if not device.startswith("/dev/"):
         return ""
     name = os.path.basename(os.path.realpath(device))
@@ -583,34 +576,24 @@ def probe(cfg, out_path):
 
 # ----------------------------------------------------------------------------- parent side
 def _spawn(kind, cfg, env):
-    fd, out_path = tempfile.mkstemp(prefix=f"io_bandwidth-{kind}-", suffix=".json")
-    os.close(fd)
+    """One worker (or the probe) in a fresh process: its result, with what went wrong.
+
+    Unlike ``_common.run_worker``, a failed worker's partial result is kept: a
+    verification failure (exit 3) reads as ``DATA MISMATCH``.
+    """
+    proc, wall, text = spawn_worker(__file__, "io_bandwidth", kind, cfg, env)
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind,
-               "--worker-config", json.dumps(cfg), "--worker-out", out_path]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
-        wall = time.perf_counter() - t0
-        try:
-            with open(out_path) as f:
-                result = json.load(f) if os.path.getsize(out_path) else {}
-        except (OSError, ValueError):
-            result = {}
-        result.setdefault("config", kind)
-        result["wall_s"] = wall
-        if proc.returncode != 0:
-            verify = result.get("verify", {})
-            result["error"] = ("DATA MISMATCH" if verify and not verify.get("ok")
-                               else f"exit {proc.returncode}")
-            result["stderr"] = proc.stderr[-8000:]
-        return result
-    finally:
-        os.unlink(out_path)
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else float("nan")
+        result = json.loads(text) if text else {}
+    except ValueError:
+        result = {}
+    result.setdefault("config", kind)
+    result["wall_s"] = wall
+    if proc.returncode != 0:
+        verify = result.get("verify", {})
+        result["error"] = ("DATA MISMATCH" if verify and not verify.get("ok")
+                           else f"exit {proc.returncode}")
+        result["stderr"] = proc.stderr[-8000:]
+    return result
 
 
 def summarize(runs, configs):
@@ -630,10 +613,10 @@ def summarize(runs, configs):
             ps = [r["phases"][phase] for r in rs]
             gbs = [p["gb_per_s"] for p in ps]
             s[phase] = {
-                "gb_per_s_median": _median(gbs), "gb_per_s_min": min(gbs),
+                "gb_per_s_median": median(gbs), "gb_per_s_min": min(gbs),
                 "gb_per_s_max": max(gbs),
-                "cpu_s_per_gb_median": _median([p["cpu_s_per_gb"] for p in ps]),
-                "disk_over_logical_median": _median([p["disk_over_logical"] for p in ps]),
+                "cpu_s_per_gb_median": median([p["cpu_s_per_gb"] for p in ps]),
+                "disk_over_logical_median": median([p["disk_over_logical"] for p in ps]),
                 "disk_over_logical_min": min(p["disk_over_logical"] for p in ps),
                 "other_cpu_share_max": max(p["other_cpu_share"] for p in ps),
                 "other_device_bytes_max": max((p.get("other_device_bytes", 0) for p in ps)),
@@ -722,25 +705,6 @@ def check_targets(summary):
     return out
 
 
-def _progress(total):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None and sys.stderr.isatty():
-        bar = tqdm(total=total, unit="run", file=sys.stderr)
-        return bar.update, bar.write, bar.close
-    done = [0]
-
-    def update(n=1):
-        done[0] += n
-
-    def write(msg):
-        print(f"[{done[0]}/{total}] {msg}", file=sys.stderr, flush=True)
-
-    return update, write, lambda: None
-
-
 def build_parser():
     p = argparse.ArgumentParser(
         description="Sequential write+read bandwidth and CPU cost of ssdtrain's I/O engines "
@@ -782,9 +746,7 @@ def build_parser():
     p.add_argument("--json", default=DEFAULT_JSON,
                    help="where to write every raw number (default benchmarks/results/"
                         "io_bandwidth.json)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--worker-config", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_worker_arguments(p)
     p.add_argument("--inject-corruption", choices=CONFIGS, help=argparse.SUPPRESS)
     return p
 
@@ -809,22 +771,14 @@ def main(argv=None):
     elif not shutil.which(raw_tool):
         raise SystemExit(f"io_bandwidth: --raw-tool {raw_tool} is not installed")
 
-    own_dir = args.dir is None
-    directory = tempfile.mkdtemp(prefix="ssdtrain-iobench-") if own_dir \
-        else os.path.abspath(args.dir)
-    if not os.path.isdir(directory):
-        raise SystemExit(f"io_bandwidth: --dir {directory!r} is not a directory")
+    directory, own_dir = work_dir(args.dir, "ssdtrain-iobench-", "io_bandwidth", "--dir")
     free = shutil.disk_usage(directory).free
     if free < 2 * args.size:
         raise SystemExit(f"io_bandwidth: {directory} has {free / GiB:.1f} GiB free; need 2x "
                          f"--size ({2 * args.size / GiB:.1f} GiB). Use a smaller --size or "
                          f"another --dir.")
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in
-                                                       env.get("PYTHONPATH", "").split(os.pathsep)
-                                                       if p])
-    env.setdefault("PYTHONWARNINGS", "ignore")  # torch warns when NumPy is absent
+    env = worker_env(REPO_ROOT)
     device = block_device_of(directory)
     cfg = {"size": args.size, "record_bytes": args.record_size, "dir": directory,
            "io_threads": args.io_threads, "chunk_bytes": args.chunk_size,
@@ -835,8 +789,7 @@ def main(argv=None):
            "with_deepspeed_aio": args.with_deepspeed_aio, "device": device,
            "configs": args.configs, "inject_corruption": args.inject_corruption}
 
-    command = shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd())
-                          else sys.executable] + sys.argv)
+    command = command_line()
     runs, skipped = [], {}
     try:
         probed = _spawn("probe", cfg, env)
@@ -878,7 +831,7 @@ def main(argv=None):
                   f"measured. Pass --dir on the SSD.", file=sys.stderr)
 
         total = args.repeats * len(configs)
-        update, write, close = _progress(total)
+        update, write, close = progress(total)
         try:
             for repeat in range(args.repeats):
                 k = repeat % max(1, len(configs))
@@ -935,18 +888,12 @@ def main(argv=None):
         for name, value, met in targets:
             print(f"- {name}: {value} -> {'met' if met else 'NOT met'}")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"command": command, "machine": machine, "settings": cfg,
+    return finish("io_bandwidth", args.json,
+                  {"command": command, "machine": machine, "settings": cfg,
                    "configs": configs, "skipped": skipped, "probe": probed,
                    "targets": [{"name": n, "value": v, "met": m} for n, v, m in targets],
-                   "summary": summary, "runs": runs}, f, indent=1)
-    print(f"JSON: {args.json}")
-    failed = [f"{r['config']}#{r['repeat']} ({r['error']})" for r in runs if "error" in r]
-    if failed:
-        print(f"io_bandwidth: runs failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+                   "summary": summary, "runs": runs},
+                  [f"{r['config']}#{r['repeat']} ({r['error']})" for r in runs if "error" in r])
 
 
 if __name__ == "__main__":

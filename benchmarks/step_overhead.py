@@ -42,28 +42,28 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import gc
-import hashlib
 import json
 import os
 import platform
 import resource
-import shlex
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
+from _common import (  # noqa: E402
+    add_offload_arguments, add_worker_arguments, command_line, digest, finish, jsonable_config,
+    measured, median, model_from_args, mount_of, offload_overrides, proc_status, progress,
+    reset_peak_rss, run_worker, stats_delta, work_dir, worker_env)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "step_overhead.json")
 MODES = ("none", "ssdtrain", "recompute", "torch_save", "save_on_cpu")
 MiB = 1 << 20
-KiB = 1 << 10
 
 # Targets from issue 2 (reported, never asserted).
 TARGET_STEP_RATIO = 1.05
@@ -90,35 +90,18 @@ MODE_NOTES = {
 
 
 # --------------------------------------------------------------------------- /proc readers
-def _proc_status(*keys):
-    """The ``/proc/self/status`` fields ``keys`` (kB values), in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name in keys:
-                out[name] = int(rest.split()[0]) * 1024
-    return out
-
-
-def _reset_peak_rss():
-    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def _hwm_reset_works():
     """Whether resetting ``VmHWM`` works here: raise the peak by 64 MiB, free, reset, compare."""
     block = bytearray(64 * MiB)
     for i in range(0, len(block), 4096):
         block[i] = 1
     del block
-    before = _proc_status("VmHWM", "VmRSS")
+    before = proc_status("VmHWM", "VmRSS")
     try:
-        _reset_peak_rss()
+        reset_peak_rss()
     except OSError:
         return False
-    after = _proc_status("VmHWM", "VmRSS")
+    after = proc_status("VmHWM", "VmRSS")
     return before["VmHWM"] - before["VmRSS"] > 32 * MiB and \
         after["VmHWM"] - after["VmRSS"] < 8 * MiB
 
@@ -173,41 +156,11 @@ def _io_threads_cpu_seconds():
 
 def filesystem_of(path):
     """``(fstype, device, mount point)`` of the file system holding ``path``."""
-    try:
-        with open("/proc/self/mounts") as f:
-            mounts = [line.split()[:3] for line in f if len(line.split()) >= 3]
-    except OSError:
-        return "", "", ""
-    path = os.path.realpath(path)
-    best = ("", "", "")
-    for device, point, fstype in mounts:
-        point = point.replace("\\040", " ")
-        if (path == point or path.startswith(point.rstrip("/") + "/")) \
-                and len(point) >= len(best[2]):
-            best = (fstype, device, point)
-    return best
+    device, point, fstype = mount_of(path)
+    return fstype, device, point
 
 
 # ----------------------------------------------------------------------------------- worker
-def _digest(loss, model):
-    """SHA-256 of the loss and of each gradient (by name): bitwise equality, cheaply."""
-    def sha(t):
-        t = t.detach().contiguous()
-        h = hashlib.sha256(str((t.dtype, tuple(t.shape))).encode())
-        n = t.numel() * t.element_size()
-        if n:
-            h.update(memoryview((ctypes.c_char * n).from_address(t.data_ptr())))
-        return h.hexdigest()
-
-    grads = {name: (sha(p.grad) if p.grad is not None else None)
-             for name, p in model.named_parameters()}
-    total = hashlib.sha256(sha(loss).encode())
-    for name in sorted(grads):
-        total.update(f"{name}={grads[name]}".encode())
-    return {"loss": float(loss), "loss_sha256": sha(loss), "sha256": total.hexdigest(),
-            "grads": grads}
-
-
 class _TorchSaveHooks:
     """A naive synchronous offload: one ``torch.save`` file per large saved tensor."""
 
@@ -268,12 +221,6 @@ def _eligible_storages(model, idx, targets, min_bytes):
     return len(seen), sum(seen.values())
 
 
-def _stats_delta(after, before):
-    """Per-step ``Stats``: counters as differences; ``peak_resident_bytes`` (a maximum) as is."""
-    return {k: (v if k == "peak_resident_bytes" else v - before[k]) for k, v in after.items()
-            if isinstance(v, (int, float))}
-
-
 def _inspect_records(off):
     """After forward: the records ssdtrain holds for this step (internals, read-only)."""
     store = off._store
@@ -316,8 +263,7 @@ def worker(mode, cfg, out_path):
     off = saver = scratch = None
     if mode == "ssdtrain":
         off = ssdtrain.Offloader(offload_cfg)
-        result["offload_config"] = {k: (v if isinstance(v, (int, float, str, type(None))) else
-                                        str(v)) for k, v in dataclasses.asdict(off.config).items()}
+        result["offload_config"] = jsonable_config(off.config)
         result["engine"] = off.stats().engine
         context = lambda: off  # noqa: E731
     elif mode == "torch_save":
@@ -343,8 +289,8 @@ def worker(mode, cfg, out_path):
             io0, cpu0, machine0 = _proc_io(), os.times(), _machine_cpu_seconds()
             usage0 = resource.getrusage(resource.RUSAGE_SELF)
             main0, iocpu0 = time.thread_time(), _io_threads_cpu_seconds()
-            _reset_peak_rss()
-            rss0 = _proc_status("VmRSS")["VmRSS"]
+            reset_peak_rss()
+            rss0 = proc_status("VmRSS")["VmRSS"]
 
             t0 = time.perf_counter()
             with context():
@@ -358,7 +304,7 @@ def worker(mode, cfg, out_path):
             loss.backward()
             t2 = time.perf_counter()
 
-            mem = _proc_status("VmHWM", "VmRSS")
+            mem = proc_status("VmHWM", "VmRSS")
             main1, iocpu1 = time.thread_time(), _io_threads_cpu_seconds()
             io1, cpu1, machine1 = _proc_io(), os.times(), _machine_cpu_seconds()
             usage1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -382,7 +328,7 @@ def worker(mode, cfg, out_path):
                 rec["files_written"] = saver.files
                 saver.files = 0
             if off is not None:
-                st = _stats_delta(dataclasses.asdict(off.stats()), stats0)
+                st = stats_delta(dataclasses.asdict(off.stats()), stats0)
                 writes = [r.writes for r in records]
                 rec.update(
                     written_bytes=st["offloaded_bytes"], stats=st,
@@ -396,7 +342,7 @@ def worker(mode, cfg, out_path):
                     bytes_of_unwritten_records=sum(r.nbytes for r in records if not r.writes))
                 del records
             if step == 1:
-                result["digest"] = _digest(loss, model)
+                result["digest"] = digest(loss, model.named_parameters(), loss_sha256=True)
             del loss
             result["steps"].append(rec)
 
@@ -417,14 +363,6 @@ def worker(mode, cfg, out_path):
 
 
 # ----------------------------------------------------------------------------------- parent
-def _median(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _measured(run):
-    return [s for s in run["steps"] if not s["warmup"]]
-
-
 def _timed(steps, max_other):
     """The steps whose timing other processes did not disturb (all of them if none is clean).
 
@@ -448,26 +386,26 @@ def summarize(runs, modes, max_other=1.0):
                    if "digest" in r}
     summary = {}
     for mode, rs in by_mode.items():
-        steps = [s for r in rs for s in _measured(r)]
+        steps = [s for r in rs for s in measured(r)]
         if not steps:
             summary[mode] = {"failed": True}
             continue
         timed = _timed(steps, max_other)
         s = {
-            "step_s_median": _median([x["step_s"] for x in timed]),
-            "forward_s_median": _median([x["forward_s"] for x in timed]),
-            "backward_s_median": _median([x["backward_s"] for x in timed]),
+            "step_s_median": median([x["step_s"] for x in timed]),
+            "forward_s_median": median([x["forward_s"] for x in timed]),
+            "backward_s_median": median([x["backward_s"] for x in timed]),
             "timed_steps": sum(x.get("other_cpu_share", 0.0) <= max_other for x in steps),
             "measured_steps": len(steps),
-            "repeat_step_s_medians": [_median([x["step_s"] for x in _timed(_measured(r),
+            "repeat_step_s_medians": [median([x["step_s"] for x in _timed(measured(r),
                                                                            max_other)])
                                       for r in rs],
-            "peak_rss_delta_median": _median([x["peak_rss_delta"] for x in steps]),
-            "written_bytes_per_step": _median([x["written_bytes"] for x in steps]),
-            "disk_write_bytes_per_step": _median([x["disk_write_bytes"] for x in steps]),
-            "process_cpu_s_median": _median([x["process_cpu_s"] for x in steps]),
-            "other_cpu_s_median": _median([x["other_cpu_s"] for x in steps]),
-            "other_cpu_share_median": _median([(x["other_cpu_s"] + x["steal_cpu_s"])
+            "peak_rss_delta_median": median([x["peak_rss_delta"] for x in steps]),
+            "written_bytes_per_step": median([x["written_bytes"] for x in steps]),
+            "disk_write_bytes_per_step": median([x["disk_write_bytes"] for x in steps]),
+            "process_cpu_s_median": median([x["process_cpu_s"] for x in steps]),
+            "other_cpu_s_median": median([x["other_cpu_s"] for x in steps]),
+            "other_cpu_share_median": median([(x["other_cpu_s"] + x["steal_cpu_s"])
                                                / (x["step_s"] * (os.cpu_count() or 1))
                                                for x in steps]),
             "param_bytes": rs[0]["param_bytes"],
@@ -490,16 +428,16 @@ def summarize(runs, modes, max_other=1.0):
         if mode == "ssdtrain":
             st = [x["stats"] for x in steps]
             s.update(
-                stall_s_median=_median([x["stall_seconds"] for x in st]),
-                prefetch_hits_median=_median([x["prefetch_hits"] for x in st]),
-                prefetch_misses_median=_median([x["prefetch_misses"] for x in st]),
-                forwarded_median=_median([x["forwarded"] for x in st]),
-                kept_bytes_median=_median([x["kept_bytes"] for x in st]),
-                unique_bytes_median=_median([x["unique_bytes"] for x in st]),
+                stall_s_median=median([x["stall_seconds"] for x in st]),
+                prefetch_hits_median=median([x["prefetch_hits"] for x in st]),
+                prefetch_misses_median=median([x["prefetch_misses"] for x in st]),
+                forwarded_median=median([x["forwarded"] for x in st]),
+                kept_bytes_median=median([x["kept_bytes"] for x in st]),
+                unique_bytes_median=median([x["unique_bytes"] for x in st]),
                 peak_resident_bytes=max(r.get("final_stats", {}).get("peak_resident_bytes", 0)
                                         for r in rs),
-                io_threads_cpu_s_median=_median([x["io_threads_cpu_s"] for x in steps]),
-                main_thread_cpu_s_median=_median([x["main_thread_cpu_s"] for x in steps]),
+                io_threads_cpu_s_median=median([x["io_threads_cpu_s"] for x in steps]),
+                main_thread_cpu_s_median=median([x["main_thread_cpu_s"] for x in steps]),
                 records_per_step=sorted({x["records"] for x in steps}),
                 record_storages_per_step=sorted({x["record_storages"] for x in steps}),
                 max_writes_per_record=max(x["max_writes_per_record"] for x in steps),
@@ -530,8 +468,8 @@ def check_targets(runs, summary, max_other=1.0):
     by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
     for (mode, rep), r in by.items():
         if mode == "ssdtrain" and ("none", rep) in by:
-            a = _median([x["step_s"] for x in _timed(_measured(r), max_other)])
-            b = _median([x["step_s"] for x in _timed(_measured(by[("none", rep)]), max_other)])
+            a = median([x["step_s"] for x in _timed(measured(r), max_other)])
+            b = median([x["step_s"] for x in _timed(measured(by[("none", rep)]), max_other)])
             paired.append(a / b)
     reliable = s["timed_steps"] > 0 and ref["timed_steps"] > 0
     out.append((f"step time <= {TARGET_STEP_RATIO:.2f}x none",
@@ -602,47 +540,6 @@ def render_table(summary, modes):
     return "\n".join(lines)
 
 
-def _progress(total):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None and sys.stderr.isatty():
-        bar = tqdm(total=total, unit="run", file=sys.stderr)
-        return bar.update, bar.write, bar.close
-
-    done = [0]
-
-    def update(n=1):
-        done[0] += n
-
-    def write(msg):
-        print(f"[{done[0]}/{total}] {msg}", file=sys.stderr, flush=True)
-
-    return update, write, lambda: None
-
-
-def run_worker(mode, repeat, cfg, env):
-    fd, out_path = tempfile.mkstemp(prefix=f"step_overhead-{mode}-", suffix=".json")
-    os.close(fd)
-    try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode,
-               "--worker-config", json.dumps(dict(cfg, repeat=repeat)), "--worker-out", out_path]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            return {"mode": mode, "repeat": repeat, "error": f"exit {proc.returncode}",
-                    "stderr": proc.stderr[-8000:], "wall_s": wall}
-        with open(out_path) as f:
-            result = json.load(f)
-        result["wall_s"] = wall
-        return result
-    finally:
-        os.unlink(out_path)
-
-
 def build_parser():
     p = argparse.ArgumentParser(
         description="Step time and peak memory of a GPT training step under each way of holding "
@@ -677,14 +574,9 @@ def build_parser():
                    help="where to write every raw number (default benchmarks/results/"
                         "step_overhead.json)")
     o = p.add_argument_group("ssdtrain (default: ssdtrain's own defaults / SSDTRAIN_* variables)")
-    o.add_argument("--keep-tail-mib", type=float, help="OffloadConfig.keep_tail_bytes in MiB")
-    o.add_argument("--prefetch-mib", type=float, help="OffloadConfig.prefetch_bytes in MiB")
-    o.add_argument("--min-tensor-kib", type=float,
-                   help="OffloadConfig.min_tensor_bytes in KiB (also torch_save's threshold)")
-    o.add_argument("--io-threads", type=int, help="OffloadConfig.io_threads")
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--worker-config", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_offload_arguments(o, "OffloadConfig.min_tensor_bytes in KiB (also torch_save's "
+                             "threshold)")
+    add_worker_arguments(p, MODES)
     return p
 
 
@@ -696,37 +588,19 @@ def main(argv=None):
     if args.steps < 1 or args.repeats < 1:
         raise SystemExit("step_overhead: --steps and --repeats must be >= 1")
 
-    preset = TINY_MODEL if args.tiny else DEFAULT_MODEL
-    model = {k: (getattr(args, k) if getattr(args, k) is not None else v)
-             for k, v in preset.items()}
-    if args.tiny:
-        for k, v in TINY_OFFLOAD.items():
-            if getattr(args, k) is None:
-                setattr(args, k, v)
-    offload = {
-        "keep_tail_bytes": None if args.keep_tail_mib is None else int(args.keep_tail_mib * MiB),
-        "prefetch_bytes": None if args.prefetch_mib is None else int(args.prefetch_mib * MiB),
-        "min_tensor_bytes": None if args.min_tensor_kib is None else int(args.min_tensor_kib * KiB),
-        "io_threads": args.io_threads,
-    }
-    own_spill = args.spill_dir is None
-    spill_dir = tempfile.mkdtemp(prefix="ssdtrain-bench-") if own_spill \
-        else os.path.abspath(args.spill_dir)
-    if not os.path.isdir(spill_dir):
-        raise SystemExit(f"step_overhead: --spill-dir {spill_dir!r} is not a directory")
+    model = model_from_args(args, TINY_MODEL if args.tiny else DEFAULT_MODEL, TINY_OFFLOAD,
+                            args.tiny)
+    offload = offload_overrides(args)
+    spill_dir, own_spill = work_dir(args.spill_dir, "ssdtrain-bench-", "step_overhead",
+                                    "--spill-dir")
     cfg = dict(model, steps=args.steps, threads=args.threads, spill_dir=spill_dir, offload=offload)
 
-    env = dict(os.environ)
+    env = worker_env(REPO_ROOT)
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the OS: RSS is meaningful
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(args.threads)
-    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in
-                                                       env.get("PYTHONPATH", "").split(os.pathsep)
-                                                       if p])
-    env.setdefault("PYTHONWARNINGS", "ignore")  # torch warns when NumPy is absent
 
-    command = shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd())
-                          else sys.executable] + sys.argv)
+    command = command_line()
     fstype, device, mount = filesystem_of(spill_dir)
     machine = {"cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
                "python": platform.python_version(), "platform": platform.platform(),
@@ -735,20 +609,20 @@ def main(argv=None):
 
     runs = []
     total = args.repeats * len(args.modes)
-    update, write, close = _progress(total)
+    update, write, close = progress(total)
     try:
         for repeat in range(args.repeats):
             for mode in args.modes:
-                result = run_worker(mode, repeat, cfg, env)
+                result = run_worker(__file__, "step_overhead", mode, repeat, cfg, env)
                 runs.append(result)
                 if "error" in result:
                     write(f"repeat {repeat + 1} {mode}: FAILED ({result['error']})\n"
                           f"{result['stderr']}")
                 else:
-                    st = [x["step_s"] for x in _measured(result)]
-                    pk = [x["peak_rss_delta"] for x in _measured(result)]
+                    st = [x["step_s"] for x in measured(result)]
+                    pk = [x["peak_rss_delta"] for x in measured(result)]
                     write(f"repeat {repeat + 1}/{args.repeats} {mode:<11} step "
-                          f"{_median(st):.3f} s, peak RSS delta {_median(pk) / MiB:.0f} MiB "
+                          f"{median(st):.3f} s, peak RSS delta {median(pk) / MiB:.0f} MiB "
                           f"({result['wall_s']:.0f} s wall)")
                 update(1)
     finally:
@@ -798,19 +672,13 @@ def main(argv=None):
             verdict = "unknown (contended)" if met is None else "met" if met else "NOT met"
             print(f"- {name}: {value} -> {verdict}")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"command": command, "machine": machine, "model": model,
+    return finish("step_overhead", args.json,
+                  {"command": command, "machine": machine, "model": model,
                    "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
                    "offload_overrides": offload, "modes": args.modes,
                    "targets": [{"name": n, "value": v, "met": m} for n, v, m in targets],
-                   "summary": summary, "runs": runs}, f, indent=1)
-    print(f"JSON: {args.json}")
-    failed = [f"{r['mode']}#{r['repeat']}" for r in runs if "error" in r]
-    if failed:
-        print(f"step_overhead: runs failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+                   "summary": summary, "runs": runs},
+                  [f"{r['mode']}#{r['repeat']}" for r in runs if "error" in r])
 
 
 if __name__ == "__main__":
