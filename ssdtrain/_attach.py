@@ -30,6 +30,20 @@ opened it is no longer on the stack) and closed with a warning, and
 :meth:`Offloader.detach` closes it too.
 """
 
+# NOTE [ Attach and torch.compile ]
+#
+# A compiled forward runs as one autograd Function (AOTAutograd's CompiledFunction)
+# whose save_for_backward goes through the saved-tensor hooks active when it *runs*,
+# so a pass around a compiled call offloads what the compiled graph saves (which the
+# partitioner chooses: it may recompute cheap ops instead). The hooks that open and
+# end the pass, though, must run eagerly: when they sit on a module that Dynamo
+# traces (attach(model) then torch.compile(model), or model.compile()), Dynamo would
+# try to trace begin_forward and fail on the first builtin it cannot (fullgraph=True
+# raises, the default mode graph-breaks noisily). They are wrapped in
+# torch.compiler.disable, which Dynamo runs as-is. Checked on torch 2.13 with
+# fullgraph=True in all three placements (tests/test_compile.py). The price: importing
+# torch._dynamo (~2 s) the first time attach() is called, never at `import ssdtrain`.
+
 import logging
 import sys
 import threading
@@ -112,8 +126,7 @@ class Attachment:
         self.passes = 0          # passes opened (for tests and logs)
         # prepend=False: framework pre-hooks registered before us (FSDP2's unshard) run
         # first, so the parameters recorded below are the ones forward will use.
-        # Under torch.compile the hooks must run eagerly, not be traced: see
-        # NOTE [ torch.compile ] in docs/frameworks.md.
+        # See NOTE [ Attach and torch.compile ].
         disable = torch.compiler.disable
         self._handles = [
             module.register_forward_pre_hook(disable(self._pre_forward)),

@@ -152,3 +152,32 @@ def test_generate_eval_and_no_grad_are_untouched(make_offloader):
 def test_callback_rejects_offloader_and_fields(make_offloader):
     with pytest.raises(ssdtrain.ConfigError, match="offloader and config"):
         SSDTrainCallback(make_offloader(), min_tensor_bytes=0)
+
+
+def test_accelerate_loop(make_offloader):
+    """A plain ``accelerate`` loop: ``attach`` on the prepared model, no other change."""
+    from accelerate import Accelerator
+
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+
+    def run(off=None):
+        model = hf_finetune.build_model(**DIMS)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        acc = Accelerator(cpu=True)
+        model, opt = acc.prepare(model, opt)
+        if off is not None:
+            off.attach(model)
+        out = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+        return out
+
+    ref = run()
+    off = make_offloader(min_tensor_bytes="16KiB", keep_tail_bytes=0)
+    _assert_equal_runs(ref, run(off))
+    off.wait()
+    assert off._attachments[0].passes == 2 and off.stats().offloaded_bytes > 0
