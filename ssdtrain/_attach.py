@@ -90,7 +90,7 @@ def _call_frame():
     if _CALL_IMPL_CODE is None:
         return None
     f = sys._getframe(2)
-    for _ in range(8):  # the hook is called from _call_impl or from a closure inside it
+    for _ in range(16):  # the hook runs in _call_impl, a closure in it, and wrappers
         if f is None:
             return None
         if f.f_code is _CALL_IMPL_CODE:
