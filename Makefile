@@ -13,7 +13,7 @@ PYTHON         ?= python3
 VENV           ?= .venv
 TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
-EXTRAS         ?= test,bench,megatron,deepspeed
+EXTRAS         ?= test,bench,megatron,deepspeed,hf
 PYTEST_ARGS    ?=
 CXX            ?= g++
 

@@ -300,6 +300,71 @@ class Offloader:
         return f"<ssdtrain.Offloader {state} engine={self._stats.engine} " \
                f"spill_dir={self.config.spill_dir}>"
 
+    # ------------------------------------------------------- attach (issue 7)
+    _attachments = ()  # Attachment objects (ssdtrain/_attach.py), one per attached module
+
+    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Offload every training forward of ``model`` without touching the training loop.
+
+        Registers a forward pre-hook and an always-called forward hook on ``model``:
+        each outermost call in train mode with grad enabled runs as one pass, as if
+        wrapped in ``with offloader:``. Calls in eval mode, under ``torch.no_grad()`` or
+        ``torch.inference_mode()`` (so ``generate()``), nested calls, and calls inside
+        an open pass or another saved-tensor hooks context run untouched. A forward that
+        raises still ends its pass. Gradient accumulation works (each forward is a pass).
+
+        Args:
+            model: the top module the trainer calls (a ``PreTrainedModel``, a
+                ``PeftModel``, an ``FSDPModule``, a ``torch.compile`` result...).
+
+        Returns:
+            ``model`` itself, so ``Trainer(model=off.attach(model))`` reads in one line.
+
+        Raises:
+            SSDTrainError: ``model`` is not an ``nn.Module`` or is already attached to
+                this offloader.
+            OffloaderClosedError: the offloader is closed.
+
+        Example::
+
+            off = ssdtrain.Offloader(spill_dir="/nvme/ssdtrain")
+            off.attach(model)
+            for batch in data:            # or trainer.train()
+                model(batch).backward()
+            off.detach()
+        """
+        from ._attach import Attachment
+        if not isinstance(model, torch.nn.Module):
+            raise SSDTrainError(f"ssdtrain: attach() needs a torch.nn.Module, got "
+                                f"{type(model).__name__}; pass the model the trainer calls.")
+        if self.closed:
+            from ._errors import OffloaderClosedError
+            raise OffloaderClosedError("ssdtrain: attach() on a closed Offloader; create a new one.")
+        if any(a.module is model for a in self._attachments):
+            raise SSDTrainError(f"ssdtrain: this {type(model).__name__} is already attached to "
+                                f"this Offloader; attach it once (detach() first to re-attach).")
+        self._attachments = [*self._attachments, Attachment(self, model)]
+        return model
+
+    def detach(self, model: torch.nn.Module = None) -> None:
+        """Remove the hooks :meth:`attach` registered (on ``model``, or on every module).
+
+        A pass left open by a forward interrupted with a ``BaseException`` (e.g.
+        ``KeyboardInterrupt``, which skips forward hooks) is closed first. Detaching a
+        module that is not attached does nothing. The offloader stays usable; tensors
+        saved before keep working in backward until :meth:`close`.
+
+        Args:
+            model: the module to detach; ``None`` (default) detaches every module.
+        """
+        keep = []
+        for a in self._attachments:
+            if model is None or a.module is model or a.module is None:
+                a.remove()
+            else:
+                keep.append(a)
+        self._attachments = keep
+
 
 def offload(config: OffloadConfig = None, **overrides) -> Offloader:
     """A new :class:`Offloader`; the one-shot form of ``Offloader(config, **overrides)``.

@@ -1,0 +1,94 @@
+"""Hugging Face ``transformers.Trainer`` adapter: offload activations with one callback.
+
+``Trainer`` owns the training loop, so no ``with offloader:`` can be put around its
+forward passes. :class:`SSDTrainCallback` attaches an :class:`~ssdtrain.Offloader`
+to the model when training begins (:meth:`ssdtrain.Offloader.attach`: every
+training forward becomes one offloaded pass; evaluation and ``generate()`` run under
+``no_grad`` and are left alone), adds ssdtrain's counters to the Trainer's logs, and
+detaches at the end. PEFT models (LoRA...) work the same way: the frozen base
+weights are parameters and are never offloaded.
+
+Example::
+
+    from ssdtrain.integrations.hf import SSDTrainCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[SSDTrainCallback(spill_dir="/nvme/ssdtrain")])
+    trainer.train()
+
+Needs ``pip install ssdtrain[hf]``. Tested with transformers 5.23, peft 0.21 and
+accelerate 1.15 (``tests/test_hf.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import TrainerCallback
+
+import ssdtrain
+
+__all__ = ["SSDTrainCallback"]
+
+log = logging.getLogger("ssdtrain")
+
+
+class SSDTrainCallback(TrainerCallback):
+    """Attaches an :class:`~ssdtrain.Offloader` to the Trainer's model while it trains.
+
+    Args:
+        offloader: the offloader to attach; the callback then leaves it open at the end
+            of training (you own it). ``None`` (default): the callback creates one from
+            ``config``/``overrides`` at ``on_train_begin`` and closes it at
+            ``on_train_end``.
+        config: an :class:`~ssdtrain.OffloadConfig` for the offloader the callback
+            creates; ``None`` (default) reads ``SSDTRAIN_*`` environment variables.
+        log_stats: add ``ssdtrain/*`` counters (MiB offloaded, read, peak resident,
+            prefetch misses, stall seconds; cumulative) to every Trainer log. Default True.
+        **overrides: :class:`~ssdtrain.OffloadConfig` fields for the offloader it creates.
+
+    Raises:
+        ConfigError: ``offloader`` is given together with ``config`` or ``overrides``.
+    """
+
+    def __init__(self, offloader: ssdtrain.Offloader = None, config: ssdtrain.OffloadConfig = None,
+                 *, log_stats: bool = True, **overrides):
+        if offloader is not None and (config is not None or overrides):
+            raise ssdtrain.ConfigError("ssdtrain: SSDTrainCallback got an offloader and config "
+                                       "fields; configure the offloader you pass, or pass only "
+                                       "the fields.")
+        self.offloader = offloader
+        self._owned = offloader is None
+        self._config, self._overrides = config, overrides
+        self._log_stats = log_stats
+        self._model = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ssdtrain.SSDTrainError("ssdtrain: SSDTrainCallback.on_train_begin got no model; "
+                                         "it must be used as a transformers.Trainer callback.")
+        if self.offloader is None or (self._owned and self.offloader.closed):
+            self.offloader = ssdtrain.Offloader(self._config, **self._overrides)
+        self.offloader.attach(model)
+        self._model = model
+        log.info("ssdtrain: attached to %s (%r)", type(model).__name__, self.offloader)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._log_stats or logs is None or self.offloader is None \
+                or self.offloader.closed:
+            return
+        s = self.offloader.stats()
+        mib = 1 << 20
+        logs["ssdtrain/offloaded_mib"] = round(s.offloaded_bytes / mib, 3)
+        logs["ssdtrain/read_mib"] = round(s.bytes_read / mib, 3)
+        logs["ssdtrain/peak_resident_mib"] = round(s.peak_resident_bytes / mib, 3)
+        logs["ssdtrain/prefetch_misses"] = s.prefetch_misses
+        logs["ssdtrain/stall_s"] = round(s.stall_seconds + s.write_stall_seconds, 4)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.offloader is None or self._model is None:
+            return
+        self.offloader.detach(self._model)
+        self._model = None
+        log.info("ssdtrain: %s", self.offloader.stats().summary())
+        if self._owned:
+            self.offloader.close()
