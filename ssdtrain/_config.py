@@ -21,6 +21,8 @@ GiB = 1 << 30
 ENGINES = ("auto", "kvikio", "native", "posix")
 # Engines planned but not part of this build yet; named so the error can say so.
 DIRECT_IO_MODES = ("auto", "on", "off")
+SPILL_ERROR_ACTIONS = ("raise", "keep")
+SPILL_FULL_ACTIONS = ("keep", "raise")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -130,6 +132,27 @@ class OffloadConfig:
     """Longest wait for one I/O request before a :class:`~ssdtrain.SpillIOError` names the
     record and the file. Default 600 s."""
 
+    on_spill_error: str = "raise"
+    """What a failed write does (full or failing device, file size limit, quota):
+    ``"raise"``: a :class:`~ssdtrain.SpillIOError` at the next pack, at the end of
+    forward, or at the latest when backward needs the record. ``"keep"``: the record
+    stays in memory (its bytes were never released), a warning is logged once per
+    offloader, and training goes on exactly, using more memory; the failure is
+    counted in :attr:`Stats.spill_errors`. A failed *read* always raises: by then the
+    memory is gone. Default ``"raise"``."""
+
+    max_spill_bytes: Optional[int] = None
+    """Disk budget: most bytes of spill-file slots in use at once, over all directories
+    (counted in whole 4 KiB blocks). A record whose write would go beyond it is handled
+    as ``on_spill_full`` says. Default ``None``: no budget (the device's free space is
+    the limit, and a full device is a write error, see ``on_spill_error``)."""
+
+    on_spill_full: str = "keep"
+    """What a record beyond ``max_spill_bytes`` does: ``"keep"`` it in memory (counted
+    in :attr:`Stats.over_budget_bytes`; a warning is logged once per offloader) or
+    ``"raise"`` a :class:`~ssdtrain.SpillIOError` (errno ``ENOSPC``), like a failed
+    write: at the next pack, or at the end of forward. Default ``"keep"``."""
+
     def __post_init__(self):
         self.spill_dir = _normalize_dirs(self.spill_dir)
         for name in ("min_tensor_bytes", "prefetch_bytes", "keep_tail_bytes", "io_chunk_bytes",
@@ -156,6 +179,14 @@ class OffloadConfig:
                 or not self.io_timeout_s > 0:
             raise ConfigError(f"ssdtrain: io_timeout_s must be a number of seconds > 0, got "
                               f"{self.io_timeout_s!r}.")
+        if self.on_spill_error not in SPILL_ERROR_ACTIONS:
+            raise ConfigError(f"ssdtrain: on_spill_error must be one of {SPILL_ERROR_ACTIONS}, "
+                              f"got {self.on_spill_error!r}.")
+        if self.max_spill_bytes is not None:
+            self.max_spill_bytes = parse_bytes(self.max_spill_bytes, name="max_spill_bytes")
+        if self.on_spill_full not in SPILL_FULL_ACTIONS:
+            raise ConfigError(f"ssdtrain: on_spill_full must be one of {SPILL_FULL_ACTIONS}, "
+                              f"got {self.on_spill_full!r}.")
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -213,6 +244,8 @@ def _from_env_string(name, raw):
             raise ConfigError(f"ssdtrain: SSDTRAIN_VERIFY must be one of {sorted(_BOOLS)}, got "
                               f"{raw!r}.")
         return value
+    if name == "max_spill_bytes" and raw.strip().lower() in ("", "none"):
+        return None
     return raw  # byte fields parse strings themselves; engine/direct_io are names
 
 

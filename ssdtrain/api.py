@@ -58,6 +58,10 @@ class Stats:
     """Completed record reads."""
     engine: str = ""
     """The I/O engine in use."""
+    spill_errors: int = 0
+    """Failed writes whose records stayed in memory (``on_spill_error="keep"``)."""
+    over_budget_bytes: int = 0
+    """Bytes kept in memory because writing them would exceed ``max_spill_bytes``."""
 
     def summary(self) -> str:
         """One line for logs."""
