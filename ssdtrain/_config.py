@@ -73,7 +73,10 @@ class OffloadConfig:
     several directories, records are striped across them (one spill file each): give
     one directory per NVMe device. Must exist and be writable. Default ``None``: the
     ``SSDTRAIN_SPILL_DIR`` environment variable (``os.pathsep``-separated list) when
-    created through :meth:`from_env`, else the system temporary directory. A warning is
+    created through :meth:`from_env`, else ``ssdtrain-<uid>`` in the system temporary
+    directory, which ssdtrain creates with mode 0700. A spill directory must belong to
+    this user or root, and a world-writable one needs the sticky bit (as ``/tmp`` has);
+    a symbolic link is followed only if it belongs to this user or root. A warning is
     logged when it lies on tmpfs (RAM), where offloading frees nothing."""
 
     min_tensor_bytes: int = 256 * KiB

@@ -3,7 +3,6 @@
 import contextlib
 import dataclasses
 import logging
-import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -13,7 +12,7 @@ from . import _checksum
 from ._config import OffloadConfig
 from ._errors import ConfigError, SSDTrainError
 from ._policy import TRACKER
-from ._spill import SpillSet
+from ._spill import SpillSet, default_spill_dir
 from ._store import Store
 from .io import make_engine
 
@@ -121,7 +120,7 @@ class Offloader:
         elif overrides:
             config = config.replace(**overrides)
         if config.spill_dir is None:
-            config = config.replace(spill_dir=tempfile.gettempdir())
+            config = config.replace(spill_dir=default_spill_dir())
         if config.verify and not _checksum.available():
             _checksum.crc32c(0, 0)  # raises the ConfigError that says what to do
         self.config = config

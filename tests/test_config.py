@@ -299,6 +299,9 @@ def test_from_env_reads_every_field(tmp_path):
         "SSDTRAIN_IO_TIMEOUT_S": "2.5",
         "SSDTRAIN_WRITE_BEHIND_BYTES": "64MiB",
         "SSDTRAIN_VERIFY": "1",
+        "SSDTRAIN_ON_SPILL_ERROR": "keep",
+        "SSDTRAIN_MAX_SPILL_BYTES": "2GiB",
+        "SSDTRAIN_ON_SPILL_FULL": "raise",
         "PATH": "/nonexistent",           # other variables are ignored
         "XSSDTRAIN_ENGINE": "native",
     }
@@ -314,6 +317,8 @@ def test_from_env_reads_every_field(tmp_path):
     assert cfg.io_timeout_s == 2.5
     assert cfg.write_behind_bytes == 64 * MiB
     assert cfg.verify is True
+    assert (cfg.on_spill_error, cfg.max_spill_bytes, cfg.on_spill_full) == ("keep", 2 * GiB,
+                                                                            "raise")
     assert {f.name for f in dataclasses.fields(OffloadConfig)} == {
         k[len("SSDTRAIN_"):].lower() for k in environ if k.startswith("SSDTRAIN_")}
 
@@ -420,7 +425,8 @@ def test_offloader_without_config_reads_env_then_overrides(tmp_path, monkeypatch
 def test_offloader_default_spill_dir_is_tempdir():
     off = Offloader()
     try:
-        assert off.config.spill_dir == [os.path.abspath(tempfile.gettempdir())]
+        assert off.config.spill_dir == [os.path.join(os.path.abspath(tempfile.gettempdir()),
+                                                     f"ssdtrain-{os.geteuid()}")]
     finally:
         off.close()
 
