@@ -1,20 +1,20 @@
 #!/usr/bin/env python
 """What ``verify=True`` (CRC32C of every record, on write and on read) costs per step.
 
-Runs the ``ssdtrain`` mode of ``step_overhead.py`` (same GPT, same worker: a fresh
-process per run, a warm-up step, then ``--steps`` measured steps) with
-``SSDTRAIN_VERIFY=0`` and ``SSDTRAIN_VERIFY=1``, alternating within each repeat (the
-order flips every repeat) so drifts of the machine hit both alike. Steps that other
-processes disturbed are skipped as in ``step_overhead.py`` (NOTE [ Contention ]).
-Also times ``ssdtrain._C.crc32c`` alone over 256 MiB.
+One process, one GPT, two offloaders that differ only in ``verify``; training steps
+alternate between them in ABBA order (off, on, on, off, ...) so drifts of a shared
+machine hit both alike. Per step it records the wall time and the CPU time of the
+whole process (training thread + I/O threads: the checksums run on the I/O threads,
+so on a busy machine CPU time shows their cost more steadily than wall time). Also
+checks that both give bitwise-equal gradients, and times ``crc32c`` alone.
 
-Output: a markdown table on stdout, per-repeat ratios, and a JSON file with every raw
-number. Nothing here asserts a timing.
+Output: a markdown table on stdout and a JSON file with every raw number. Nothing here
+asserts a timing.
 
 Example::
 
-    PYTHONPATH=. .venv/bin/python benchmarks/verify_overhead.py              # ~6 min
-    PYTHONPATH=. .venv/bin/python benchmarks/verify_overhead.py --tiny --repeats 1 --steps 1
+    PYTHONPATH=. .venv/bin/python benchmarks/verify_overhead.py                 # ~5 min
+    PYTHONPATH=. .venv/bin/python benchmarks/verify_overhead.py --tiny --pairs 1
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step_overhead as so  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "verify_overhead.json")
+# ~0.5 GiB of fp32 activations per step, ~0.4 GiB of them offloaded with the defaults.
+MEDIUM = dict(d_model=512, n_layers=4, n_heads=8, seq_len=512, batch_size=4, vocab=8192)
+TINY = dict(d_model=64, n_layers=2, n_heads=2, seq_len=64, batch_size=2, vocab=256)
 
-DEFAULT_JSON = os.path.join(so.REPO_ROOT, "benchmarks", "results", "verify_overhead.json")
 
-
-def crc_throughput(nbytes=256 << 20, repeats=5):
+def crc_throughput(nbytes, repeats=5):
     """GB/s of ``ssdtrain._C.crc32c`` over an ``nbytes`` buffer (best of ``repeats``)."""
     import torch
     from ssdtrain import _checksum
-    if not _checksum.available():
-        return None
     buf = torch.ones(nbytes, dtype=torch.uint8)
     best = float("inf")
     for _ in range(repeats):
@@ -48,93 +47,105 @@ def crc_throughput(nbytes=256 << 20, repeats=5):
     return nbytes / best / 1e9
 
 
+def _progress(total):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, unit="step", file=sys.stderr)
+    except ImportError:
+        return None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny model (for the tests)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--engine", default="auto", help="OffloadConfig.engine (native or posix)")
-    p.add_argument("--spill-dir")
+    p.add_argument("--pairs", type=int, default=12, help="ABBA pairs of measured steps")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--engine", default="native", choices=["native", "posix"])
+    p.add_argument("--spill-dir", help="default: a new directory under the system tmp dir")
     p.add_argument("--json", default=DEFAULT_JSON)
     args = p.parse_args(argv)
 
-    model = dict(so.TINY_MODEL if args.tiny else so.DEFAULT_MODEL)
-    offload = {"keep_tail_bytes": None, "prefetch_bytes": None, "min_tensor_bytes": None,
-               "io_threads": None}
-    if args.tiny:
-        offload.update(min_tensor_bytes=4 * so.KiB, keep_tail_bytes=0)
-    own = args.spill_dir is None
-    spill_dir = tempfile.mkdtemp(prefix="ssdtrain-verify-") if own else args.spill_dir
-    cfg = dict(model, steps=args.steps, threads=args.threads, spill_dir=spill_dir,
-               offload=offload)
-    base_env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore",
-                    OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-                    SSDTRAIN_ENGINE=args.engine,
-                    PYTHONPATH=os.pathsep.join([so.REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
-    runs = []
-    update, write, close = so._progress(args.repeats * 2)
-    try:
-        for repeat in range(args.repeats):
-            order = (0, 1) if repeat % 2 == 0 else (1, 0)
-            for verify in order:
-                env = dict(base_env, SSDTRAIN_VERIFY=str(verify))
-                r = so.run_worker("ssdtrain", repeat, cfg, env)
-                r["verify"] = verify
-                runs.append(r)
-                if "error" in r:
-                    write(f"repeat {repeat + 1} verify={verify}: FAILED {r['error']}\n"
-                          f"{r['stderr']}")
-                else:
-                    st = [x["step_s"] for x in so._measured(r)]
-                    write(f"repeat {repeat + 1}/{args.repeats} verify={verify} step "
-                          f"{so._median(st):.3f} s [{r.get('engine')}]")
-                update(1)
-    finally:
-        close()
-        if own:
-            import shutil
-            shutil.rmtree(spill_dir, ignore_errors=True)
+    import torch
+    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    from gpt import GPT, GPTConfig, make_batch
+    import ssdtrain
+    from ssdtrain import _checksum
+    if not _checksum.available():
+        raise SystemExit("verify_overhead: needs ssdtrain._C (pip install -e .)")
 
-    ok = [r for r in runs if "error" not in r]
-    per = {0: [], 1: []}
+    torch.set_num_threads(args.threads)
+    shape = TINY if args.tiny else MEDIUM
+    cfg = GPTConfig(vocab_size=shape["vocab"], seq_len=shape["seq_len"],
+                    d_model=shape["d_model"], n_heads=shape["n_heads"],
+                    n_layers=shape["n_layers"])
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx, targets = make_batch(cfg, shape["batch_size"], torch.Generator().manual_seed(1))
+    spill = args.spill_dir or tempfile.mkdtemp(prefix="ssdtrain-verify-")
+    extra = dict(min_tensor_bytes=4096, keep_tail_bytes=0) if args.tiny else {}
+    offs = {v: ssdtrain.Offloader(spill_dir=spill, engine=args.engine, verify=v, **extra)
+            for v in (False, True)}
+
+    def step(verify):
+        model.zero_grad(set_to_none=True)
+        c0, t0 = time.process_time(), time.perf_counter()
+        with offs[verify]:
+            loss = model(idx, targets)
+        loss.backward()
+        offs[verify].wait()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    grads = {}
+    for v in (False, True):  # warm-up, and the equality check
+        step(v)
+        grads[v] = [q.grad.clone() for q in model.parameters()]
+    equal = all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+    samples = {False: [], True: []}
     pairs = []
-    for repeat in range(args.repeats):
-        med = {}
-        for r in ok:
-            if r["repeat"] == repeat:
-                st = [x["step_s"] for x in so._measured(r)]
-                if st:
-                    med[r["verify"]] = so._median(st)
-                    per[r["verify"]].append(med[r["verify"]])
-        if 0 in med and 1 in med:
-            pairs.append(med[1] / med[0])
-    gbps = crc_throughput(16 << 20 if args.tiny else 256 << 20)
-    engines = sorted({r.get("engine", "?") for r in ok})
-    summary = {
-        "command": " ".join([sys.executable] + sys.argv),
-        "model": model, "engines": engines,
-        "median_step_s": {str(k): (statistics.median(v) if v else None) for k, v in per.items()},
-        "per_repeat_ratio": pairs,
-        "median_ratio": statistics.median(pairs) if pairs else None,
-        "crc32c_gb_per_s": gbps,
-        "runs": runs,
-    }
-    print(f"| verify | median step (s) | runs |\n|---|---|---|")
-    for k in (0, 1):
-        v = per[k]
-        print(f"| {'on' if k else 'off'} | "
-              f"{statistics.median(v) if v else float('nan'):.3f} | {len(v)} |")
-    if pairs:
-        print(f"\nverify on / off, per repeat: {', '.join(f'{x:.3f}' for x in pairs)}; "
-              f"median {statistics.median(pairs):.3f} (engine {', '.join(engines)})")
-    if gbps:
-        print(f"crc32c alone: {gbps:.2f} GB/s on one thread")
+    bar = _progress(2 * args.pairs)
+    for i in range(args.pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        got = {}
+        for v in order:
+            got[v] = step(v)
+            samples[v].append(got[v])
+            if bar is not None:
+                bar.update(1)
+        pairs.append({"wall": got[True][0] / got[False][0], "cpu": got[True][1] / got[False][1]})
+    if bar is not None:
+        bar.close()
+    stats = {v: offs[v].stats() for v in offs}
+    for off in offs.values():
+        off.close()
+
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    wall = {v: med([s[0] for s in samples[v]]) for v in samples}
+    cpu = {v: med([s[1] for s in samples[v]]) for v in samples}
+    wall_ratio = med([q["wall"] for q in pairs])
+    cpu_ratio = med([q["cpu"] for q in pairs])
+    gbps = crc_throughput((16 if args.tiny else 256) << 20)
+    per_step = stats[True].offloaded_bytes / (args.pairs + 1)  # measured steps + warm-up
+    print("| verify | median step wall (s) | median step CPU (s) | engine |")
+    print("|---|---|---|---|")
+    for v in (False, True):
+        print(f"| {'on' if v else 'off'} | {wall[v]:.3f} | {cpu[v]:.3f} | {stats[v].engine} |")
+    print(f"\nverify on / off, median of {len(pairs)} ABBA pairs: wall {wall_ratio:.3f}, "
+          f"CPU {cpu_ratio:.3f}; gradients bitwise equal: {equal}")
+    print("per-pair wall ratios: " + ", ".join(f"{q['wall']:.3f}" for q in pairs))
+    print(f"crc32c alone: {gbps:.2f} GB/s on one thread; ~{per_step / 2**20:.0f} MiB written "
+          f"(and read back) per step")
+    out = {"command": " ".join([sys.executable] + sys.argv), "model": shape,
+           "engine": args.engine, "threads": args.threads, "grads_equal": equal,
+           "median_wall_s": {str(k): v for k, v in wall.items()},
+           "median_cpu_s": {str(k): v for k, v in cpu.items()},
+           "median_wall_ratio": wall_ratio, "median_cpu_ratio": cpu_ratio, "pairs": pairs,
+           "samples": {str(k): v for k, v in samples.items()}, "crc32c_gb_per_s": gbps}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+        json.dump(out, f, indent=1)
     print(f"raw numbers: {args.json}")
-    return 0 if ok else 1
+    return 0 if equal else 1
 
 
 if __name__ == "__main__":
