@@ -121,7 +121,7 @@ class Offloader:
             config = config.replace(**overrides)
         if config.spill_dir is None:
             config = config.replace(spill_dir=default_spill_dir())
-        if config.verify and not _checksum.available():
+        if config.verify is True and not _checksum.available():
             _checksum.crc32c(0, 0)  # raises the ConfigError that says what to do
         self.config = config
         self._stats = Stats()
@@ -130,10 +130,13 @@ class Offloader:
             engine = make_engine(config.engine, io_threads=config.io_threads,
                                  io_chunk_bytes=config.io_chunk_bytes,
                                  directories=[f.directory for f in spill.files],
-                                 verify=config.verify)
+                                 verify=config.verify is True)
         except BaseException:
             spill.close()
             raise
+        if config.verify == "auto":  # on wherever records pass through host memory
+            config = config.replace(verify=_checksum.available() and engine.name != "kvikio")
+            self.config = config
         backend = getattr(engine, "backend", None)
         self._stats.engine = engine.name + (f"({backend})" if backend else "") + \
             ("+O_DIRECT" if all(f.direct for f in spill.files) else "+buffered") + \

@@ -381,3 +381,28 @@ def test_fault_validation():
     assert not f.hits("write", 3)
     assert [n for n in range(1, 6) if Fault("write", "EIO", 2, None).hits("write", n)] == \
         [2, 3, 4, 5]
+
+
+# ---------------------------------------------------------- verify on by default
+@needs_crc
+@pytest.mark.parametrize("engine", ["native", "posix"])
+def test_verify_is_on_by_default(make_offloader, engine):
+    """verify="auto" resolves to on for the host-memory engines, and catches corruption
+    without being asked to (benchmarks/verify_overhead.py: ~1-2% of step time)."""
+    off = make_offloader(engine=engine, **DISK)
+    assert off.config.verify is True and off.stats().engine.endswith("+crc32c")
+    faulty.install(off, Fault("read", "corrupt"))
+    x = torch.randn(256, 256, requires_grad=True)
+    with off:
+        loss = (x * 2).sin().sum()
+        off.wait()
+    with pytest.raises(ssdtrain.IntegrityError, match="CRC32C"):
+        loss.backward()
+
+
+def test_verify_auto_is_off_without_the_native_module(make_offloader, monkeypatch):
+    monkeypatch.setattr(_checksum, "_C", None)
+    off = make_offloader(engine="posix", **DISK)
+    assert off.config.verify is False and not off.stats().engine.endswith("+crc32c")
+    with pytest.raises(ssdtrain.ConfigError, match="verify"):
+        make_offloader(engine="posix", verify=True)
