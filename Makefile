@@ -2,6 +2,7 @@
 #
 #   make test [PYTEST_ARGS="-k equivalence -x"]
 #   make demo | make bench | make clean | make distclean
+#   make soak [SOAK_STEPS=500]          500 steps: nothing may grow (tests/test_soak.py)
 #   make asan-test [ASAN_PYTEST_ARGS=...]   native engine under ASan+UBSan (see below)
 #
 # torch is installed first and only if the venv cannot import it, so a torch
@@ -23,7 +24,7 @@ STAMP := $(VENV)/.ssdtrain-installed
 
 .DEFAULT_GOAL := test
 .DELETE_ON_ERROR:
-.PHONY: venv test demo bench clean distclean asan-test
+.PHONY: venv test demo bench soak clean distclean asan-test
 
 # The native engine ssdtrain._C (csrc/) is built by the editable install below.
 NATIVE_SRCS := $(wildcard csrc/*.cpp csrc/engine/*.cpp csrc/engine/*.h)
@@ -55,6 +56,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/step_overhead.py
+
+SOAK_STEPS ?= 500
+soak: $(STAMP)
+	SOAK_STEPS=$(SOAK_STEPS) $(VPY) -m pytest tests/test_soak.py -m slow -q -p no:cacheprovider
 
 # asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
 #  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;

@@ -21,6 +21,8 @@ GiB = 1 << 30
 ENGINES = ("auto", "kvikio", "native", "posix")
 # Engines planned but not part of this build yet; named so the error can say so.
 DIRECT_IO_MODES = ("auto", "on", "off")
+SPILL_ERROR_ACTIONS = ("raise", "keep")
+SPILL_FULL_ACTIONS = ("keep", "raise")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -71,7 +73,10 @@ class OffloadConfig:
     several directories, records are striped across them (one spill file each): give
     one directory per NVMe device. Must exist and be writable. Default ``None``: the
     ``SSDTRAIN_SPILL_DIR`` environment variable (``os.pathsep``-separated list) when
-    created through :meth:`from_env`, else the system temporary directory. A warning is
+    created through :meth:`from_env`, else ``ssdtrain-<uid>`` in the system temporary
+    directory, which ssdtrain creates with mode 0700. A spill directory must belong to
+    this user or root, and a world-writable one needs the sticky bit (as ``/tmp`` has);
+    a symbolic link is followed only if it belongs to this user or root. A warning is
     logged when it lies on tmpfs (RAM), where offloading frees nothing."""
 
     min_tensor_bytes: int = 256 * KiB
@@ -120,15 +125,40 @@ class OffloadConfig:
     ``keep_tail_bytes + write_behind_bytes`` plus one record. Default 1 GiB; ``0``
     waits for every write before forward goes on (for debugging)."""
 
-    verify: bool = False
+    verify: Union[bool, str] = "auto"
     """Checksum every record (CRC32C, the SSE4.2 instruction where present) when it is
-    written and check it when it is read back; a mismatch or a truncated spill file
-    raises :class:`~ssdtrain.IntegrityError`. Needs ``ssdtrain._C`` (the native
-    module). Default ``False``."""
+    written and check it when it is read back; a mismatch raises
+    :class:`~ssdtrain.IntegrityError` (a truncated spill file does even without it).
+    ``True`` needs ``ssdtrain._C`` (the native module). ``"auto"``: on where
+    ``ssdtrain._C`` is built and the engine is ``native`` or ``posix``, off for
+    ``kvikio`` (device records never pass through host memory there); the
+    :class:`~ssdtrain.Offloader`'s ``config`` shows the outcome. Its measured cost is
+    about 1-2% of step time (``benchmarks/verify_overhead.py``). Default ``"auto"``."""
 
     io_timeout_s: float = 600.0
     """Longest wait for one I/O request before a :class:`~ssdtrain.SpillIOError` names the
     record and the file. Default 600 s."""
+
+    on_spill_error: str = "raise"
+    """What a failed write does (full or failing device, file size limit, quota):
+    ``"raise"``: a :class:`~ssdtrain.SpillIOError` at the next pack, at the end of
+    forward, or at the latest when backward needs the record. ``"keep"``: the record
+    stays in memory (its bytes were never released), a warning is logged once per
+    offloader, and training goes on exactly, using more memory; the failure is
+    counted in :attr:`Stats.spill_errors`. A failed *read* always raises: by then the
+    memory is gone. Default ``"raise"``."""
+
+    max_spill_bytes: Optional[int] = None
+    """Disk budget: most bytes of spill-file slots in use at once, over all directories
+    (counted in whole 4 KiB blocks). A record whose write would go beyond it is handled
+    as ``on_spill_full`` says. Default ``None``: no budget (the device's free space is
+    the limit, and a full device is a write error, see ``on_spill_error``)."""
+
+    on_spill_full: str = "keep"
+    """What a record beyond ``max_spill_bytes`` does: ``"keep"`` it in memory (counted
+    in :attr:`Stats.over_budget_bytes`; a warning is logged once per offloader) or
+    ``"raise"`` a :class:`~ssdtrain.SpillIOError` (errno ``ENOSPC``), like a failed
+    write: at the next pack, or at the end of forward. Default ``"keep"``."""
 
     def __post_init__(self):
         self.spill_dir = _normalize_dirs(self.spill_dir)
@@ -150,12 +180,21 @@ class OffloadConfig:
         if self.direct_io not in DIRECT_IO_MODES:
             raise ConfigError(f"ssdtrain: direct_io must be one of {DIRECT_IO_MODES} (or a bool), "
                               f"got {self.direct_io!r}.")
-        if not isinstance(self.verify, bool):
-            raise ConfigError(f"ssdtrain: verify must be True or False, got {self.verify!r}.")
+        if not isinstance(self.verify, bool) and self.verify != "auto":
+            raise ConfigError(f"ssdtrain: verify must be True, False or 'auto', got "
+                              f"{self.verify!r}.")
         if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
                 or not self.io_timeout_s > 0:
             raise ConfigError(f"ssdtrain: io_timeout_s must be a number of seconds > 0, got "
                               f"{self.io_timeout_s!r}.")
+        if self.on_spill_error not in SPILL_ERROR_ACTIONS:
+            raise ConfigError(f"ssdtrain: on_spill_error must be one of {SPILL_ERROR_ACTIONS}, "
+                              f"got {self.on_spill_error!r}.")
+        if self.max_spill_bytes is not None:
+            self.max_spill_bytes = parse_bytes(self.max_spill_bytes, name="max_spill_bytes")
+        if self.on_spill_full not in SPILL_FULL_ACTIONS:
+            raise ConfigError(f"ssdtrain: on_spill_full must be one of {SPILL_FULL_ACTIONS}, "
+                              f"got {self.on_spill_full!r}.")
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -208,11 +247,15 @@ def _from_env_string(name, raw):
             raise ConfigError(f"ssdtrain: SSDTRAIN_IO_TIMEOUT_S must be a number, got {raw!r}.") \
                 from None
     if name == "verify":
+        if raw.strip().lower() == "auto":
+            return "auto"
         value = _BOOLS.get(raw.strip().lower())
         if value is None:
-            raise ConfigError(f"ssdtrain: SSDTRAIN_VERIFY must be one of {sorted(_BOOLS)}, got "
-                              f"{raw!r}.")
+            raise ConfigError(f"ssdtrain: SSDTRAIN_VERIFY must be 'auto' or one of "
+                              f"{sorted(_BOOLS)}, got {raw!r}.")
         return value
+    if name == "max_spill_bytes" and raw.strip().lower() in ("", "none"):
+        return None
     return raw  # byte fields parse strings themselves; engine/direct_io are names
 
 

@@ -13,12 +13,15 @@ import errno as _errno
 import logging
 import mmap
 import os
+import stat
+import tempfile
 import threading
 from dataclasses import dataclass
 
 from ._errors import ConfigError, SpillIOError
 
-__all__ = ["BLOCK", "SlotAllocator", "SpillFile", "SpillSet", "Slot", "filesystem_type"]
+__all__ = ["BLOCK", "SlotAllocator", "SpillFile", "SpillSet", "Slot", "filesystem_type",
+           "default_spill_dir"]
 
 log = logging.getLogger("ssdtrain")
 
@@ -127,18 +130,23 @@ class SpillFile:
         _check_directory(directory)
         self.direct = False
         fd = None
-        if direct_io in ("auto", "on"):
-            fd = _open_anonymous(directory, os.O_DIRECT)
-            if fd is not None and not _direct_io_works(fd):
-                os.close(fd)
-                fd = None
-            if fd is None and direct_io == "on":
-                raise ConfigError(f"ssdtrain: spill_dir {directory!r} ({filesystem_type(directory)})"
-                                  f" does not support O_DIRECT, which direct_io='on' requires; use "
-                                  f"direct_io='auto' or a directory on an NVMe file system.")
-            self.direct = fd is not None
-        if fd is None:
-            fd = _open_anonymous(directory, 0)
+        dir_fd = _open_private_directory(directory)  # NOTE [ Spill directory privacy ]
+        try:
+            if direct_io in ("auto", "on"):
+                fd = _open_anonymous(directory, os.O_DIRECT, dir_fd)
+                if fd is not None and not _direct_io_works(fd):
+                    os.close(fd)
+                    fd = None
+                if fd is None and direct_io == "on":
+                    raise ConfigError(f"ssdtrain: spill_dir {directory!r} "
+                                      f"({filesystem_type(directory)}) does not support O_DIRECT, "
+                                      f"which direct_io='on' requires; use direct_io='auto' or a "
+                                      f"directory on an NVMe file system.")
+                self.direct = fd is not None
+            if fd is None:
+                fd = _open_anonymous(directory, 0, dir_fd)
+        finally:
+            os.close(dir_fd)
         self.fd = fd
         self.allocator = SlotAllocator()
         self._lock = threading.Lock()
@@ -206,11 +214,15 @@ def _check_directory(directory):
                           f"must name a directory on the SSD to spill to.")
 
 
-def _open_anonymous(directory, extra_flags):
-    """An unnamed read-write file in ``directory``; ``None`` if ``extra_flags`` are refused."""
+def _open_anonymous(directory, extra_flags, dir_fd=None):
+    """An unnamed read-write file in ``directory`` (opened as ``dir_fd`` when given);
+    ``None`` if ``extra_flags`` are refused."""
     flags = os.O_RDWR | os.O_CLOEXEC | extra_flags
     try:
-        return os.open(directory, flags | os.O_TMPFILE, 0o600)
+        # O_EXCL: the file can never be given a name (linkat through /proc/self/fd).
+        if dir_fd is None:
+            return os.open(directory, flags | os.O_TMPFILE | os.O_EXCL, 0o600)
+        return os.open(".", flags | os.O_TMPFILE | os.O_EXCL, 0o600, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (_errno.EACCES, _errno.EROFS, _errno.EPERM, _errno.ENOSPC, _errno.EDQUOT):
             raise _unwritable(directory, e) from None
@@ -220,19 +232,117 @@ def _open_anonymous(directory, extra_flags):
             raise _unwritable(directory, e) from None
     # No O_TMPFILE here: create a private name, unlink it at once.
     for _ in range(100):
-        path = os.path.join(directory, f".ssdtrain-{os.getpid()}-{os.urandom(6).hex()}.spill")
+        name = f".ssdtrain-{os.getpid()}-{os.urandom(6).hex()}.spill"
+        path = name if dir_fd is not None else os.path.join(directory, name)
         try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                         dir_fd=dir_fd)
         except FileExistsError:
             continue
         except OSError as e:
             if e.errno == _errno.EINVAL and extra_flags:
                 return None
             raise _unwritable(directory, e) from None
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
         return fd
     raise SpillIOError(f"ssdtrain: could not create a unique spill file in {directory!r}.",
                        filename=directory)
+
+
+# NOTE [ Spill directory privacy ]
+#
+# Spilled activations are training data. Spill files are anonymous (O_TMPFILE with
+# O_EXCL: no name, ever, and none can be given to them later; or, where the file
+# system lacks O_TMPFILE, a random name created with O_EXCL|O_NOFOLLOW, mode 0600,
+# unlinked at once), so other users cannot open them by name and nothing outlives
+# the process. The directory itself is checked on the descriptor that the files are
+# then created through (no window between the check and the use):
+#   * a symbolic link as spill_dir is followed only if it belongs to this user or
+#     root (an attacker's link in a shared directory is refused), then the target is
+#     opened with O_NOFOLLOW;
+#   * the directory must belong to this user or to root: another user's directory
+#     is theirs to watch and to swap;
+#   * a world-writable directory needs the sticky bit (as /tmp and /dev/shm have):
+#     without it any user may rename or remove what is created there.
+# The default spill_dir is a directory ssdtrain creates for this user, mode 0700
+# (default_spill_dir).
+
+def _trusted_uids():
+    return {os.geteuid(), 0}
+
+
+def _open_private_directory(directory):
+    """``directory`` opened (``O_DIRECTORY|O_NOFOLLOW``) once it passed the checks of
+    NOTE [ Spill directory privacy ]; the caller closes the descriptor."""
+    path = directory
+    try:
+        link = os.lstat(directory)
+    except OSError as e:
+        raise _unwritable(directory, e) from None
+    if stat.S_ISLNK(link.st_mode):
+        if link.st_uid not in _trusted_uids():
+            raise ConfigError(
+                f"ssdtrain: spill_dir {directory!r} is a symbolic link owned by uid "
+                f"{link.st_uid}, not by this user (uid {os.geteuid()}) or root; ssdtrain does not "
+                f"follow another user's links (they could point the spill data anywhere). Give "
+                f"the real directory ({os.path.realpath(directory)!r}) if you trust it.")
+        path = os.path.realpath(directory)
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == _errno.ELOOP:  # replaced by a link since lstat
+            raise ConfigError(f"ssdtrain: spill_dir {directory!r} changed into a symbolic link "
+                              f"while being opened; refusing it.") from None
+        raise _unwritable(directory, e) from None
+    try:
+        _check_private(directory, os.fstat(dir_fd))
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd
+
+
+def _check_private(directory, st):
+    if st.st_uid not in _trusted_uids():
+        raise ConfigError(
+            f"ssdtrain: spill_dir {directory!r} belongs to uid {st.st_uid}, not to this user "
+            f"(uid {os.geteuid()}) or root: its owner could read or replace the spilled "
+            f"activations. Use a directory you own (mkdir -m 700 ...).")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError(
+            f"ssdtrain: spill_dir {directory!r} is world-writable without the sticky bit (mode "
+            f"{stat.S_IMODE(st.st_mode):#o}): any user may rename or remove files in it. Use a "
+            f"private directory (mkdir -m 700 ...), or set the sticky bit (chmod +t) as /tmp has.")
+
+
+def default_spill_dir():
+    """The spill directory used when none is configured: ``<tmp>/ssdtrain-<uid>``.
+
+    Created with mode 0700 if missing. One that exists must be a real directory (not a
+    link) owned by this user; its mode is narrowed to 0700 (NOTE [ Spill directory
+    privacy ]).
+
+    Raises:
+        ConfigError: it exists but is a link, not a directory, or another user's.
+    """
+    path = os.path.join(os.path.abspath(tempfile.gettempdir()), f"ssdtrain-{os.geteuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ConfigError(f"ssdtrain: cannot create the default spill directory {path!r} "
+                          f"({e.strerror}); set spill_dir (or SSDTRAIN_SPILL_DIR).") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"ssdtrain: the default spill directory {path!r} exists but is "
+            f"{'not a directory' if not stat.S_ISDIR(st.st_mode) else f'owned by uid {st.st_uid}'}"
+            f"; someone else may have planted it. Remove it, or set spill_dir (or "
+            f"SSDTRAIN_SPILL_DIR) to a private directory.")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700, follow_symlinks=False)
+    return path
 
 
 def _unwritable(directory, e):

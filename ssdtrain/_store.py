@@ -20,6 +20,7 @@ future that is already done runs its callback inline).
 
 import collections
 import enum
+import errno as _errno
 import functools
 import logging
 import mmap
@@ -243,6 +244,7 @@ class Store:
         self._live = 0
         self._buffers = ReadBuffers(config.prefetch_bytes)
         self._devices = {}                     # torch.device -> DeviceTransfers
+        self._warned = set()                   # warnings already logged (once per store)
         self.closed = False
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
@@ -300,7 +302,7 @@ class Store:
         with self._lock:
             self._check_open()
             if self._errors:
-                raise self._errors.pop(0)
+                raise _copy(self._errors.pop(0))
             self._drain()
             self._seq += 1
             rec = None
@@ -354,7 +356,7 @@ class Store:
                             f"device may be hung or overloaded.",
                             filename=oldest.slot.file.directory)
                     if self._errors:
-                        raise self._errors.pop(0)
+                        raise _copy(self._errors.pop(0))
         finally:
             self.stats.write_stall_seconds += time.perf_counter() - t0
 
@@ -362,7 +364,8 @@ class Store:
         while self._tail_bytes > self.cfg.keep_tail_bytes and self._tail:
             rec, _ = self._tail.popitem(last=False)
             self._tail_bytes -= rec.nbytes
-            self._start_write(rec, attach)
+            if not self._over_budget(rec):
+                self._start_write(rec, attach)
 
     def _transfers(self, device):
         dev = self._devices.get(device)
@@ -406,12 +409,13 @@ class Store:
                 del self._writing[rec]
                 self._writing_bytes -= rec.nbytes
                 self._written.notify_all()
-            exc = fut.exception()
+            exc = _without_frames(fut.exception())
             if exc is not None:
-                rec.error = exc
-                rec.state = State.FAILED
-                self._errors.append(exc)
-                log.error("%s", exc)
+                if not self._keep_after_failed_write(rec, exc):
+                    rec.error = exc
+                    rec.state = State.FAILED
+                    self._errors.append(exc)
+                    log.error("%s", exc)
             elif rec.source._version != rec.version:
                 rec.error = _inplace_error(rec.source, rec.source._version, rec.version)
                 rec.state = State.FAILED
@@ -450,7 +454,7 @@ class Store:
             self._drain()
             first = handle.seen != rec.generation
             if rec.state is State.FAILED:
-                raise rec.error
+                raise _in_context(rec.error, rec)
             if rec.source is not None and rec.source._version != rec.version:
                 raise _inplace_error(rec.source, rec.source._version, rec.version)
             if rec.state in _RESIDENT:
@@ -474,7 +478,7 @@ class Store:
             if fut is not None:
                 self._read_done(rec, fut)
             if rec.state is State.FAILED:
-                raise rec.error
+                raise _in_context(rec.error, rec)
             storage, base = rec.storage, rec.base
             if storage is None:
                 raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
@@ -505,14 +509,16 @@ class Store:
     def _wait(self, rec, fut):
         t0 = time.perf_counter()
         try:
-            fut.result(timeout=self.cfg.io_timeout_s)
+            # exception(), not result(): raising the request's error here would give it a
+            # traceback whose frames hold this handle (see _without_frames).
+            fut.exception(timeout=self.cfg.io_timeout_s)
         except FutureTimeout:
             raise SpillIOError(
-                f"ssdtrain: reading record {rec!r} from {rec.slot.file.name} did not finish "
-                f"within io_timeout_s={self.cfg.io_timeout_s} s; the device may be hung or "
-                f"overloaded.", filename=rec.slot.file.directory) from None
-        except Exception:
-            pass  # recorded on the record by _read_done
+                f"ssdtrain: reading record {rec!r} from {rec.slot.file.name} at offset "
+                f"{rec.slot.offset} did not finish within io_timeout_s={self.cfg.io_timeout_s} s"
+                f"{_needed_by()}; the device may be hung or overloaded. Check the device "
+                f"(dmesg), or raise io_timeout_s if it is only slow.",
+                filename=rec.slot.file.directory) from None
         finally:
             self.stats.stall_seconds += time.perf_counter() - t0
 
@@ -546,7 +552,7 @@ class Store:
         if rec.future is not fut:
             return
         rec.future = None
-        exc = fut.exception()
+        exc = _without_frames(fut.exception())
         if exc is not None:
             rec.error = exc
             rec.state = State.FAILED
@@ -657,7 +663,7 @@ class Store:
     def raise_pending_error(self):
         with self._lock:
             if self._errors:
-                raise self._errors.pop(0)
+                raise _copy(self._errors.pop(0))
 
     def snapshot(self):
         """(live records, resident bytes, spill bytes in use) for stats and tests."""
@@ -670,18 +676,20 @@ class Store:
         while True:
             with self._lock:
                 self._drain()
-                futs = [r.future for group in self._registry.values() for r in group
-                        if r.future is not None]
+                futs = [(r, r.future, r.slot) for group in self._registry.values()
+                        for r in group if r.future is not None]
             if not futs:
                 return
-            for f in futs:
+            for rec, f, slot in futs:
                 try:
-                    f.result(timeout=self.cfg.io_timeout_s)
+                    f.exception(timeout=self.cfg.io_timeout_s)  # errors: on their records
                 except FutureTimeout:
-                    raise SpillIOError(f"ssdtrain: I/O did not finish within io_timeout_s="
-                                       f"{self.cfg.io_timeout_s} s while flushing.") from None
-                except Exception:
-                    pass  # recorded on its record
+                    where = "?" if slot is None else f"{slot.file.name} at offset {slot.offset}"
+                    raise SpillIOError(
+                        f"ssdtrain: I/O of record {rec!r} ({where}) did not finish within "
+                        f"io_timeout_s={self.cfg.io_timeout_s} s while waiting for I/O in flight "
+                        f"(wait() or close()); the device may be hung or overloaded.",
+                        filename=None if slot is None else slot.file.directory) from None
             time.sleep(0)  # let completion callbacks run
 
     def close(self):
@@ -706,6 +714,57 @@ class Store:
             if self._finalizer.detach() is not None:
                 _release_resources(self.engine, self.spill, self._devices)
 
+    # ------------------------------------------------ spill errors and budget
+    # (issue 6: on_spill_error, max_spill_bytes / on_spill_full; called under the lock)
+    def _keep_after_failed_write(self, rec, exc):
+        """``on_spill_error="keep"``: a record whose write failed stays in memory."""
+        if self.cfg.on_spill_error != "keep" or not isinstance(exc, SpillIOError) \
+                or rec.storage is None:
+            return False
+        if rec.slot is not None and not self.closed:
+            rec.slot.file.free(rec.slot)
+        rec.slot = None
+        rec.state = State.KEPT
+        self.stats.spill_errors += 1
+        self.stats.kept_bytes += rec.nbytes
+        self._warn_once("write", "ssdtrain: a spill write failed (%s); on_spill_error='keep' "
+                        "keeps such records in memory, so memory use grows until the device is "
+                        "fixed. Further failures are counted in Stats.spill_errors.", exc)
+        return True
+
+    def _over_budget(self, rec):
+        """``max_spill_bytes``: keep ``rec`` in memory (or queue the error) if writing it
+        would take the spill slots in use beyond the budget. Returns whether it did."""
+        limit = self.cfg.max_spill_bytes
+        if limit is None:
+            return False
+        misalign = 0 if rec.device is not None else (rec.storage.data_ptr() + rec.base) % BLOCK
+        need = max(BLOCK, align_up(misalign + rec.nbytes))
+        used = self.spill.used_bytes()
+        if used + need <= limit:
+            return False
+        rec.state = State.KEPT
+        self.stats.over_budget_bytes += rec.nbytes
+        self.stats.kept_bytes += rec.nbytes
+        if self.cfg.on_spill_full == "raise":
+            self._errors.append(SpillIOError(
+                f"ssdtrain: writing record {rec!r} ({need} bytes of slots) would take the spill "
+                f"files beyond max_spill_bytes={limit} ({used} bytes in use); "
+                f"on_spill_full='raise' stops here. Raise max_spill_bytes, offload less "
+                f"(min_tensor_bytes, keep_tail_bytes), or set on_spill_full='keep' to keep such "
+                f"records in memory.", errno=_errno.ENOSPC,
+                filename=self.spill.files[0].directory))
+        else:
+            self._warn_once("budget", "ssdtrain: max_spill_bytes=%d reached (%d bytes in use); "
+                            "records beyond it stay in memory (Stats.over_budget_bytes).",
+                            limit, used)
+        return True
+
+    def _warn_once(self, what, msg, *args):
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
+
 
 def _release_resources(engine, spill, devices):
     try:
@@ -729,6 +788,44 @@ def _verify(rec, expected, slot, address, nbytes):
     if observed != expected:
         raise _checksum.mismatch(f"record {rec!r}", f"{slot.file.name} at offset {slot.offset}",
                                  expected, observed)
+
+
+def _needed_by():
+    """`` (needed by <Node>)`` naming the autograd node running backward, if any."""
+    node = torch._C._current_autograd_node()
+    return "" if node is None else f" (needed by {node.name()} in backward)"
+
+
+def _in_context(err, rec):
+    """``err`` again, its message naming the record and the backward op that needed it."""
+    return _copy(err, f" [record {rec!r}{_needed_by()}]")
+
+
+def _without_frames(exc):
+    """``exc`` with no traceback. An error raised while a request completed inline (on the
+    training thread, in pack) has frames that link back to forward's, which hold the
+    graph, whose handles hold the record that keeps the error: a leak."""
+    if exc is not None:
+        exc.__traceback__ = None
+        exc.__context__ = None
+    return exc
+
+
+def _copy(err, note=""):
+    """A new exception like ``err`` (message + ``note``) to raise in its place.
+
+    The error kept on a record (and in the pending list) is never raised itself: a raised
+    exception's traceback holds the frames of forward or backward, and through them the
+    graph whose handles keep that very record alive (a cycle through the store, which
+    ``gc`` cannot break while the store lives)."""
+    if not isinstance(err, SSDTrainError):
+        return err
+    if isinstance(err, SpillIOError):
+        return SpillIOError(str(err) + note, errno=err.errno, filename=err.filename)
+    try:
+        return type(err)(str(err) + note)
+    except TypeError:
+        return err
 
 
 def _inplace_error(t, now, expected):

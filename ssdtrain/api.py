@@ -3,7 +3,6 @@
 import contextlib
 import dataclasses
 import logging
-import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -13,7 +12,7 @@ from . import _checksum
 from ._config import OffloadConfig
 from ._errors import ConfigError, SSDTrainError
 from ._policy import TRACKER
-from ._spill import SpillSet
+from ._spill import SpillSet, default_spill_dir
 from ._store import Store
 from .io import make_engine
 
@@ -58,6 +57,10 @@ class Stats:
     """Completed record reads."""
     engine: str = ""
     """The I/O engine in use."""
+    spill_errors: int = 0
+    """Failed writes whose records stayed in memory (``on_spill_error="keep"``)."""
+    over_budget_bytes: int = 0
+    """Bytes kept in memory because writing them would exceed ``max_spill_bytes``."""
 
     def summary(self) -> str:
         """One line for logs."""
@@ -117,8 +120,8 @@ class Offloader:
         elif overrides:
             config = config.replace(**overrides)
         if config.spill_dir is None:
-            config = config.replace(spill_dir=tempfile.gettempdir())
-        if config.verify and not _checksum.available():
+            config = config.replace(spill_dir=default_spill_dir())
+        if config.verify is True and not _checksum.available():
             _checksum.crc32c(0, 0)  # raises the ConfigError that says what to do
         self.config = config
         self._stats = Stats()
@@ -127,10 +130,13 @@ class Offloader:
             engine = make_engine(config.engine, io_threads=config.io_threads,
                                  io_chunk_bytes=config.io_chunk_bytes,
                                  directories=[f.directory for f in spill.files],
-                                 verify=config.verify)
+                                 verify=config.verify is True)
         except BaseException:
             spill.close()
             raise
+        if config.verify == "auto":  # on wherever records pass through host memory
+            config = config.replace(verify=_checksum.available() and engine.name != "kvikio")
+            self.config = config
         backend = getattr(engine, "backend", None)
         self._stats.engine = engine.name + (f"({backend})" if backend else "") + \
             ("+O_DIRECT" if all(f.direct for f in spill.files) else "+buffered") + \

@@ -120,7 +120,7 @@ def test_grads_bitwise_equal(name, dtype, setting, make_offloader):
         assert step2["records_read"] == step2["records_written"]
         assert step2["bytes_read"] == step2["offloaded_bytes"]
     if setting == "buffered":
-        assert s2.engine.endswith("+buffered")
+        assert "+buffered" in s2.engine
     if setting == "mixed-tail":
         assert s2.kept_bytes > 0  # small tensors and the tail
 

@@ -1,0 +1,199 @@
+"""Fault injection: an engine wrapper that fails chosen requests, for tests and drills.
+
+:class:`FaultyEngine` wraps any :class:`~ssdtrain.io.base.Engine` and makes the
+``nth`` write or read (counted per operation, from 1) fail the way a real device
+would, so every error path of the store can be exercised on a healthy disk:
+
+========== ==========================================================================
+kind       what the request does
+========== ==========================================================================
+ENOSPC,    fails with that errno and moves no data (a full device, a quota, a file
+EDQUOT,    size limit, a media error): a :class:`~ssdtrain.SpillIOError`, as the
+EFBIG, EIO engines report it
+short      moves the first half of the bytes, then fails: a write with ``EIO``
+           ("short write"), a read with ``ENODATA`` (the spill file ends early:
+           :class:`~ssdtrain.IntegrityError`)
+corrupt    succeeds, but one byte is flipped: on disk after a write, in memory after
+           a read (``verify=True`` must catch it; without it the data is wrong)
+hang       never completes until :meth:`FaultyEngine.shutdown` (a hung device:
+           ``io_timeout_s`` must end the wait)
+========== ==========================================================================
+
+It is a debugging tool, not part of the training path: install it on an open
+offloader with :func:`install`::
+
+    from ssdtrain.io import faulty
+    off = ssdtrain.Offloader(spill_dir="/nvme/tmp")
+    faulty.install(off, faulty.Fault("write", "ENOSPC", nth=3))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Optional
+
+from .base import Engine, io_error, then
+
+__all__ = ["Fault", "FaultyEngine", "install", "KINDS"]
+
+_ERRNOS = {"ENOSPC": _errno.ENOSPC, "EDQUOT": _errno.EDQUOT, "EFBIG": _errno.EFBIG,
+           "EIO": _errno.EIO}
+KINDS = tuple(_ERRNOS) + ("short", "corrupt", "hang")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Fail requests ``nth`` .. ``nth + times - 1`` of operation ``op``.
+
+    Args:
+        op: ``"write"`` or ``"read"``.
+        kind: one of :data:`KINDS` (see the module docstring).
+        nth: the first request to fail, counted from 1 per operation. Default 1.
+        times: how many consecutive requests fail; ``None``: every one from ``nth`` on.
+            Default 1.
+    """
+
+    op: str
+    kind: str
+    nth: int = 1
+    times: Optional[int] = 1
+
+    def __post_init__(self):
+        if self.op not in ("write", "read"):
+            raise ValueError(f"Fault.op must be 'write' or 'read', got {self.op!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"Fault.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.nth < 1 or (self.times is not None and self.times < 1):
+            raise ValueError(f"Fault.nth and Fault.times must be >= 1, got {self.nth}, "
+                             f"{self.times}")
+
+    def hits(self, op: str, n: int) -> bool:
+        return op == self.op and n >= self.nth and (self.times is None
+                                                    or n < self.nth + self.times)
+
+
+class FaultyEngine(Engine):
+    """Wraps ``inner``; requests matched by ``faults`` fail, the others pass through.
+
+    Attributes:
+        calls: ``{"write": n, "read": n}``, requests seen so far.
+        injected: ``[(op, n, kind)]``, the faults injected so far.
+    """
+
+    def __init__(self, inner: Engine, faults=()):
+        self.inner = inner
+        self.faults = list(faults)
+        self.name = inner.name
+        self.device_memory = inner.device_memory
+        backend = getattr(inner, "backend", None)
+        if backend is not None:
+            self.backend = backend
+        self.calls = {"write": 0, "read": 0}
+        self.injected = []
+        self._hung = []
+        self._lock = threading.Lock()
+
+    def write(self, file, offset, address, nbytes, **kw):
+        return self._request("write", file, offset, address, nbytes, kw)
+
+    def read(self, file, offset, address, nbytes, **kw):
+        return self._request("read", file, offset, address, nbytes, kw)
+
+    def shutdown(self):
+        """Fails the hung requests (nothing may wait forever), then shuts ``inner`` down."""
+        with self._lock:
+            hung, self._hung = self._hung, []
+        for fut, file, offset, nbytes, verb in hung:
+            if not fut.done():
+                fut.set_exception(io_error(verb, file, offset, nbytes, _errno.EIO,
+                                           "injected hang, ended by shutdown"))
+        self.inner.shutdown()
+
+    def _request(self, op, file, offset, address, nbytes, kw):
+        with self._lock:
+            self.calls[op] += 1
+            n = self.calls[op]
+            fault = next((f for f in self.faults if f.hits(op, n)), None)
+            if fault is not None:
+                self.injected.append((op, n, fault.kind))
+        do = self.inner.write if op == "write" else self.inner.read
+        if fault is None:
+            return do(file, offset, address, nbytes, **kw)
+        verb = "writing" if op == "write" else "reading"
+        kind = fault.kind
+        if kind in _ERRNOS:
+            return _failed(io_error(verb, file, offset, nbytes, _ERRNOS[kind],
+                                    f"{os.strerror(_ERRNOS[kind])} (injected)"))
+        if kind == "hang":
+            fut = Future()
+            fut.set_running_or_notify_cancel()
+            with self._lock:
+                self._hung.append((fut, file, offset, nbytes, verb))
+            return fut
+        if kind == "short":
+            half = nbytes // 2
+            err = _errno.EIO if op == "write" else _errno.ENODATA
+            what = "short write" if op == "write" else "short read: spill data truncated"
+
+            def fail():
+                raise io_error(verb, file, offset, nbytes, err,
+                               f"{what} ({half} of {nbytes} bytes, injected)")
+            inner = do(file, offset, address, half, **kw) if half else _done(0)
+            return then(inner, fail)
+        # corrupt: the request succeeds; one byte (the middle one) is flipped afterwards.
+        at = nbytes // 2
+        if op == "write":
+            return then(do(file, offset, address, nbytes, **kw),
+                        lambda: _flip_on_disk(file, offset + at) or nbytes)
+        return then(do(file, offset, address, nbytes, **kw),
+                    lambda: _flip_in_memory(address + at) or nbytes)
+
+
+def install(offloader, *faults: Fault) -> FaultyEngine:
+    """Wrap ``offloader``'s engine in a :class:`FaultyEngine` injecting ``faults``.
+
+    Install before the requests to fail are made (before the forward pass, say).
+
+    Returns:
+        The wrapper (its ``calls`` and ``injected`` show what happened).
+    """
+    store = offloader._store
+    engine = FaultyEngine(store.engine, faults)
+    store.engine = engine
+    return engine
+
+
+def _failed(exc) -> Future:
+    fut = Future()
+    fut.set_running_or_notify_cancel()
+    fut.set_exception(exc)
+    return fut
+
+
+def _done(value) -> Future:
+    fut = Future()
+    fut.set_running_or_notify_cancel()
+    fut.set_result(value)
+    return fut
+
+
+def _flip_on_disk(file, offset):
+    # A second, buffered descriptor of the (anonymous) spill file; O_DIRECT readers see
+    # the change because the kernel writes dirty pages back before a direct read.
+    fd = os.open(f"/proc/self/fd/{file.fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0x40]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _flip_in_memory(address):
+    cell = ctypes.c_ubyte.from_address(address)
+    cell.value ^= 0x40
