@@ -53,8 +53,9 @@ group gets the group's choice, and every combination is predicted. The family
 depends only on ``n`` and ``max_plans``, not on the costs, so the chosen
 plan's predicted time is the exact minimum over it: more bandwidth never
 predicts a slower plan, and a bigger budget never either. Ties go to the plan
-with less memory, then fewer recomputed layers, then fewer offloaded ones, then
-the one keeping later layers.
+with fewer recomputed layers, then fewer offloaded ones (I/O the model thinks
+hidden still costs CPU and memory bandwidth), then less memory, then the one
+keeping later layers.
 """
 
 from __future__ import annotations
@@ -325,8 +326,8 @@ def group_layers(n: int, max_plans: int, k: int = 3) -> List[List[int]]:
 def _sort_key(pred, choices):
     # Among equal predictions, keep the layers backward needs first (the cost model
     # does not credit what ssdtrain forwards from memory, so this is the safe side).
-    return (round(pred.step_s, 12), pred.peak_bytes, choices.count(RECOMPUTE),
-            choices.count(OFFLOAD), -sum(i for i, c in enumerate(choices) if c == KEEP), choices)
+    return (round(pred.step_s, 12), choices.count(RECOMPUTE), choices.count(OFFLOAD),
+            pred.peak_bytes, -sum(i for i, c in enumerate(choices) if c == KEEP), choices)
 
 
 def plan(layers: Sequence[LayerCost], budget_bytes: Optional[int], step: StepCost, *,
