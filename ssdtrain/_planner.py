@@ -24,7 +24,8 @@ Each layer is one of
 The disk is one server, first come first served, at ``write_bps`` / ``read_bps``.
 Writes of layer ``i`` are queued when its forward ends; forward waits when
 more than ``write_behind_bytes`` are queued and not written (ssdtrain's
-``write_behind_bytes``). Reads start when forward ends, newest layer first; a
+throttle; :func:`plan` lowers it so that the kept bytes plus the writes in
+flight fit the budget, see :func:`write_behind_for`). Reads start when forward ends, newest layer first; a
 read starts only while fewer than ``prefetch_bytes`` have been read and not
 yet used (ssdtrain's prefetch window), and never before its write has ended.
 Layer ``i``'s backward starts when layer ``i+1``'s has ended and its read has
@@ -60,13 +61,14 @@ keeping later layers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StepCost", "Prediction",
-           "Plan", "predict", "plan", "group_layers", "rok_plans"]
+           "Plan", "predict", "plan", "group_layers", "rok_plans", "write_behind_for"]
 
 KEEP = "keep"
 OFFLOAD = "offload"
@@ -155,6 +157,11 @@ class Plan:
     plan with the least memory)."""
     plans_searched: int = 0
     notes: Tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def write_behind_bytes(self) -> int:
+        """The write-behind limit the plan runs with (:func:`write_behind_for`)."""
+        return self.step.write_behind_bytes
 
     def choice(self, name: str) -> str:
         """The choice for the layer called ``name``."""
@@ -246,7 +253,7 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
         # Forward waits while more than write_behind_bytes are queued (ssdtrain's throttle).
         queue = [(end, b) for end, b in queue if end > t]
         backlog = sum(b for _, b in queue)
-        fwd_peak = max(fwd_peak, kept_so_far + backlog)
+        fwd_peak = max(fwd_peak, kept_so_far + min(backlog, step.write_behind_bytes))
         while backlog > step.write_behind_bytes and queue:
             end, b = queue.pop(0)
             stall += end - t
@@ -364,7 +371,7 @@ def plan(layers: Sequence[LayerCost], budget_bytes: Optional[int], step: StepCos
             for i in g:
                 choices[i] = c
         choices = tuple(choices)
-        pred = predict(layers, choices, step)
+        pred = predict(layers, choices, _throttled(layers, choices, step, budget_bytes))
         searched += 1
         key = _sort_key(pred, choices)
         if budget_bytes is None or pred.peak_bytes <= budget_bytes:
@@ -377,10 +384,31 @@ def plan(layers: Sequence[LayerCost], budget_bytes: Optional[int], step: StepCos
     if n and len(groups) < n:
         notes.append(f"Layers planned in {len(groups)} groups of consecutive layers "
                      f"(at most {max_plans} plans searched).")
-    if best_fit is not None:
-        return Plan(layers, best_fit[1], best_fit[2], budget_bytes, step, True, searched,
-                    tuple(notes))
-    return Plan(layers, best[1], best[2], budget_bytes, step, False, searched, tuple(notes))
+    fits, (_, choices, pred) = best_fit is not None, best_fit or best
+    return Plan(layers, choices, pred, budget_bytes,
+                _throttled(layers, choices, step, budget_bytes), fits, searched, tuple(notes))
+
+
+def write_behind_for(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost,
+                     budget_bytes: Optional[int]) -> int:
+    """The write-behind limit that keeps forward's writes in flight inside the budget.
+
+    Forward holds the kept layers' bytes and the writes in flight; ssdtrain's
+    throttle makes forward wait once more than this many bytes are in flight:
+    ``budget - fixed_bytes - kept bytes``, capped at ``step.write_behind_bytes``
+    and at least 0. (The throttle acts per record, so one record may overshoot.)
+    """
+    if budget_bytes is None:
+        return step.write_behind_bytes
+    kept = sum(layer.saved_bytes for layer, c in zip(layers, choices) if c == KEEP)
+    return max(0, min(step.write_behind_bytes, budget_bytes - step.fixed_bytes - kept))
+
+
+def _throttled(layers, choices, step, budget_bytes):
+    wb = write_behind_for(layers, choices, step, budget_bytes)
+    if wb == step.write_behind_bytes:
+        return step
+    return dataclasses.replace(step, write_behind_bytes=wb)
 
 
 def rok_plans(n: int) -> List[Tuple[str, ...]]:

@@ -52,7 +52,8 @@ def _with_bw(step, write=None, read=None):
 def test_budget_respected(layers, budget, step):
     p = plan(layers, budget, step)
     assert len(p.choices) == len(layers)
-    assert p.prediction == predict(layers, p.choices, step)
+    assert p.prediction == predict(layers, p.choices, p.step)
+    assert p.step.write_behind_bytes <= step.write_behind_bytes
     if p.fits:
         assert budget is None or p.prediction.peak_bytes <= budget
     else:
@@ -199,3 +200,16 @@ def test_rok_plans():
     plans = rok_plans(3)
     assert plans[0] == (KEEP,) * 3 and plans[-1] == (RECOMPUTE,) * 3
     assert (OFFLOAD,) * 3 in plans and len(plans) == 7 and len(set(plans)) == 7
+
+
+def test_budget_lowers_write_behind():
+    """With a budget, forward may hold only what the kept layers leave of it in flight."""
+    layers = _layers(3, saved=100 * MiB, f=0.01, b=0.0)
+    step = StepCost(write_bps=100 * MiB, read_bps=1e12, fixed_bytes=10 * MiB,
+                    prefetch_bytes=100 * MiB)
+    free = predict(layers, [OFFLOAD] * 3, step)
+    assert free.peak_bytes >= 200 * MiB  # the disk lags: writes pile up in memory
+    p = plan(layers, 150 * MiB, step, allowed=(KEEP, OFFLOAD))
+    assert p.fits and p.choices == (OFFLOAD,) * 3
+    assert p.write_behind_bytes == 140 * MiB
+    assert p.prediction.peak_bytes <= 150 * MiB and p.prediction.stall_s >= free.stall_s
