@@ -46,13 +46,21 @@ def default_layers(model: torch.nn.Module):
     Nested lists contribute their innermost children only (a list of lists of
     blocks gives the blocks).
     """
-    found = []
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
-    for name, lst in lists:
-        for i, child in enumerate(lst):
+    found, seen = [], set()
+
+    def walk(prefix, module, in_list):
+        for name, child in module.named_children():
+            qual = f"{prefix}.{name}" if prefix else name
             if isinstance(child, torch.nn.ModuleList):
-                continue
-            found.append((f"{name}.{i}" if name else str(i), child))
+                walk(qual, child, True)
+            elif in_list:
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    found.append((qual, child))
+            else:
+                walk(qual, child, False)
+
+    walk("", model, isinstance(model, torch.nn.ModuleList))
     return found
 
 
