@@ -138,6 +138,36 @@ class LayerPolicy:
         layers, step = self._step_cost()
         return plan(layers, self.cfg.memory_budget_bytes, step)
 
+    def set_choices(self, choices):
+        """Apply ``choices`` (one per layer) as a plan, predicted when the profile is ready."""
+        from ._errors import ConfigError
+        from ._planner import CHOICES, LayerCost, Plan, StepCost, _throttled, predict
+        choices = tuple(choices)
+        bad = [c for c in choices if c not in CHOICES]
+        if bad:
+            raise ConfigError(f"ssdtrain: plan choices must be among {CHOICES}, got {bad[0]!r}.")
+        if len(choices) != len(self.profiler.modules):
+            raise SSDTrainError(f"ssdtrain: {len(choices)} plan choices for "
+                                f"{len(self.profiler.modules)} tracked layers "
+                                f"({', '.join(self.profiler.names)}).")
+        budget = self.cfg.memory_budget_bytes
+        if self.profiler.ready():
+            layers, step = self._step_cost()
+            notes = ("Set by set_plan().",)
+        else:
+            layers = tuple(LayerCost(n, 0, 0, 0.0, 0.0) for n in self.profiler.names)
+            step = StepCost(write_bps=1.0, read_bps=1.0, prefetch_bytes=self.cfg.prefetch_bytes,
+                            write_behind_bytes=self.cfg.write_behind_bytes)
+            budget = None
+            notes = ("Set by set_plan() before the profile was complete: no prediction.",)
+        step = _throttled(layers, choices, step, budget)
+        pred = predict(layers, choices, step)
+        p = Plan(tuple(layers), choices, pred, budget, step,
+                 budget is None or pred.peak_bytes <= budget, 0, notes)
+        self.apply(p)
+        self.history.append(("set_plan", p))
+        return p
+
     def _make_and_apply(self, reason):
         p = self.make_plan()
         self.apply(p)

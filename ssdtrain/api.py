@@ -412,6 +412,33 @@ class Offloader:
             return self._layers.plan
         return self._layers.make_plan()
 
+    def set_plan(self, choices):
+        """Put a per-layer plan of your own in force from the next forward on.
+
+        With ``policy="static"`` it stays in force until :meth:`untrack`; with
+        ``"adaptive"`` it replaces the planner's choice until the next re-plan.
+
+        Args:
+            choices: one of ``"keep"``, ``"offload"``, ``"recompute"`` per tracked
+                layer, in forward order (or a plan returned by :meth:`plan`).
+
+        Returns:
+            The plan, with its prediction when the profile is complete (else a
+            prediction of zero costs and a note that says so).
+
+        Raises:
+            SSDTrainError: :meth:`track` was not called, called inside a forward pass,
+                or the number of choices differs from the number of tracked layers.
+            ConfigError: an unknown choice.
+        """
+        if self._layers is None:
+            raise SSDTrainError("ssdtrain: set_plan() needs the layers: call "
+                                "offloader.track(model) first.")
+        if self._in_forward:
+            raise SSDTrainError("ssdtrain: set_plan() called inside a forward pass; call it "
+                                "between steps.")
+        return self._layers.set_choices(getattr(choices, "choices", choices))
+
 def offload(config: OffloadConfig = None, **overrides) -> Offloader:
     """A new :class:`Offloader`; the one-shot form of ``Offloader(config, **overrides)``.
 

@@ -12,7 +12,7 @@ import torch
 
 import ssdtrain
 from helpers import assert_same, run_step
-from ssdtrain._planner import KEEP, OFFLOAD, RECOMPUTE, LayerCost, Plan, StepCost, predict
+from ssdtrain._planner import KEEP, OFFLOAD, RECOMPUTE
 from ssdtrain._profile import default_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -33,10 +33,8 @@ def _gpt(n_layers=3, seed=0):
 
 def _force(off, choices):
     """Put a plan with these choices in force (bypassing the search)."""
-    policy = off._layers
-    layers = tuple(LayerCost(n, 0, 0, 0.0, 0.0) for n in policy.profiler.names)
-    step = StepCost(write_bps=1e9, read_bps=1e9)
-    policy.apply(Plan(layers, tuple(choices), predict(layers, choices, step), None, step))
+    p = off.set_plan(choices)
+    assert p.choices == tuple(choices) and "no prediction" in str(p)
 
 
 def _count_calls(modules):
@@ -265,3 +263,20 @@ def test_planner_fields_from_env():
         ssdtrain.OffloadConfig.from_env({"SSDTRAIN_PROFILE_STEPS": "two"})
     with pytest.raises(ssdtrain.ConfigError, match="SSDTRAIN_REPLAN_STALL_FRACTION"):
         ssdtrain.OffloadConfig.from_env({"SSDTRAIN_REPLAN_STALL_FRACTION": "x"})
+
+
+def test_set_plan_after_profiling_predicts(make_offloader):
+    model, batch = _gpt(2)
+    ref = run_step(model, batch)
+    off = make_offloader(profile_steps=1, **SMALL).track(model)
+    with pytest.raises(ssdtrain.ConfigError, match="choices"):
+        off.set_plan(["swap", "keep"])
+    with pytest.raises(ssdtrain.SSDTrainError, match="2 tracked layers"):
+        off.set_plan(["keep"])
+    run_step(model, batch, off)
+    with off:
+        pass
+    p = off.set_plan([RECOMPUTE, KEEP])
+    assert p.prediction.step_s > 0 and p.prediction.recompute_s == p.layers[0].fwd_s
+    assert off.plan() is p
+    assert_same(ref, run_step(model, batch, off))
