@@ -12,8 +12,8 @@ Setups:
 * ``static``: ``ssdtrain.Offloader`` with the static policy;
 * ``adaptive``: ``policy="adaptive"``; its ``memory_budget_bytes`` is what the RSS
   budget leaves for activations (NOTE [ Activation budget from an RSS budget ]);
-* ``plan``: the static policy with ``choices`` (one per block) set by
-  ``Offloader.set_plan`` after profiling.
+* ``plan``: profiled like ``adaptive`` (no budget, no re-planning), then
+  ``choices`` (one per block) set by ``Offloader.set_plan``.
 
 NOTE [ Activation budget from an RSS budget ]
 
@@ -106,22 +106,27 @@ def run(spec):
             calib.wait()
             other = proc_status("VmHWM")["VmHWM"] - calib.stats().peak_resident_bytes
             calib.close()
+            del calib  # its idle read buffers go with it
+            gc.collect()
             act_budget = max(1, spec["rss_budget"] - other)
             result.update(non_activation_rss=other, memory_budget_bytes=act_budget)
             offload.update(policy="adaptive", memory_budget_bytes=act_budget)
+        if setup == "plan":  # profiled like adaptive, then the plan asked for is set
+            offload.update(policy="adaptive", memory_budget_bytes=1 << 50,
+                           replan_stall_fraction=float("inf"))
         off = ssdtrain.Offloader(**offload)
         result["engine"] = off.stats().engine
         if setup in ("adaptive", "plan"):
             off.track(model)
-        if setup == "adaptive":  # profiled steps, then the first step with the plan
-            warmup = max(warmup, off.config.profile_steps + 1)
+        if setup == "adaptive":  # profiled steps, the recompute-all step, the first planned
+            warmup = max(warmup, off.config.profile_steps + 2)
         ctx = off
     else:
         ctx = contextlib.nullcontext()
 
     times = []
     if setup == "plan":
-        for _ in range(off.config.profile_steps):
+        for _ in range(off.config.profile_steps + 1):  # + the recompute-all step
             times.append(step(ctx))
         with off:  # the profile is complete once the next forward begins: begin it empty
             pass

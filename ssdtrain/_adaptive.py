@@ -79,6 +79,7 @@ class LayerPolicy:
         self.history = []           # (reason, Plan) of every plan put in force
         self._wrapped = {}          # layer index -> the instance `forward` it replaced
         self._plan_id = 0
+        self._rc_tries = 0
         self._step_plan = {}        # id(StepSample) -> plan id in force during it
 
     # ------------------------------------------------------------- store side
@@ -99,12 +100,20 @@ class LayerPolicy:
     def begin_step(self):
         prof = self.profiler
         prof.close_step()
+        timed, recompute = not prof.ready(), False
         if self.adaptive:
             if self.plan is None and prof.ready():
-                self._make_and_apply("profiled")
+                if not prof.profiled_rc and self._rc_tries < 2:
+                    # One step with every layer recomputed (NOTE [ Pure compute times ]).
+                    self._set_wrappers((RECOMPUTE,) * len(prof.modules))
+                    self.choices = (RECOMPUTE,) * len(prof.modules)
+                    self._rc_tries += 1
+                    timed = recompute = True
+                else:
+                    self._make_and_apply("profiled")
             elif self.plan is not None:
                 self._check_stalls()
-        prof.open_step(timed=not prof.ready())
+        prof.open_step(timed=timed, recompute=recompute)
         if self.plan is not None:
             self._step_plan[id(prof.step)] = self._plan_id
             self._step_plan = {k: v for k, v in self._step_plan.items()
@@ -205,14 +214,17 @@ class LayerPolicy:
         if len(p.choices) != len(self.profiler.modules):
             raise SSDTrainError(f"ssdtrain: a plan for {len(p.choices)} layers cannot apply to "
                                 f"{len(self.profiler.modules)} tracked layers.")
-        for i, c in enumerate(p.choices):
+        self._set_wrappers(p.choices)
+        self.plan, self.choices = p, tuple(p.choices)
+        self.store.write_behind = p.write_behind_bytes
+        self._plan_id += 1
+
+    def _set_wrappers(self, choices):
+        for i, c in enumerate(choices):
             if c == RECOMPUTE and i not in self._wrapped:
                 self._wrap(i)
             elif c != RECOMPUTE and i in self._wrapped:
                 self._unwrap(i)
-        self.plan, self.choices = p, tuple(p.choices)
-        self.store.write_behind = p.write_behind_bytes
-        self._plan_id += 1
 
     def _wrap(self, i):
         module = self.profiler.modules[i]

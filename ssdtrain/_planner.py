@@ -21,7 +21,10 @@ Each layer is one of
   offloaded like an offloaded layer's bytes); backward runs its forward again
   (``fwd_s`` more) and holds its saved bytes while its backward runs.
 
-The disk is one server, first come first served, at ``write_bps`` / ``read_bps``.
+Offloaded bytes also cost compute time: ``fwd_s_per_byte`` / ``bwd_s_per_byte``
+per byte written / read is added to the layer's forward / backward (the CPU
+that I/O takes from compute; measured, see NOTE [ Pure compute times ] in
+_profile.py). The disk is one server, first come first served, at ``write_bps`` / ``read_bps``.
 Writes of layer ``i`` are queued when its forward ends; forward waits when
 more than ``write_behind_bytes`` are queued and not written (ssdtrain's
 throttle; :func:`plan` lowers it so that the kept bytes plus the writes in
@@ -113,6 +116,9 @@ class StepCost:
         write_behind_bytes: most bytes queued for writing before forward waits.
             Default 1 GiB.
         fixed_bytes: activation bytes held whatever the plan. Default 0.
+        fwd_s_per_byte: compute time forward loses per byte a layer writes (the CPU
+            the I/O takes from compute). Default 0.
+        bwd_s_per_byte: the same in backward, per byte read back. Default 0.
     """
 
     write_bps: float
@@ -123,6 +129,8 @@ class StepCost:
     prefetch_bytes: int = 256 * MiB
     write_behind_bytes: int = 1 << 30
     fixed_bytes: int = 0
+    fwd_s_per_byte: float = 0.0
+    bwd_s_per_byte: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -244,7 +252,7 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
     kept_so_far = 0
     fwd_peak = 0
     for i, layer in enumerate(layers):
-        t += layer.fwd_s
+        t += layer.fwd_s + o[i] * step.fwd_s_per_byte
         if o[i]:
             disk = max(disk, t) + o[i] / W
             wdone[i] = disk
@@ -299,7 +307,7 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
         bstart[i] = begin
         extra = layer.fwd_s if choices[i] == RECOMPUTE else 0.0
         recompute += extra
-        t = begin + layer.bwd_s + extra
+        t = begin + layer.bwd_s + extra + o[i] * step.bwd_s_per_byte
         held = kept_below[i] + min(step.prefetch_bytes, below[i]) + \
             (layer.saved_bytes if choices[i] == RECOMPUTE else 0)
         bwd_peak = max(bwd_peak, held)

@@ -20,6 +20,21 @@ Forward time is measured the same way around the module call, minus the time
 pack waited for writes (``Stats.write_stall_seconds``). Tensor hooks that
 return ``None`` change no gradient. They are registered only on profiled
 steps; other steps pay for the two module hooks per layer and nothing else.
+
+NOTE [ Pure compute times ]
+
+Profiled steps run under the static rules, so their layer times include what
+offloading costs the CPU (the I/O threads share the cores; on a CPU-only
+machine, with few cores, that is most of the cost of offloading): they are
+not the times of a layer that is kept. With ``policy="adaptive"`` one more
+step is profiled with every layer recomputed: nothing but the layers' inputs
+is written, so its forward times are compute only, and its backward times
+are compute plus one recomputed forward, which is subtracted. The difference
+between the two profiles, per byte written, is the CPU time offloading costs
+per byte (forward and backward apart): the planner charges it to offloaded
+bytes (``StepCost.fwd_s_per_byte`` / ``bwd_s_per_byte``). Without that step
+(``policy="static"``), layer times are the offloaded ones and the per-byte
+costs are 0.
 """
 
 from __future__ import annotations
@@ -88,6 +103,7 @@ class StepSample:
 
     n: int
     timed: bool
+    recompute: bool = False             # every layer recomputed (the pure-compute profile)
     begin: float = 0.0
     fwd_end: Optional[float] = None
     wstall_begin: float = 0.0           # write stall counter at the beginning
@@ -146,6 +162,7 @@ class LayerProfiler:
         self._stack = []
         self.samples: List[StepSample] = []   # finished steps, oldest first (bounded)
         self.profiled: List[StepSample] = []  # the latest complete timed steps
+        self.profiled_rc: List[StepSample] = []  # the latest complete recompute-all step
         self.step: Optional[StepSample] = None
         self.timed_steps = 0
         self._owner = None
@@ -177,14 +194,18 @@ class LayerProfiler:
                 prev._stall_begin
             self.samples.append(prev)
             del self.samples[:-8]
-            if prev.complete:
+            if prev.complete and prev.recompute:
+                self.profiled_rc.append(prev)
+                del self.profiled_rc[:-1]
+            elif prev.complete:
                 self.profiled.append(prev)
                 del self.profiled[:-self.profile_steps]
 
-    def open_step(self, timed: bool):
-        """Open the new step; ``timed``: measure its layers' times."""
+    def open_step(self, timed: bool, recompute: bool = False):
+        """Open the new step; ``timed``: measure its layers' times; ``recompute``: every
+        layer is recomputed in it (NOTE [ Pure compute times ])."""
         self.timed_steps += bool(timed)
-        self.step = StepSample(len(self.modules), timed, begin=time.perf_counter(),
+        self.step = StepSample(len(self.modules), timed, recompute, begin=time.perf_counter(),
                                wstall_begin=self.stats.write_stall_seconds)
         self.step._stall_begin = self.stats.stall_seconds + self.stats.write_stall_seconds
         self.current, self._stack = None, []
@@ -281,6 +302,7 @@ class LayerProfiler:
     def restart(self):
         """Forget the timed steps: the next ``profile_steps`` steps are timed again."""
         self.profiled = []
+        self.profiled_rc = []
 
     def ready(self) -> bool:
         """Whether ``profile_steps`` timed steps have completed (a step is complete once
@@ -301,13 +323,24 @@ class LayerProfiler:
         if not samples:
             raise ValueError("no timed step has completed")
         layers = []
+        saved = [max(s.saved_bytes[i] for s in samples) for i in range(len(self.names))]
+        f_off = [max(0.0, min(s.fwd_s[i] for s in samples)) for i in range(len(self.names))]
+        b_off = [max(0.0, min(s.bwd_s[i] for s in samples)) for i in range(len(self.names))]
+        fwd_per_byte = bwd_per_byte = 0.0
+        f, b = f_off, b_off
+        if self.profiled_rc:  # NOTE [ Pure compute times ]
+            rc = self.profiled_rc
+            f = [max(0.0, min(s.fwd_s[i] for s in rc)) for i in range(len(self.names))]
+            b = [max(0.0, min(s.bwd_s[i] for s in rc) - f[i]) for i in range(len(self.names))]
+            total = sum(saved)
+            if total > 0:
+                fwd_per_byte = max(0.0, sum(f_off) - sum(f)) / total
+                bwd_per_byte = max(0.0, sum(b_off) - sum(b)) / total
         for i, name in enumerate(self.names):
             layers.append(LayerCost(
-                name=name,
-                saved_bytes=max(s.saved_bytes[i] for s in samples),
+                name=name, saved_bytes=saved[i],
                 input_bytes=max(s.input_bytes[i] for s in samples),
-                fwd_s=max(0.0, min(s.fwd_s[i] for s in samples)),
-                bwd_s=max(0.0, min(s.bwd_s[i] for s in samples))))
+                fwd_s=f[i], bwd_s=b[i]))
         fwd_other, head, tail = [], [], []
         for s in samples:
             fwd_total = s.fwd_end - s.begin - (s.fwd_stall_end - s.wstall_begin)
@@ -315,7 +348,8 @@ class LayerProfiler:
             head.append(s.bwd_begin[-1] - s.fwd_end - s.head_stall)
             tail.append(s.begin + s.period - s.bwd_end[0])
         parts = dict(fwd_other_s=max(0.0, min(fwd_other)), bwd_head_s=max(0.0, min(head)),
-                     tail_s=max(0.0, min(tail)),
+                     tail_s=max(0.0, min(tail)), fwd_s_per_byte=fwd_per_byte,
+                     bwd_s_per_byte=bwd_per_byte,
                      untracked_bytes=max(s.untracked_bytes for s in samples))
         return layers, parts
 
@@ -364,4 +398,6 @@ def step_cost(parts, write_bps, read_bps, cfg) -> StepCost:
     return StepCost(write_bps=write_bps, read_bps=read_bps, fwd_other_s=parts["fwd_other_s"],
                     bwd_head_s=parts["bwd_head_s"], tail_s=parts["tail_s"],
                     prefetch_bytes=cfg.prefetch_bytes,
-                    write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=fixed)
+                    write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=fixed,
+                    fwd_s_per_byte=parts.get("fwd_s_per_byte", 0.0),
+                    bwd_s_per_byte=parts.get("bwd_s_per_byte", 0.0))
