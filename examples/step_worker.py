@@ -20,9 +20,12 @@ NOTE [ Activation budget from an RSS budget ]
 ``memory_budget_bytes`` counts saved activations only; the experiments' budget
 is the process's peak RSS, which also holds the interpreter, the model, its
 gradients and the step's temporaries. The worker first runs one step under the
-static policy (which holds few activations) and takes ``peak RSS of that step -
-activation bytes ssdtrain held at its peak``: everything but the activations.
-The adaptive offloader gets ``rss_budget`` minus that.
+static policy (which holds few activations) while a thread samples, every 2 ms,
+the RSS and the activation bytes ssdtrain holds (``Offloader.resident_bytes``);
+at the sample with the highest RSS, RSS minus those bytes is everything but
+the activations ssdtrain manages (interpreter, model, gradients, temporaries,
+small tensors it does not offload). The adaptive offloader gets ``rss_budget``
+minus that.
 
 Peak RSS is ``VmHWM``, reset (``/proc/self/clear_refs``) after the warm-up and
 profiling steps, so it covers the measured steps only; where the reset does not
@@ -64,6 +67,33 @@ def reset_peak_rss() -> bool:
     return s["VmHWM"] - s["VmRSS"] < 8 * MiB
 
 
+class PeakSampler:
+    """Samples RSS and ssdtrain's resident activation bytes every ``interval`` seconds,
+    keeping the sample with the highest RSS (NOTE [ Activation budget from an RSS budget ])."""
+
+    def __init__(self, offloader, interval=0.002):
+        import threading
+        self.off, self.interval = offloader, interval
+        self.peak = (0, 0)  # (rss, resident at that moment)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            rss = proc_status("VmRSS")["VmRSS"]
+            if rss > self.peak[0]:
+                self.peak = (rss, self.off.resident_bytes())
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def run(spec):
     import torch
     sys.path.insert(0, HERE)
@@ -101,10 +131,10 @@ def run(spec):
             # NOTE [ Activation budget from an RSS budget ]
             calib = ssdtrain.Offloader(**offload)
             gc.collect()
-            reset_peak_rss()
-            step(calib)
-            calib.wait()
-            other = proc_status("VmHWM")["VmHWM"] - calib.stats().peak_resident_bytes
+            with PeakSampler(calib) as sampler:
+                step(calib)
+                calib.wait()
+            other = sampler.peak[0] - sampler.peak[1]
             calib.close()
             del calib  # its idle read buffers go with it
             gc.collect()

@@ -136,8 +136,9 @@ class OffloadConfig:
     ``keep_tail_bytes`` of forward stay in memory. ``"adaptive"``: after
     :meth:`~ssdtrain.Offloader.track`, the first ``profile_steps`` steps are profiled
     (per layer: saved bytes, forward and backward time; the engine's write and read
-    bandwidth), then each layer is kept, offloaded or recomputed (non-reentrant
-    checkpointing) to minimise the predicted step time within ``memory_budget_bytes``
+    bandwidth), then one step with every layer recomputed (compute-only times), then
+    each layer is kept, offloaded or recomputed (non-reentrant checkpointing) to
+    minimise the predicted step time within ``memory_budget_bytes``
     (docs/planner.md); needs ``memory_budget_bytes``. Default ``"static"``."""
 
     memory_budget_bytes: Optional[int] = None

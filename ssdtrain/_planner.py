@@ -43,8 +43,9 @@ backward memory counts the whole prefetch window as full.
 Memory ("activation bytes held") is the largest of, after each layer's
 forward, the kept bytes so far plus the bytes written-but-not-yet-on-disk,
 and, during each layer's backward, the kept bytes of the layers not yet
-consumed, the prefetch window, and the layer's own bytes when it is
-recomputed. ``fixed_bytes`` (what the rest of the step keeps: small tensors,
+consumed, the prefetch window, the read buffers ssdtrain keeps for reuse
+(up to ``prefetch_bytes`` of what was read before), and the layer's own bytes
+when it is recomputed. ``fixed_bytes`` (what the rest of the step keeps: small tensors,
 the tail of forward outside the layers) is added everywhere.
 
 NOTE [ Plan search ]
@@ -308,7 +309,11 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
         extra = layer.fwd_s if choices[i] == RECOMPUTE else 0.0
         recompute += extra
         t = begin + layer.bwd_s + extra + o[i] * step.bwd_s_per_byte
+        # The prefetch window, the read buffers idle for reuse (ssdtrain keeps up to
+        # prefetch_bytes of them during backward), and a recomputed layer's bytes.
+        read_before = below[n - 1] - below[i]
         held = kept_below[i] + min(step.prefetch_bytes, below[i]) + \
+            min(step.prefetch_bytes, read_before) + \
             (layer.saved_bytes if choices[i] == RECOMPUTE else 0)
         bwd_peak = max(bwd_peak, held)
     t += step.tail_s

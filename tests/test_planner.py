@@ -206,7 +206,7 @@ def test_budget_lowers_write_behind():
     """With a budget, forward may hold only what the kept layers leave of it in flight."""
     layers = _layers(3, saved=100 * MiB, f=0.01, b=0.0)
     step = StepCost(write_bps=100 * MiB, read_bps=1e12, fixed_bytes=10 * MiB,
-                    prefetch_bytes=100 * MiB)
+                    prefetch_bytes=50 * MiB)
     free = predict(layers, [OFFLOAD] * 3, step)
     assert free.peak_bytes >= 200 * MiB  # the disk lags: writes pile up in memory
     p = plan(layers, 150 * MiB, step, allowed=(KEEP, OFFLOAD))
