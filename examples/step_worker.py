@@ -92,6 +92,7 @@ class PeakSampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        self.off = None
 
 
 def run(spec):

@@ -715,6 +715,7 @@ class Store:
                 self._written.notify_all()
                 self._passes.clear()
                 self._resident = 0
+            self._buffers.trim()  # idle read buffers are memory too: not kept until GC
             if self._finalizer.detach() is not None:
                 _release_resources(self.engine, self.spill, self._devices)
 
