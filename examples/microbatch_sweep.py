@@ -15,7 +15,8 @@ when its peak RSS is within the budget.
   ``--prefetch-mib``);
 * ``adaptive``: ``policy="adaptive"``, tracked blocks; its activation budget is
   the RSS budget minus what a static step holds besides activations (NOTE
-  [ Activation budget from an RSS budget ] in step_worker.py).
+  [ Activation budget from an RSS budget ] in step_worker.py) minus
+  ``--reserve-mib`` of headroom.
 
 The budget defaults to the peak RSS of ``none`` at ``--budget-batch`` (so no
 offload fits exactly that size). Output in ``--out``: ``results.json`` (every
@@ -62,6 +63,8 @@ def build_parser():
     p.add_argument("--keep-tail-mib", type=float, default=16)
     p.add_argument("--prefetch-mib", type=float, default=32)
     p.add_argument("--min-tensor-kib", type=float, default=256)
+    p.add_argument("--reserve-mib", type=float, default=16,
+                   help="headroom taken off adaptive's activation budget (default 16)")
     p.add_argument("--model", default=None, help="JSON overriding the model shape, e.g. "
                    "'{\"d_model\": 256}'")
     p.add_argument("--tiny", action="store_true", help="a tiny model and sizes, for the tests")
@@ -242,7 +245,8 @@ def main(argv=None):
                    min_tensor_bytes=int(kib * 1024))
     os.makedirs(args.out, exist_ok=True)
     spill = args.spill_dir or tempfile.gettempdir()
-    base = dict(model=model, spill_dir=spill, steps=args.steps, offload=offload)
+    base = dict(model=model, spill_dir=spill, steps=args.steps, offload=offload,
+                reserve=0 if args.tiny else int(args.reserve_mib * MiB))
     runs = []
     total = len(sizes) * len(args.setups) + (args.budget_mib is None)
     bar = _progress(total)

@@ -25,7 +25,8 @@ the RSS and the activation bytes ssdtrain holds (``Offloader.resident_bytes``);
 at the sample with the highest RSS, RSS minus those bytes is everything but
 the activations ssdtrain manages (interpreter, model, gradients, temporaries,
 small tensors it does not offload). The adaptive offloader gets ``rss_budget``
-minus that.
+minus that, minus ``reserve`` (headroom for what the planner's memory model
+misses: a few percent here).
 
 Peak RSS is ``VmHWM``, reset (``/proc/self/clear_refs``) after the warm-up and
 profiling steps, so it covers the measured steps only; where the reset does not
@@ -139,7 +140,7 @@ def run(spec):
             calib.close()
             del calib  # its idle read buffers go with it
             gc.collect()
-            act_budget = max(1, spec["rss_budget"] - other)
+            act_budget = max(1, spec["rss_budget"] - other - spec.get("reserve", 0))
             result.update(non_activation_rss=other, memory_budget_bytes=act_budget)
             offload.update(policy="adaptive", memory_budget_bytes=act_budget)
         if setup == "plan":  # profiled like adaptive, then the plan asked for is set
