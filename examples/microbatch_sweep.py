@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How big a micro-batch fits a memory budget: no offload, full recompute, ssdtrain static, adaptive.
+"""How big a micro-batch fits a memory budget: none, full recompute, ssdtrain static, adaptive.
 
 For a GPT-like model (examples/gpt.py) and a budget on the peak RSS of the
 training process, every setup runs at every micro-batch size, each

@@ -45,8 +45,9 @@ import logging
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ._errors import SSDTrainError
-from ._planner import KEEP, OFFLOAD, RECOMPUTE, plan
+from ._errors import ConfigError, SSDTrainError
+from ._planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, Plan, StepCost, plan,
+                       predict, throttled_step)
 from ._profile import LayerProfiler, measure_bandwidth, step_cost
 
 __all__ = ["LayerPolicy"]
@@ -149,8 +150,6 @@ class LayerPolicy:
 
     def set_choices(self, choices):
         """Apply ``choices`` (one per layer) as a plan, predicted when the profile is ready."""
-        from ._errors import ConfigError
-        from ._planner import CHOICES, LayerCost, Plan, StepCost, _throttled, predict
         choices = tuple(choices)
         bad = [c for c in choices if c not in CHOICES]
         if bad:
@@ -169,7 +168,7 @@ class LayerPolicy:
                             write_behind_bytes=self.cfg.write_behind_bytes)
             budget = None
             notes = ("Set by set_plan() before the profile was complete: no prediction.",)
-        step = _throttled(layers, choices, step, budget)
+        step = throttled_step(layers, choices, step, budget)
         pred = predict(layers, choices, step)
         p = Plan(tuple(layers), choices, pred, budget, step,
                  budget is None or pred.peak_bytes <= budget, 0, notes)

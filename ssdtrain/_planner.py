@@ -28,9 +28,9 @@ _profile.py). The disk is one server, first come first served, at ``write_bps`` 
 Writes of layer ``i`` are queued when its forward ends; forward waits when
 more than ``write_behind_bytes`` are queued and not written (ssdtrain's
 throttle; :func:`plan` lowers it so that the kept bytes plus the writes in
-flight fit the budget, see :func:`write_behind_for`). Reads start when forward ends, newest layer first; a
-read starts only while fewer than ``prefetch_bytes`` have been read and not
-yet used (ssdtrain's prefetch window), and never before its write has ended.
+flight fit the budget, see :func:`write_behind_for`). Reads start when
+forward ends, newest layer first; a read starts only while fewer than
+``prefetch_bytes`` have been read and not yet used (ssdtrain's prefetch window), and never before its write has ended.
 Layer ``i``'s backward starts when layer ``i+1``'s has ended and its read has
 completed; the difference is a stall.
 
@@ -67,12 +67,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StepCost", "Prediction",
-           "Plan", "predict", "plan", "group_layers", "rok_plans", "write_behind_for"]
+           "Plan", "predict", "plan", "group_layers", "rok_plans", "write_behind_for",
+           "throttled_step"]
 
 KEEP = "keep"
 OFFLOAD = "offload"
@@ -384,7 +384,7 @@ def plan(layers: Sequence[LayerCost], budget_bytes: Optional[int], step: StepCos
             for i in g:
                 choices[i] = c
         choices = tuple(choices)
-        pred = predict(layers, choices, _throttled(layers, choices, step, budget_bytes))
+        pred = predict(layers, choices, throttled_step(layers, choices, step, budget_bytes))
         searched += 1
         key = _sort_key(pred, choices)
         if budget_bytes is None or pred.peak_bytes <= budget_bytes:
@@ -399,7 +399,7 @@ def plan(layers: Sequence[LayerCost], budget_bytes: Optional[int], step: StepCos
                      f"(at most {max_plans} plans searched).")
     fits, (_, choices, pred) = best_fit is not None, best_fit or best
     return Plan(layers, choices, pred, budget_bytes,
-                _throttled(layers, choices, step, budget_bytes), fits, searched, tuple(notes))
+                throttled_step(layers, choices, step, budget_bytes), fits, searched, tuple(notes))
 
 
 def write_behind_for(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost,
@@ -417,7 +417,8 @@ def write_behind_for(layers: Sequence[LayerCost], choices: Sequence[str], step: 
     return max(0, min(step.write_behind_bytes, budget_bytes - step.fixed_bytes - kept))
 
 
-def _throttled(layers, choices, step, budget_bytes):
+def throttled_step(layers, choices, step, budget_bytes):
+    """``step`` with the write-behind limit of :func:`write_behind_for`."""
     wb = write_behind_for(layers, choices, step, budget_bytes)
     if wb == step.write_behind_bytes:
         return step
