@@ -299,6 +299,10 @@ def test_from_env_reads_every_field(tmp_path):
         "SSDTRAIN_IO_TIMEOUT_S": "2.5",
         "SSDTRAIN_WRITE_BEHIND_BYTES": "64MiB",
         "SSDTRAIN_VERIFY": "1",
+        "SSDTRAIN_POLICY": "adaptive",
+        "SSDTRAIN_MEMORY_BUDGET_BYTES": "2GiB",
+        "SSDTRAIN_PROFILE_STEPS": "3",
+        "SSDTRAIN_REPLAN_STALL_FRACTION": "0.25",
         "PATH": "/nonexistent",           # other variables are ignored
         "XSSDTRAIN_ENGINE": "native",
     }
@@ -314,6 +318,8 @@ def test_from_env_reads_every_field(tmp_path):
     assert cfg.io_timeout_s == 2.5
     assert cfg.write_behind_bytes == 64 * MiB
     assert cfg.verify is True
+    assert (cfg.policy, cfg.memory_budget_bytes, cfg.profile_steps,
+            cfg.replan_stall_fraction) == ("adaptive", 2 * GiB, 3, 0.25)
     assert {f.name for f in dataclasses.fields(OffloadConfig)} == {
         k[len("SSDTRAIN_"):].lower() for k in environ if k.startswith("SSDTRAIN_")}
 
