@@ -29,7 +29,9 @@ machine, with few cores, that is most of the cost of offloading): they are
 not the times of a layer that is kept. With ``policy="adaptive"`` one more
 step is profiled with every layer recomputed: nothing but the layers' inputs
 is written, so its forward times are compute only, and its backward times
-are compute plus one recomputed forward, which is subtracted. The difference
+are compute plus one recomputed forward, which is subtracted. (A layer's
+compute time is the smaller of that and its offloaded time: one disturbed
+step must not make compute look slower than compute beside I/O.) The difference
 between the two profiles, per byte written, is the CPU time offloading costs
 per byte (forward and backward apart): the planner charges it to offloaded
 bytes (``StepCost.fwd_s_per_byte`` / ``bwd_s_per_byte``). Without that step
@@ -330,8 +332,13 @@ class LayerProfiler:
         f, b = f_off, b_off
         if self.profiled_rc:  # NOTE [ Pure compute times ]
             rc = self.profiled_rc
-            f = [max(0.0, min(s.fwd_s[i] for s in rc)) for i in range(len(self.names))]
-            b = [max(0.0, min(s.bwd_s[i] for s in rc) - f[i]) for i in range(len(self.names))]
+            f_rc = [max(0.0, min(s.fwd_s[i] for s in rc)) for i in range(len(self.names))]
+            b_rc = [max(0.0, min(s.bwd_s[i] for s in rc) - f_rc[i])
+                    for i in range(len(self.names))]
+            # Compute alone is never slower than compute beside I/O: where the one
+            # recompute-all step was disturbed, the offloaded profile bounds it.
+            f = [min(x, y) for x, y in zip(f_rc, f_off)]
+            b = [min(x, y) for x, y in zip(b_rc, b_off)]
             total = sum(saved)
             if total > 0:
                 fwd_per_byte = max(0.0, sum(f_off) - sum(f)) / total

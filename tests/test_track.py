@@ -163,6 +163,14 @@ def test_adaptive_plans_after_profiling_and_stays_exact(make_offloader):
     assert p is off._layers.plan and p.fits and p.prediction.peak_bytes <= budget
     assert off._store.write_behind == p.write_behind_bytes <= budget
     assert off._layers.history[0][0] == "profiled"
+    # The recompute-all step gave compute-only times, never above the offloaded ones,
+    # and a non-negative CPU cost per offloaded byte.
+    prof = off._layers.profiler
+    layers, parts = prof.costs()
+    assert len(prof.profiled_rc) == 1 and prof.profiled_rc[0].recompute
+    assert parts["fwd_s_per_byte"] >= 0 and parts["bwd_s_per_byte"] >= 0
+    for i, layer in enumerate(layers):
+        assert 0 <= layer.fwd_s <= min(s.fwd_s[i] for s in prof.profiled)
 
 
 def test_adaptive_budget_decides(make_offloader):
