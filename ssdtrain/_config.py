@@ -23,6 +23,7 @@ ENGINES = ("auto", "kvikio", "native", "posix")
 DIRECT_IO_MODES = ("auto", "on", "off")
 SPILL_ERROR_ACTIONS = ("raise", "keep")
 SPILL_FULL_ACTIONS = ("keep", "raise")
+POLICIES = ("static", "adaptive")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -159,6 +160,33 @@ class OffloadConfig:
     in :attr:`Stats.over_budget_bytes`; a warning is logged once per offloader) or
     ``"raise"`` a :class:`~ssdtrain.SpillIOError` (errno ``ENOSPC``), like a failed
     write: at the next pack, or at the end of forward. Default ``"keep"``."""
+    policy: str = "static"
+    """``"static"``: every eligible saved tensor is offloaded, the last
+    ``keep_tail_bytes`` of forward stay in memory. ``"adaptive"``: after
+    :meth:`~ssdtrain.Offloader.track`, the first ``profile_steps`` steps are profiled
+    (per layer: saved bytes, forward and backward time; the engine's write and read
+    bandwidth), then one step with every layer recomputed (compute-only times), then
+    each layer is kept, offloaded or recomputed (non-reentrant checkpointing) to
+    minimise the predicted step time within ``memory_budget_bytes``
+    (docs/planner.md); needs ``memory_budget_bytes``. Default ``"static"``."""
+
+    memory_budget_bytes: Optional[int] = None
+    """With ``policy="adaptive"``: most bytes of saved activations the plan may hold in
+    memory at once (kept layers, writes in flight, the prefetch window, a recomputed
+    layer's activations during its backward, and what the rest of the model keeps).
+    Default ``None`` (required by ``"adaptive"``; with ``"static"``,
+    :meth:`~ssdtrain.Offloader.plan` then plans without a limit)."""
+
+    profile_steps: int = 2
+    """Steps profiled after :meth:`~ssdtrain.Offloader.track` (under the static rules)
+    before the adaptive policy plans; per layer the fastest time seen is used (the
+    first step pays one-time costs). Default 2."""
+
+    replan_stall_fraction: float = 0.05
+    """With ``policy="adaptive"``: re-plan (with the disk bandwidth scaled down to what
+    the step saw) when a step stalls on I/O for more than this fraction of its
+    duration and more than the plan predicted. ``float("inf")`` never re-plans.
+    Default 0.05."""
 
     def __post_init__(self):
         self.spill_dir = _normalize_dirs(self.spill_dir)
@@ -195,6 +223,26 @@ class OffloadConfig:
         if self.on_spill_full not in SPILL_FULL_ACTIONS:
             raise ConfigError(f"ssdtrain: on_spill_full must be one of {SPILL_FULL_ACTIONS}, "
                               f"got {self.on_spill_full!r}.")
+        self._validate_planner_fields()
+
+    def _validate_planner_fields(self):
+        if self.policy not in POLICIES:
+            raise ConfigError(f"ssdtrain: policy must be one of {POLICIES}, got {self.policy!r}.")
+        if self.memory_budget_bytes is not None:
+            self.memory_budget_bytes = parse_bytes(self.memory_budget_bytes,
+                                                   name="memory_budget_bytes")
+        elif self.policy == "adaptive":
+            raise ConfigError("ssdtrain: policy='adaptive' needs memory_budget_bytes (the most "
+                              "bytes of activations the plan may keep in memory), e.g. "
+                              "memory_budget_bytes='2GiB'; or use policy='static'.")
+        if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, int) \
+                or not 1 <= self.profile_steps <= 1000:
+            raise ConfigError(f"ssdtrain: profile_steps must be an int in [1, 1000], got "
+                              f"{self.profile_steps!r}.")
+        f = self.replan_stall_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+            raise ConfigError(f"ssdtrain: replan_stall_fraction must be a number > 0 (inf: never "
+                              f"re-plan), got {f!r}.")
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -234,11 +282,17 @@ class OffloadConfig:
 def _from_env_string(name, raw):
     if name == "spill_dir":
         return [p for p in raw.split(os.pathsep) if p]
-    if name in ("io_threads",):
+    if name in ("io_threads", "profile_steps"):
         try:
             return int(raw)
         except ValueError:
             raise ConfigError(f"ssdtrain: SSDTRAIN_{name.upper()} must be an integer, got "
+                              f"{raw!r}.") from None
+    if name == "replan_stall_fraction":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"ssdtrain: SSDTRAIN_REPLAN_STALL_FRACTION must be a number, got "
                               f"{raw!r}.") from None
     if name == "io_timeout_s":
         try:

@@ -245,6 +245,8 @@ class Store:
         self._buffers = ReadBuffers(config.prefetch_bytes)
         self._devices = {}                     # torch.device -> DeviceTransfers
         self._warned = set()                   # warnings already logged (once per store)
+        self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
+        self.write_behind = config.write_behind_bytes  # a plan may lower it to fit its budget
         self.closed = False
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
@@ -299,6 +301,8 @@ class Store:
         version = t._version
         extent = byte_extent(t)
         attach = []
+        layers = self.layers
+        choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
         with self._lock:
             self._check_open()
             if self._errors:
@@ -320,8 +324,16 @@ class Store:
                 self._live += 1
                 stats.unique_bytes += rec.nbytes
                 self._add_resident(rec.nbytes)
-                self._tail[rec] = None
-                self._tail_bytes += rec.nbytes
+                if layers is not None:
+                    layers.attribute(rec.nbytes)
+                if choice == "keep":
+                    rec.state = State.KEPT
+                    stats.kept_bytes += rec.nbytes
+                elif choice == "offload":
+                    self._start_write(rec, attach)
+                else:
+                    self._tail[rec] = None
+                    self._tail_bytes += rec.nbytes
             else:
                 stats.deduplicated_bytes += nbytes
                 rec.seq = self._seq
@@ -335,14 +347,14 @@ class Store:
             self._trim_tail(attach)
             handle = Handle(self, rec, t, version)
         self._attach(attach)
-        if self._writing_bytes > self.cfg.write_behind_bytes:
+        if self._writing_bytes > self.write_behind:
             self._throttle()
         return handle
 
     def _throttle(self):
         """Wait until the writes in flight fit in ``write_behind_bytes`` (never under the
         lock: the condition releases it while waiting)."""
-        limit = self.cfg.write_behind_bytes
+        limit = self.write_behind
         t0 = time.perf_counter()
         try:
             with self._written:
@@ -711,6 +723,7 @@ class Store:
                 self._written.notify_all()
                 self._passes.clear()
                 self._resident = 0
+            self._buffers.trim()  # idle read buffers are memory too: not kept until GC
             if self._finalizer.detach() is not None:
                 _release_resources(self.engine, self.spill, self._devices)
 

@@ -147,6 +147,7 @@ class Offloader:
         self._hooks = None
         self._owner = None
         self._in_forward = False
+        self._layers = None   # _adaptive.LayerPolicy, set by track()
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
@@ -182,7 +183,13 @@ class Offloader:
                                 f"(entered on thread {self._owner}); it cannot be entered twice "
                                 f"at once. End it first (exit the `with` block or call "
                                 f"end_forward()), or use one Offloader per concurrent forward.")
+        if self._layers is None and self.config.policy == "adaptive":
+            raise SSDTrainError("ssdtrain: policy='adaptive' plans per layer and needs the "
+                                "layers: call offloader.track(model) before the first forward "
+                                "(or use policy='static').")
         self._store.begin_pass()
+        if self._layers is not None:
+            self._layers.begin_step()
         self._in_forward = True
         self._owner = threading.current_thread().name
 
@@ -259,6 +266,8 @@ class Offloader:
 
     def _end_forward(self, raise_pending):
         self._in_forward = False
+        if self._layers is not None:
+            self._layers.end_forward()
         self._store.end_pass()
         if raise_pending:
             self._store.raise_pending_error()
@@ -299,6 +308,7 @@ class Offloader:
         if self._hooks is not None or self._in_forward:
             raise SSDTrainError("ssdtrain: close() called inside a forward pass (`with offloader:` "
                                 "or begin_forward()); exit the block (or call end_forward()) first.")
+        self.untrack()
         self._store.close()
 
     def __repr__(self):
@@ -371,6 +381,135 @@ class Offloader:
                 keep.append(a)
         self._attachments = keep
 
+
+    # ------------------------------------------------------- layers and plans
+    def track(self, model: torch.nn.Module, layers=None) -> "Offloader":
+        """Know the layers of ``model``: attribute saved bytes to them, profile, plan.
+
+        Forward hooks on each layer module keep track of the running layer; the
+        first ``profile_steps`` steps (a step is one ``with offloader:`` forward and
+        everything until the next) measure per layer the bytes saved (after
+        deduplication), the forward and the backward time (stalls excluded). With
+        ``policy="adaptive"`` the engine's bandwidth is then probed once and a plan
+        (per layer: keep, offload or recompute) is made and applied from the next
+        forward on; see :meth:`plan` and docs/planner.md. With ``policy="static"``
+        nothing changes but what :meth:`plan` can report. Calling it again replaces
+        the previous tracking.
+
+        Args:
+            model: the model whose forward runs under this offloader.
+            layers: the layer modules, in forward order, or ``(name, module)`` pairs.
+                Default ``None``: every child of every ``nn.ModuleList`` in ``model``
+                (a transformer's blocks).
+
+        Returns:
+            This offloader, so ``off = ssdtrain.Offloader(...).track(model)`` works.
+
+        Raises:
+            ConfigError: no layers were given or found, or a module is listed twice.
+            SSDTrainError: called inside a forward pass, or on a closed offloader.
+        """
+        from ._adaptive import LayerPolicy
+        from ._profile import default_layers
+        if self._in_forward:
+            raise SSDTrainError("ssdtrain: track() called inside a forward pass; call it "
+                                "before `with offloader:` (or between steps).")
+        self._store._check_open()
+        if layers is None:
+            named = default_layers(model)
+        else:
+            names = {id(m): n for n, m in model.named_modules()}
+            named = []
+            for item in layers:
+                if isinstance(item, tuple):
+                    named.append(item)
+                else:
+                    named.append((names.get(id(item), type(item).__name__), item))
+        if not named:
+            raise ConfigError(f"ssdtrain: track() found no layers in {type(model).__name__}: it "
+                              f"looks for the children of nn.ModuleList containers; pass "
+                              f"layers=[...] (the repeated blocks, in forward order).")
+        for name, m in named:
+            if not isinstance(m, torch.nn.Module):
+                raise ConfigError(f"ssdtrain: track(layers=...) takes nn.Module layers, got "
+                                  f"{type(m).__name__} for {name!r}.")
+        self.untrack()
+        try:
+            policy = LayerPolicy(self._store, self.config, self._stats, named)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self._layers = policy
+        self._store.layers = policy
+        return self
+
+    def untrack(self) -> None:
+        """Remove what :meth:`track` installed (hooks, recompute wrappers); idempotent.
+
+        Raises:
+            SSDTrainError: called inside a forward pass.
+        """
+        if self._layers is None:
+            return
+        if self._in_forward:
+            raise SSDTrainError("ssdtrain: untrack() called inside a forward pass; call it "
+                                "between steps.")
+        policy, self._layers = self._layers, None
+        self._store.layers = None
+        policy.remove()
+
+    def plan(self):
+        """The per-layer plan: the one in force (``policy="adaptive"``), else a fresh one.
+
+        ``str(plan)`` is a markdown table (layer, choice, saved bytes, input bytes,
+        forward and backward time) with the predicted step time, stalls and peak
+        activation memory; it is also logged (``logging.getLogger("ssdtrain")``, INFO)
+        whenever a plan is put in force. With ``policy="static"`` the plan is only a
+        report of what ``"adaptive"`` would do (under ``memory_budget_bytes``, or
+        without a limit when it is ``None``); the engine's bandwidth is probed on the
+        first call.
+
+        Returns:
+            A ``ssdtrain._planner.Plan``: ``choices`` (one of ``"keep"``, ``"offload"``,
+            ``"recompute"`` per layer), ``layers`` (the measured costs),
+            ``prediction`` (``step_s``, ``stall_s``, ``peak_bytes``...), ``fits``.
+
+        Raises:
+            SSDTrainError: :meth:`track` was not called, or the first ``profile_steps``
+                steps have not all completed yet.
+        """
+        if self._layers is None:
+            raise SSDTrainError("ssdtrain: plan() needs the layers: call offloader.track(model) "
+                                "first, then run profile_steps training steps.")
+        if self._layers.plan is not None:
+            return self._layers.plan
+        return self._layers.make_plan()
+
+    def set_plan(self, choices):
+        """Put a per-layer plan of your own in force from the next forward on.
+
+        With ``policy="static"`` it stays in force until :meth:`untrack`; with
+        ``"adaptive"`` it replaces the planner's choice until the next re-plan.
+
+        Args:
+            choices: one of ``"keep"``, ``"offload"``, ``"recompute"`` per tracked
+                layer, in forward order (or a plan returned by :meth:`plan`).
+
+        Returns:
+            The plan, with its prediction when the profile is complete (else a
+            prediction of zero costs and a note that says so).
+
+        Raises:
+            SSDTrainError: :meth:`track` was not called, called inside a forward pass,
+                or the number of choices differs from the number of tracked layers.
+            ConfigError: an unknown choice.
+        """
+        if self._layers is None:
+            raise SSDTrainError("ssdtrain: set_plan() needs the layers: call "
+                                "offloader.track(model) first.")
+        if self._in_forward:
+            raise SSDTrainError("ssdtrain: set_plan() called inside a forward pass; call it "
+                                "between steps.")
+        return self._layers.set_choices(getattr(choices, "choices", choices))
 
 def offload(config: OffloadConfig = None, **overrides) -> Offloader:
     """A new :class:`Offloader`; the one-shot form of ``Offloader(config, **overrides)``.

@@ -1,0 +1,257 @@
+"""Per-layer keep / offload / recompute for one Offloader: profile, plan, apply, re-plan.
+
+:class:`LayerPolicy` is what :meth:`Offloader.track` installs. It owns the
+:class:`~ssdtrain._profile.LayerProfiler` (module hooks), and with
+``policy="adaptive"`` it plans once the first ``profile_steps`` steps are
+measured, applies the plan from the next forward on, and re-plans when a step
+stalls on I/O (NOTE [ Re-planning ]). The store asks it, per new record, what
+to do with the bytes of the running layer (:meth:`LayerPolicy.choice`).
+
+NOTE [ Applying a plan ]
+
+* ``keep``: the layer's records are created KEPT: never written, served from
+  memory in backward (deduplication and version checks as usual).
+* ``offload``: the layer's records are written as soon as they are saved (they
+  skip the ``keep_tail_bytes`` window, which the planner replaced for layers),
+  and forward waits for writes once more than the plan's ``write_behind_bytes``
+  are in flight, so that forward's memory stays within the budget even when the
+  disk is slower than predicted.
+* ``recompute``: the layer's ``forward`` is replaced, on the instance, by one
+  that runs the original through ``torch.utils.checkpoint(use_reentrant=False)``
+  while the offloader's forward is open. Checkpointing installs its own
+  saved-tensor hooks inside the layer, and the innermost hooks win (DESIGN
+  invariant 6): nothing the layer saves reaches ssdtrain, and backward
+  recomputes it. What does reach ssdtrain is the layer's *inputs*, which
+  checkpoint saves (``save_inputs``) outside its own hooks: they are offloaded
+  like an offloaded layer's bytes. Tests check both (tests/test_track.py).
+
+Records outside every tracked layer (embedding, head, loss) follow the static
+rules (the ``keep_tail_bytes`` window, then offload).
+
+NOTE [ Re-planning ]
+
+The plan predicts each step's stalls. When a step with the plan applied
+stalled for more than ``replan_stall_fraction`` of its duration and more than
+predicted, the disk is slower than the probe said (other I/O, CPU contention):
+both bandwidths are scaled by ``io / (io + excess)`` (``io``: the predicted I/O
+time of the step, ``excess``: stall seen minus stall predicted) and the plan
+is made again, at most ``_MAX_REPLANS`` times.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ._errors import ConfigError, SSDTrainError
+from ._planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, Plan, StepCost, plan,
+                       predict, throttled_step)
+from ._profile import LayerProfiler, measure_bandwidth, step_cost
+
+__all__ = ["LayerPolicy"]
+
+log = logging.getLogger("ssdtrain")
+
+_MISSING = object()
+_MAX_REPLANS = 8
+
+
+class LayerPolicy:
+    """Layer scopes of one offloader and, with ``policy="adaptive"``, the plan in force.
+
+    Args:
+        store: the offloader's store (its engine and spill files are probed).
+        cfg: the :class:`~ssdtrain.OffloadConfig`.
+        stats: the offloader's :class:`~ssdtrain.Stats`.
+        layers: ``(name, module)`` pairs in forward order.
+    """
+
+    def __init__(self, store, cfg, stats, layers):
+        self.store, self.cfg, self.stats = store, cfg, stats
+        self.profiler = LayerProfiler(layers, stats, cfg.profile_steps)
+        self.adaptive = cfg.policy == "adaptive"
+        self.plan = None            # the plan in force (adaptive), or None
+        self.choices = None
+        self.bandwidth = None       # measured (write, read) bytes/s, probed once
+        self.scale = 1.0            # correction of the bandwidths from observed stalls
+        self.replans = 0
+        self.history = []           # (reason, Plan) of every plan put in force
+        self._wrapped = {}          # layer index -> the instance `forward` it replaced
+        self._plan_id = 0
+        self._rc_tries = 0
+        self._step_plan = {}        # id(StepSample) -> plan id in force during it
+
+    # ------------------------------------------------------------- store side
+    def choice(self):
+        """What the store does with a new record: ``"keep"``, ``"offload"`` or ``None``
+        (the static rules: outside every layer, or no plan in force)."""
+        if self.choices is None:
+            return None
+        i = self.profiler.current_index()
+        if i is None:
+            return None
+        return KEEP if self.choices[i] == KEEP else OFFLOAD  # recompute: only its inputs come
+
+    def attribute(self, nbytes):
+        self.profiler.attribute(nbytes)
+
+    # ----------------------------------------------------------- step events
+    def begin_step(self):
+        prof = self.profiler
+        prof.close_step()
+        timed, recompute = not prof.ready(), False
+        if self.adaptive:
+            if self.plan is None and prof.ready():
+                if not prof.profiled_rc and self._rc_tries < 2:
+                    # One step with every layer recomputed (NOTE [ Pure compute times ]).
+                    self._set_wrappers((RECOMPUTE,) * len(prof.modules))
+                    self.choices = (RECOMPUTE,) * len(prof.modules)
+                    self._rc_tries += 1
+                    timed = recompute = True
+                else:
+                    self._make_and_apply("profiled")
+            elif self.plan is not None:
+                self._check_stalls()
+        prof.open_step(timed=timed, recompute=recompute)
+        if self.plan is not None:
+            self._step_plan[id(prof.step)] = self._plan_id
+            self._step_plan = {k: v for k, v in self._step_plan.items()
+                               if k in {id(s) for s in prof.samples} | {id(prof.step)}}
+
+    def end_forward(self):
+        self.profiler.end_forward()
+
+    # ------------------------------------------------------------------ plans
+    def _step_cost(self):
+        layers, parts = self.profiler.costs()
+        if self.bandwidth is None:
+            self.bandwidth = measure_bandwidth(self.store)
+            log.info("ssdtrain: engine bandwidth %.2f GB/s write, %.2f GB/s read (probe)",
+                     self.bandwidth[0] / 1e9, self.bandwidth[1] / 1e9)
+        w, r = self.bandwidth
+        return layers, step_cost(parts, w * self.scale, r * self.scale, self.cfg)
+
+    def make_plan(self):
+        """A plan from the profile and the budget (``None`` budget: no limit); not applied.
+
+        Raises:
+            SSDTrainError: the profile is not complete yet.
+        """
+        if not self.profiler.ready():
+            raise SSDTrainError(
+                f"ssdtrain: no plan yet: the first {self.cfg.profile_steps} step(s) after "
+                f"track() are profiled, and a step is complete when the next forward begins "
+                f"({len(self.profiler.timed_samples())} complete so far). Run more steps, "
+                f"then call plan() again.")
+        layers, step = self._step_cost()
+        return plan(layers, self.cfg.memory_budget_bytes, step)
+
+    def set_choices(self, choices):
+        """Apply ``choices`` (one per layer) as a plan, predicted when the profile is ready."""
+        choices = tuple(choices)
+        bad = [c for c in choices if c not in CHOICES]
+        if bad:
+            raise ConfigError(f"ssdtrain: plan choices must be among {CHOICES}, got {bad[0]!r}.")
+        if len(choices) != len(self.profiler.modules):
+            raise SSDTrainError(f"ssdtrain: {len(choices)} plan choices for "
+                                f"{len(self.profiler.modules)} tracked layers "
+                                f"({', '.join(self.profiler.names)}).")
+        budget = self.cfg.memory_budget_bytes
+        if self.profiler.ready():
+            layers, step = self._step_cost()
+            notes = ("Set by set_plan().",)
+        else:
+            layers = tuple(LayerCost(n, 0, 0, 0.0, 0.0) for n in self.profiler.names)
+            step = StepCost(write_bps=1.0, read_bps=1.0, prefetch_bytes=self.cfg.prefetch_bytes,
+                            write_behind_bytes=self.cfg.write_behind_bytes)
+            budget = None
+            notes = ("Set by set_plan() before the profile was complete: no prediction.",)
+        step = throttled_step(layers, choices, step, budget)
+        pred = predict(layers, choices, step)
+        p = Plan(tuple(layers), choices, pred, budget, step,
+                 budget is None or pred.peak_bytes <= budget, 0, notes)
+        self.apply(p)
+        self.history.append(("set_plan", p))
+        return p
+
+    def _make_and_apply(self, reason):
+        p = self.make_plan()
+        self.apply(p)
+        self.history.append((reason, p))
+        log.info("ssdtrain: plan (%s):\n%s", reason, p.table())
+        if not p.fits:
+            log.warning("ssdtrain: no plan keeps activations within memory_budget_bytes=%d "
+                        "(least possible: %d predicted); using the plan with the least memory. "
+                        "Raise the budget or lower the micro-batch.",
+                        self.cfg.memory_budget_bytes, p.prediction.peak_bytes)
+
+    def _check_stalls(self):
+        samples = self.profiler.samples
+        if not samples or self.replans >= _MAX_REPLANS:
+            return
+        last = samples[-1]
+        if self._step_plan.get(id(last)) != self._plan_id or not last.period:
+            return
+        pred = self.plan.prediction
+        excess = last.stall_s - pred.stall_s
+        if last.stall_s <= self.cfg.replan_stall_fraction * last.period or excess <= 0:
+            return
+        step = self.plan.step
+        io = pred.written_bytes / step.write_bps + pred.written_bytes / step.read_bps
+        if io <= 0:
+            return
+        self.scale *= io / (io + excess)
+        self.replans += 1
+        self._make_and_apply(f"re-plan {self.replans}: step stalled {last.stall_s * 1e3:.0f} ms "
+                             f"of {last.period * 1e3:.0f} ms, {pred.stall_s * 1e3:.0f} ms "
+                             f"predicted; disk bandwidths scaled by {self.scale:.3f}")
+
+    def apply(self, p):
+        """Put plan ``p`` in force from the next forward on (NOTE [ Applying a plan ])."""
+        if len(p.choices) != len(self.profiler.modules):
+            raise SSDTrainError(f"ssdtrain: a plan for {len(p.choices)} layers cannot apply to "
+                                f"{len(self.profiler.modules)} tracked layers.")
+        self._set_wrappers(p.choices)
+        self.plan, self.choices = p, tuple(p.choices)
+        self.store.write_behind = p.write_behind_bytes
+        self._plan_id += 1
+
+    def _set_wrappers(self, choices):
+        for i, c in enumerate(choices):
+            if c == RECOMPUTE and i not in self._wrapped:
+                self._wrap(i)
+            elif c != RECOMPUTE and i in self._wrapped:
+                self._unwrap(i)
+
+    def _wrap(self, i):
+        module = self.profiler.modules[i]
+        previous = module.__dict__.get("forward", _MISSING)
+        inner = module.forward
+        profiler = self.profiler
+
+        def forward(*args, **kwargs):
+            if profiler.active and torch.is_grad_enabled():
+                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            return inner(*args, **kwargs)
+
+        forward.__ssdtrain_recompute__ = True
+        module.forward = forward
+        self._wrapped[i] = previous
+
+    def _unwrap(self, i):
+        module = self.profiler.modules[i]
+        previous = self._wrapped.pop(i)
+        if previous is _MISSING:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+
+    def remove(self):
+        """Undo everything: module hooks, recompute wrappers."""
+        for i in list(self._wrapped):
+            self._unwrap(i)
+        self.profiler.remove()
+        self.plan = self.choices = None
+        self.store.write_behind = self.cfg.write_behind_bytes

@@ -1,0 +1,442 @@
+"""Per-layer keep / offload / recompute planning: pure functions, no torch.
+
+:func:`predict` runs the cost model of one training step for a given choice per
+layer; :func:`plan` searches the choices for the shortest predicted step whose
+predicted activation memory fits a budget. Both take measured numbers
+(:class:`LayerCost` per layer, :class:`StepCost` for the rest of the step and
+the machine) and are deterministic, so tests call them directly.
+
+NOTE [ Step cost model ]
+
+A step is forward over the layers ``0..n-1``, then the rest of forward
+(``fwd_other_s``: head, loss), then backward: the head's backward
+(``bwd_head_s``), the layers' backward in reverse order, then the rest of the
+step (``tail_s``: embedding backward, optimizer, data) until the next forward.
+Each layer is one of
+
+* ``keep``: its saved bytes stay in memory; costs memory, no time;
+* ``offload``: its saved bytes are written as forward produces them and read
+  back before its backward; costs the stalls the I/O cannot hide;
+* ``recompute``: non-reentrant checkpointing; only its inputs are saved (and
+  offloaded like an offloaded layer's bytes); backward runs its forward again
+  (``fwd_s`` more) and holds its saved bytes while its backward runs.
+
+Offloaded bytes also cost compute time: ``fwd_s_per_byte`` / ``bwd_s_per_byte``
+per byte written / read is added to the layer's forward / backward (the CPU
+that I/O takes from compute; measured, see NOTE [ Pure compute times ] in
+_profile.py). The disk is one server, first come first served, at ``write_bps`` / ``read_bps``.
+Writes of layer ``i`` are queued when its forward ends; forward waits when
+more than ``write_behind_bytes`` are queued and not written (ssdtrain's
+throttle; :func:`plan` lowers it so that the kept bytes plus the writes in
+flight fit the budget, see :func:`write_behind_for`). Reads start when
+forward ends, newest layer first; a read starts only while fewer than
+``prefetch_bytes`` have been read and not yet used (ssdtrain's prefetch window), and never before its write has ended.
+Layer ``i``'s backward starts when layer ``i+1``'s has ended and its read has
+completed; the difference is a stall.
+
+The model errs on the safe side in two places, both of which keep the predicted
+time monotone (non-increasing) in each bandwidth, and the predicted memory's
+feasibility too: a record prefetch reaches while its write is still in flight
+is served from memory by ssdtrain (no read), but is predicted to be read; and
+backward memory counts the whole prefetch window as full.
+
+Memory ("activation bytes held") is the largest of, after each layer's
+forward, the kept bytes so far plus the bytes written-but-not-yet-on-disk,
+and, during each layer's backward, the kept bytes of the layers not yet
+consumed, the prefetch window, the read buffers ssdtrain keeps for reuse
+(up to ``prefetch_bytes`` of what was read before), and the layer's own bytes
+when it is recomputed. ``fixed_bytes`` (what the rest of the step keeps: small tensors,
+the tail of forward outside the layers) is added everywhere.
+
+NOTE [ Plan search ]
+
+The search is exhaustive over a fixed family of plans: with ``n`` layers and
+at most ``max_plans`` plans, the layers are split into ``g`` consecutive groups
+(``3**g <= max_plans``; groups of one layer when ``3**n`` fits, the later
+layers, which backward needs first, in the smaller groups), every layer of a
+group gets the group's choice, and every combination is predicted. The family
+depends only on ``n`` and ``max_plans``, not on the costs, so the chosen
+plan's predicted time is the exact minimum over it: more bandwidth never
+predicts a slower plan, and a bigger budget never either. Ties go to the plan
+with fewer recomputed layers, then fewer offloaded ones (I/O the model thinks
+hidden still costs CPU and memory bandwidth), then less memory, then the one
+keeping later layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StepCost", "Prediction",
+           "Plan", "predict", "plan", "group_layers", "rok_plans", "write_behind_for",
+           "throttled_step"]
+
+KEEP = "keep"
+OFFLOAD = "offload"
+RECOMPUTE = "recompute"
+CHOICES = (KEEP, OFFLOAD, RECOMPUTE)
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs, as measured.
+
+    Attributes:
+        name: a label for tables (the module's qualified name).
+        saved_bytes: bytes of the distinct storages its forward saves that ssdtrain
+            would offload (after deduplication).
+        input_bytes: bytes of the tensor inputs of the layer (what a checkpoint of
+            it saves).
+        fwd_s: forward time, in seconds, without I/O stalls.
+        bwd_s: backward time, in seconds, without I/O stalls.
+    """
+
+    name: str
+    saved_bytes: int
+    input_bytes: int
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The machine and the parts of the step outside the layers.
+
+    Attributes:
+        write_bps: write bandwidth of the engine, bytes/s (> 0).
+        read_bps: read bandwidth of the engine, bytes/s (> 0).
+        fwd_other_s: forward time outside the layers. Default 0.
+        bwd_head_s: backward time before the last layer's backward starts. Default 0.
+        tail_s: time after the first layer's backward until the next forward. Default 0.
+        prefetch_bytes: the prefetch window. Default 256 MiB.
+        write_behind_bytes: most bytes queued for writing before forward waits.
+            Default 1 GiB.
+        fixed_bytes: activation bytes held whatever the plan. Default 0.
+        fwd_s_per_byte: compute time forward loses per byte a layer writes (the CPU
+            the I/O takes from compute). Default 0.
+        bwd_s_per_byte: the same in backward, per byte read back. Default 0.
+    """
+
+    write_bps: float
+    read_bps: float
+    fwd_other_s: float = 0.0
+    bwd_head_s: float = 0.0
+    tail_s: float = 0.0
+    prefetch_bytes: int = 256 * MiB
+    write_behind_bytes: int = 1 << 30
+    fixed_bytes: int = 0
+    fwd_s_per_byte: float = 0.0
+    bwd_s_per_byte: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's answer for one plan (NOTE [ Step cost model ])."""
+
+    step_s: float
+    """Predicted step time."""
+    stall_s: float
+    """Predicted time backward waits for reads plus forward waits for writes."""
+    recompute_s: float
+    """Extra forward time spent recomputing in backward."""
+    peak_bytes: int
+    """Predicted peak activation bytes held (``fixed_bytes`` included)."""
+    written_bytes: int
+    """Bytes written (and read) per step."""
+    kept_bytes: int
+    """Bytes of kept layers."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A choice per layer with its prediction; ``str(plan)`` is a readable table."""
+
+    layers: Tuple[LayerCost, ...]
+    choices: Tuple[str, ...]
+    prediction: Prediction
+    budget_bytes: Optional[int]
+    step: StepCost
+    fits: bool = True
+    """Whether the predicted peak fits the budget (False: no plan fits; this is the
+    plan with the least memory)."""
+    plans_searched: int = 0
+    notes: Tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def write_behind_bytes(self) -> int:
+        """The write-behind limit the plan runs with (:func:`write_behind_for`)."""
+        return self.step.write_behind_bytes
+
+    def choice(self, name: str) -> str:
+        """The choice for the layer called ``name``."""
+        for layer, c in zip(self.layers, self.choices):
+            if layer.name == name:
+                return c
+        raise KeyError(name)
+
+    def counts(self) -> dict:
+        """``{choice: number of layers}``."""
+        return {c: self.choices.count(c) for c in CHOICES}
+
+    def table(self) -> str:
+        """A markdown table: one row per layer, then the totals and the prediction."""
+        p, s = self.prediction, self.step
+        rows = ["| layer | choice | saved (MiB) | input (MiB) | fwd (ms) | bwd (ms) |",
+                "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for layer, c in zip(self.layers, self.choices):
+            rows.append(f"| {layer.name} | {c} | {layer.saved_bytes / MiB:.1f} | "
+                        f"{layer.input_bytes / MiB:.1f} | {layer.fwd_s * 1e3:.1f} | "
+                        f"{layer.bwd_s * 1e3:.1f} |")
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / MiB:.1f} MiB"
+        counts = ", ".join(f"{n} {c}" for c, n in self.counts().items())
+        rows.append("")
+        rows.append(f"{counts}; predicted step {p.step_s * 1e3:.1f} ms (stalls "
+                    f"{p.stall_s * 1e3:.1f} ms, recompute {p.recompute_s * 1e3:.1f} ms), peak "
+                    f"activations {p.peak_bytes / MiB:.1f} MiB of budget {budget}"
+                    + ("" if self.fits else " (NO plan fits: least-memory plan shown)")
+                    + f"; disk {s.write_bps / 1e9:.2f} GB/s write, {s.read_bps / 1e9:.2f} GB/s "
+                    f"read; {p.written_bytes / MiB:.1f} MiB written per step; "
+                    f"{self.plans_searched} plans searched.")
+        rows.extend(self.notes)
+        return "\n".join(rows)
+
+    def __str__(self):
+        return self.table()
+
+
+def _offloaded_bytes(layer, choice):
+    if choice == OFFLOAD:
+        return layer.saved_bytes
+    if choice == RECOMPUTE:
+        return layer.input_bytes
+    return 0
+
+
+def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost) -> Prediction:
+    """Predict one step's time and peak activation memory for ``choices``.
+
+    Args:
+        layers: the layers in forward order.
+        choices: one of ``"keep"``, ``"offload"``, ``"recompute"`` per layer.
+        step: the machine and the rest of the step.
+
+    Returns:
+        The :class:`Prediction` (NOTE [ Step cost model ]).
+
+    Raises:
+        ValueError: lengths differ, an unknown choice, or a bandwidth that is not > 0.
+    """
+    n = len(layers)
+    if len(choices) != n:
+        raise ValueError(f"ssdtrain: {len(choices)} choices for {n} layers.")
+    for c in choices:
+        if c not in CHOICES:
+            raise ValueError(f"ssdtrain: unknown plan choice {c!r}; expected one of {CHOICES}.")
+    if not (step.write_bps > 0 and step.read_bps > 0):
+        raise ValueError(f"ssdtrain: bandwidths must be > 0, got write {step.write_bps} and "
+                         f"read {step.read_bps} bytes/s.")
+    W, R = float(step.write_bps), float(step.read_bps)
+    o = [_offloaded_bytes(layer, c) for layer, c in zip(layers, choices)]
+    kept = [layer.saved_bytes if c == KEEP else 0 for layer, c in zip(layers, choices)]
+
+    # Forward: compute, and the disk writing behind it.
+    t = 0.0
+    disk = 0.0
+    stall = 0.0
+    queue = []          # (write end time, bytes) not yet known to be written
+    wdone = [0.0] * n
+    kept_so_far = 0
+    fwd_peak = 0
+    for i, layer in enumerate(layers):
+        t += layer.fwd_s + o[i] * step.fwd_s_per_byte
+        if o[i]:
+            disk = max(disk, t) + o[i] / W
+            wdone[i] = disk
+            queue.append((disk, o[i]))
+        kept_so_far += kept[i]
+        # Forward waits while more than write_behind_bytes are queued (ssdtrain's throttle).
+        queue = [(end, b) for end, b in queue if end > t]
+        backlog = sum(b for _, b in queue)
+        fwd_peak = max(fwd_peak, kept_so_far + min(backlog, step.write_behind_bytes))
+        while backlog > step.write_behind_bytes and queue:
+            end, b = queue.pop(0)
+            stall += end - t
+            t = end
+            backlog -= b
+    t += step.fwd_other_s
+    t_fwd = t
+
+    # Backward: the head, then the layers in reverse; reads newest first.
+    t = t_fwd + step.bwd_head_s
+    disk = max(disk, t_fwd)
+    bstart = [None] * n
+    rdone = [0.0] * n
+    recompute = 0.0
+    below = [0] * n  # offloaded bytes of layers <= i (for the window bound on memory)
+    acc = 0
+    for i in range(n):
+        acc += o[i]
+        below[i] = acc
+    kept_below = [0] * n
+    acc = 0
+    for i in range(n):
+        acc += kept[i]
+        kept_below[i] = acc
+    bwd_peak = 0
+    for i in range(n - 1, -1, -1):
+        layer = layers[i]
+        if o[i]:
+            # The window: reads started and not yet used (layers j > i not yet begun).
+            candidates = sorted({disk} | {bstart[j] for j in range(i + 1, n)
+                                          if o[j] and bstart[j] > disk})
+            start = candidates[-1]
+            for tau in candidates:
+                ahead = sum(o[j] for j in range(i + 1, n) if o[j] and bstart[j] > tau)
+                if ahead < step.prefetch_bytes:
+                    start = tau
+                    break
+            start = max(start, wdone[i])
+            disk = start + o[i] / R
+            rdone[i] = disk
+        begin = max(t, rdone[i]) if o[i] else t
+        stall += begin - t
+        bstart[i] = begin
+        extra = layer.fwd_s if choices[i] == RECOMPUTE else 0.0
+        recompute += extra
+        t = begin + layer.bwd_s + extra + o[i] * step.bwd_s_per_byte
+        # The prefetch window, the read buffers idle for reuse (ssdtrain keeps up to
+        # prefetch_bytes of them during backward), and a recomputed layer's bytes.
+        read_before = below[n - 1] - below[i]
+        held = kept_below[i] + min(step.prefetch_bytes, below[i]) + \
+            min(step.prefetch_bytes, read_before) + \
+            (layer.saved_bytes if choices[i] == RECOMPUTE else 0)
+        bwd_peak = max(bwd_peak, held)
+    t += step.tail_s
+    return Prediction(step_s=t, stall_s=stall, recompute_s=recompute,
+                      peak_bytes=int(max(fwd_peak, bwd_peak) + step.fixed_bytes),
+                      written_bytes=int(sum(o)), kept_bytes=int(sum(kept)))
+
+
+def group_layers(n: int, max_plans: int, k: int = 3) -> List[List[int]]:
+    """Split layer indices ``0..n-1`` into consecutive groups, ``k**len(groups) <= max_plans``.
+
+    Groups differ in size by at most one; the larger groups come first (the later
+    layers, which backward needs first, get the finer choice). With ``k**n <=
+    max_plans`` every layer is its own group.
+    """
+    if n == 0:
+        return []
+    g = 1
+    while g < n and k ** (g + 1) <= max_plans:
+        g += 1
+    size, extra = divmod(n, g)
+    groups, start = [], 0
+    for j in range(g):
+        m = size + (1 if j < extra else 0)
+        groups.append(list(range(start, start + m)))
+        start += m
+    return groups
+
+
+def _sort_key(pred, choices):
+    # Among equal predictions, keep the layers backward needs first (the cost model
+    # does not credit what ssdtrain forwards from memory, so this is the safe side).
+    return (round(pred.step_s, 12), choices.count(RECOMPUTE), choices.count(OFFLOAD),
+            pred.peak_bytes, -sum(i for i, c in enumerate(choices) if c == KEEP), choices)
+
+
+def plan(layers: Sequence[LayerCost], budget_bytes: Optional[int], step: StepCost, *,
+         max_plans: int = 6561, allowed: Sequence[str] = CHOICES) -> Plan:
+    """The plan with the shortest predicted step whose predicted peak fits ``budget_bytes``.
+
+    Args:
+        layers: the layers in forward order (:class:`LayerCost`).
+        budget_bytes: most activation bytes allowed in memory; ``None``: no limit.
+        step: the machine and the rest of the step (:class:`StepCost`).
+        max_plans: most plans predicted (NOTE [ Plan search ]). Default 6561 (3**8).
+        allowed: the choices the search may use. Default all three.
+
+    Returns:
+        The best :class:`Plan`. When no plan fits, the plan with the least predicted
+        memory, with ``fits=False``.
+
+    Raises:
+        ValueError: ``allowed`` is empty or names an unknown choice, or a bandwidth
+            is not > 0.
+    """
+    allowed = tuple(dict.fromkeys(allowed))
+    if not allowed or any(c not in CHOICES for c in allowed):
+        raise ValueError(f"ssdtrain: allowed must be a non-empty subset of {CHOICES}, got "
+                         f"{allowed!r}.")
+    layers = tuple(layers)
+    n = len(layers)
+    groups = group_layers(n, max_plans, len(allowed))
+    best = best_fit = None
+    searched = 0
+    for combo in itertools.product(allowed, repeat=len(groups)):
+        choices = [None] * n
+        for g, c in zip(groups, combo):
+            for i in g:
+                choices[i] = c
+        choices = tuple(choices)
+        pred = predict(layers, choices, throttled_step(layers, choices, step, budget_bytes))
+        searched += 1
+        key = _sort_key(pred, choices)
+        if budget_bytes is None or pred.peak_bytes <= budget_bytes:
+            if best_fit is None or key < best_fit[0]:
+                best_fit = (key, choices, pred)
+        least = (pred.peak_bytes,) + key
+        if best is None or least < best[0]:
+            best = (least, choices, pred)
+    notes = []
+    if n and len(groups) < n:
+        notes.append(f"Layers planned in {len(groups)} groups of consecutive layers "
+                     f"(at most {max_plans} plans searched).")
+    fits, (_, choices, pred) = best_fit is not None, best_fit or best
+    return Plan(layers, choices, pred, budget_bytes,
+                throttled_step(layers, choices, step, budget_bytes), fits, searched, tuple(notes))
+
+
+def write_behind_for(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost,
+                     budget_bytes: Optional[int]) -> int:
+    """The write-behind limit that keeps forward's writes in flight inside the budget.
+
+    Forward holds the kept layers' bytes and the writes in flight; ssdtrain's
+    throttle makes forward wait once more than this many bytes are in flight:
+    ``budget - fixed_bytes - kept bytes``, capped at ``step.write_behind_bytes``
+    and at least 0. (The throttle acts per record, so one record may overshoot.)
+    """
+    if budget_bytes is None:
+        return step.write_behind_bytes
+    kept = sum(layer.saved_bytes for layer, c in zip(layers, choices) if c == KEEP)
+    return max(0, min(step.write_behind_bytes, budget_bytes - step.fixed_bytes - kept))
+
+
+def throttled_step(layers, choices, step, budget_bytes):
+    """``step`` with the write-behind limit of :func:`write_behind_for`."""
+    wb = write_behind_for(layers, choices, step, budget_bytes)
+    if wb == step.write_behind_bytes:
+        return step
+    return dataclasses.replace(step, write_behind_bytes=wb)
+
+
+def rok_plans(n: int) -> List[Tuple[str, ...]]:
+    """The recompute-offload-keep family: from keep-all to recompute-all, ``2n + 1`` plans.
+
+    First the number of offloaded layers grows from the first layer on (keep-all,
+    then layer 0 offloaded, ... offload-all), then the number of recomputed layers
+    grows the same way (offload-all ... recompute-all). Layers consumed first in
+    backward (the last ones) are the last to leave memory and the last to be
+    recomputed.
+    """
+    out = [tuple([KEEP] * n)]
+    for k in range(1, n + 1):
+        out.append(tuple([OFFLOAD] * k + [KEEP] * (n - k)))
+    for k in range(1, n + 1):
+        out.append(tuple([RECOMPUTE] * k + [OFFLOAD] * (n - k)))
+    return out

@@ -1,0 +1,415 @@
+"""Layer scopes and profiling: which layer is running, what it saves, how long it takes.
+
+:class:`LayerProfiler` puts a forward pre-hook and a forward hook on each layer
+module. They maintain the *current layer* (the store attributes each new record
+to it), and, on profiled steps only, time each layer's forward and register two
+tensor hooks per layer that time its backward (NOTE [ Timing backward with
+tensor hooks ]). :func:`measure_bandwidth` times a write and a read of the
+engine in use. Nothing here decides anything; ``_adaptive.py`` does.
+
+NOTE [ Timing backward with tensor hooks ]
+
+A hook on a layer's output fires when the gradient of that output is complete:
+the layer's backward is about to start. A hook on its input fires when the
+gradient of the input is complete: every use of the input inside the layer has
+been differentiated, so the layer's backward has ended (for a chain of blocks
+the two are the same instant seen from both sides). The time between them is
+the layer's backward, I/O stalls included; the stalls ssdtrain counted in
+between (``Stats.stall_seconds``) are subtracted, so what remains is compute.
+Forward time is measured the same way around the module call, minus the time
+pack waited for writes (``Stats.write_stall_seconds``). Tensor hooks that
+return ``None`` change no gradient. They are registered only on profiled
+steps; other steps pay for the two module hooks per layer and nothing else.
+
+NOTE [ Pure compute times ]
+
+Profiled steps run under the static rules, so their layer times include what
+offloading costs the CPU (the I/O threads share the cores; on a CPU-only
+machine, with few cores, that is most of the cost of offloading): they are
+not the times of a layer that is kept. With ``policy="adaptive"`` one more
+step is profiled with every layer recomputed: nothing but the layers' inputs
+is written, so its forward times are compute only, and its backward times
+are compute plus one recomputed forward, which is subtracted. (A layer's
+compute time is the smaller of that and its offloaded time: one disturbed
+step must not make compute look slower than compute beside I/O.) The difference
+between the two profiles, per byte written, is the CPU time offloading costs
+per byte (forward and backward apart): the planner charges it to offloaded
+bytes (``StepCost.fwd_s_per_byte`` / ``bwd_s_per_byte``). Without that step
+(``policy="static"``), layer times are the offloaded ones and the per-byte
+costs are 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from ._planner import LayerCost, StepCost
+
+__all__ = ["default_layers", "LayerProfiler", "StepSample", "measure_bandwidth"]
+
+log = logging.getLogger("ssdtrain")
+
+
+def default_layers(model: torch.nn.Module):
+    """``(qualified name, module)`` of every child of every ``nn.ModuleList`` in ``model``.
+
+    Nested lists contribute their innermost children only (a list of lists of
+    blocks gives the blocks).
+    """
+    found, seen = [], set()
+
+    def walk(prefix, module, in_list):
+        for name, child in module.named_children():
+            qual = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, torch.nn.ModuleList):
+                walk(qual, child, True)
+            elif in_list:
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    found.append((qual, child))
+            else:
+                walk(qual, child, False)
+
+    walk("", model, isinstance(model, torch.nn.ModuleList))
+    return found
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _first_grad_tensor(obj):
+    for t in _tensors(obj):
+        if t.requires_grad:
+            return t
+    return None
+
+
+@dataclass
+class StepSample:
+    """What one step measured (times are ``time.perf_counter`` seconds)."""
+
+    n: int
+    timed: bool
+    recompute: bool = False             # every layer recomputed (the pure-compute profile)
+    begin: float = 0.0
+    fwd_end: Optional[float] = None
+    wstall_begin: float = 0.0           # write stall counter at the beginning
+    fwd_stall_end: float = 0.0          # write stall counter at the end of forward
+    stall_at_fwd_end: float = 0.0       # read stall counter at the end of forward
+    saved_bytes: List[int] = field(default_factory=list)
+    untracked_bytes: int = 0
+    input_bytes: List[int] = field(default_factory=list)
+    fwd_s: List[float] = field(default_factory=list)
+    bwd_s: List[float] = field(default_factory=list)
+    bwd_begin: List[Optional[float]] = field(default_factory=list)
+    bwd_end: List[Optional[float]] = field(default_factory=list)
+    head_stall: float = 0.0
+    period: Optional[float] = None      # begin to the next step's begin
+    stall_s: float = 0.0                # read + write stalls over the whole period
+    _fwd_t0: List[float] = field(default_factory=list)
+    _wstall0: List[float] = field(default_factory=list)
+    _rstall0: List[float] = field(default_factory=list)
+    _stall_begin: float = 0.0
+
+    def __post_init__(self):
+        n = self.n
+        self.saved_bytes = [0] * n
+        self.input_bytes = [0] * n
+        self.fwd_s = [0.0] * n
+        self.bwd_s = [0.0] * n
+        self.bwd_begin = [None] * n
+        self.bwd_end = [None] * n
+        self._fwd_t0 = [0.0] * n
+        self._wstall0 = [0.0] * n
+        self._rstall0 = [0.0] * n
+
+    @property
+    def complete(self) -> bool:
+        """Timed, and every layer's backward and the step's period were seen."""
+        return self.timed and self.period is not None and self.fwd_end is not None and \
+            all(b is not None for b in self.bwd_begin) and all(e is not None for e in self.bwd_end)
+
+
+class LayerProfiler:
+    """The current layer, per-layer saved bytes every step, and times on profiled steps.
+
+    Args:
+        layers: ``(name, module)`` pairs in forward order.
+        stats: the offloader's :class:`~ssdtrain.Stats` (stall counters are read).
+        profile_steps: how many steps, from the first, are timed.
+    """
+
+    def __init__(self, layers, stats, profile_steps):
+        self.names = [name for name, _ in layers]
+        self.modules = [m for _, m in layers]
+        self.stats = stats
+        self.profile_steps = profile_steps
+        self.active = False          # inside a forward pass of the offloader
+        self.current = None          # index of the layer whose forward runs
+        self._stack = []
+        self.samples: List[StepSample] = []   # finished steps, oldest first (bounded)
+        self.profiled: List[StepSample] = []  # the latest complete timed steps
+        self.profiled_rc: List[StepSample] = []  # the latest complete recompute-all step
+        self.step: Optional[StepSample] = None
+        self.timed_steps = 0
+        self._owner = None
+        self._handles = []
+        seen = set()
+        for i, m in enumerate(self.modules):
+            if id(m) in seen:
+                raise ValueError(f"ssdtrain: layer {self.names[i]} is listed twice; give each "
+                                 f"layer module once.")
+            seen.add(id(m))
+            self._handles.append(m.register_forward_pre_hook(self._hook_pre(i)))
+            self._handles.append(m.register_forward_hook(self._hook_post(i)))
+
+    def remove(self):
+        """Remove the module hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.active = False
+
+    # ----------------------------------------------------------------- steps
+    def close_step(self):
+        """A forward pass begins: the previous step ends here."""
+        now = time.perf_counter()
+        prev, self.step = self.step, None
+        if prev is not None:
+            prev.period = now - prev.begin
+            prev.stall_s = (self.stats.stall_seconds + self.stats.write_stall_seconds) - \
+                prev._stall_begin
+            self.samples.append(prev)
+            del self.samples[:-8]
+            if prev.complete and prev.recompute:
+                self.profiled_rc.append(prev)
+                del self.profiled_rc[:-1]
+            elif prev.complete:
+                self.profiled.append(prev)
+                del self.profiled[:-self.profile_steps]
+
+    def open_step(self, timed: bool, recompute: bool = False):
+        """Open the new step; ``timed``: measure its layers' times; ``recompute``: every
+        layer is recomputed in it (NOTE [ Pure compute times ])."""
+        self.timed_steps += bool(timed)
+        self.step = StepSample(len(self.modules), timed, recompute, begin=time.perf_counter(),
+                               wstall_begin=self.stats.write_stall_seconds)
+        self.step._stall_begin = self.stats.stall_seconds + self.stats.write_stall_seconds
+        self.current, self._stack = None, []
+        self._owner = threading.get_ident()
+        self.active = True
+
+    def begin_step(self):
+        """``close_step()`` then ``open_step()``, timed until the profile is complete."""
+        self.close_step()
+        self.open_step(timed=not self.ready())
+
+    def end_forward(self):
+        s = self.step
+        self.active = False
+        self.current, self._stack = None, []
+        if s is not None:
+            s.fwd_end = time.perf_counter()
+            s.fwd_stall_end = self.stats.write_stall_seconds
+            s.stall_at_fwd_end = self.stats.stall_seconds
+
+    def attribute(self, nbytes):
+        """A new record of ``nbytes`` was created: count it for the current layer."""
+        s = self.step
+        if s is None:
+            return
+        if self.current is None:
+            s.untracked_bytes += nbytes
+        else:
+            s.saved_bytes[self.current] += nbytes
+
+    def current_index(self):
+        """The running layer, or ``None`` (outside any layer, or on another thread)."""
+        if not self.active or threading.get_ident() != self._owner:
+            return None
+        return self.current
+
+    # ----------------------------------------------------------------- hooks
+    def _hook_pre(self, i):
+        def pre(module, args):
+            if not self.active or threading.get_ident() != self._owner:
+                return None
+            self._stack.append(self.current)
+            self.current = i
+            s = self.step
+            if s is not None and s.timed and torch.is_grad_enabled():
+                s.input_bytes[i] = max(s.input_bytes[i], sum(
+                    t.numel() * t.element_size() for t in _tensors(args)))
+                s._wstall0[i] = self.stats.write_stall_seconds
+                x = _first_grad_tensor(args)
+                if x is not None:
+                    x.register_hook(self._on_bwd_end(s, i))
+                s._fwd_t0[i] = time.perf_counter()
+            return None
+        return pre
+
+    def _hook_post(self, i):
+        def post(module, args, output):
+            if not self.active or threading.get_ident() != self._owner:
+                return None
+            self.current = self._stack.pop() if self._stack else None
+            s = self.step
+            if s is not None and s.timed and torch.is_grad_enabled():
+                s.fwd_s[i] += time.perf_counter() - s._fwd_t0[i] - \
+                    (self.stats.write_stall_seconds - s._wstall0[i])
+                y = _first_grad_tensor(output)
+                if y is not None:
+                    y.register_hook(self._on_bwd_begin(s, i))
+            return None
+        return post
+
+    def _on_bwd_begin(self, s, i):
+        def hook(grad):
+            if s.bwd_begin[i] is None:
+                s.bwd_begin[i] = time.perf_counter()
+                s._rstall0[i] = self.stats.stall_seconds
+                if i == len(s.bwd_begin) - 1:
+                    s.head_stall = self.stats.stall_seconds - s.stall_at_fwd_end
+            return None
+        return hook
+
+    def _on_bwd_end(self, s, i):
+        def hook(grad):
+            if s.bwd_end[i] is None and s.bwd_begin[i] is not None:
+                s.bwd_end[i] = time.perf_counter()
+                s.bwd_s[i] = s.bwd_end[i] - s.bwd_begin[i] - \
+                    (self.stats.stall_seconds - s._rstall0[i])
+            return None
+        return hook
+
+    # ---------------------------------------------------------------- results
+    def timed_samples(self):
+        return list(self.profiled)
+
+    def restart(self):
+        """Forget the timed steps: the next ``profile_steps`` steps are timed again."""
+        self.profiled = []
+        self.profiled_rc = []
+
+    def ready(self) -> bool:
+        """Whether ``profile_steps`` timed steps have completed (a step is complete once
+        its backward has passed every layer and the next forward has begun)."""
+        return len(self.timed_samples()) >= self.profile_steps
+
+    def costs(self):
+        """``(layers, step_parts)`` from the timed steps: per layer the smallest time seen
+        (the first step pays one-time costs) and the largest byte counts.
+
+        ``step_parts`` is a dict with ``fwd_other_s``, ``bwd_head_s``, ``tail_s`` and
+        ``untracked_bytes``.
+
+        Raises:
+            ValueError: no timed step has completed.
+        """
+        samples = self.timed_samples()
+        if not samples:
+            raise ValueError("no timed step has completed")
+        layers = []
+        saved = [max(s.saved_bytes[i] for s in samples) for i in range(len(self.names))]
+        f_off = [max(0.0, min(s.fwd_s[i] for s in samples)) for i in range(len(self.names))]
+        b_off = [max(0.0, min(s.bwd_s[i] for s in samples)) for i in range(len(self.names))]
+        fwd_per_byte = bwd_per_byte = 0.0
+        f, b = f_off, b_off
+        if self.profiled_rc:  # NOTE [ Pure compute times ]
+            rc = self.profiled_rc
+            f_rc = [max(0.0, min(s.fwd_s[i] for s in rc)) for i in range(len(self.names))]
+            b_rc = [max(0.0, min(s.bwd_s[i] for s in rc) - f_rc[i])
+                    for i in range(len(self.names))]
+            # Compute alone is never slower than compute beside I/O: where the one
+            # recompute-all step was disturbed, the offloaded profile bounds it.
+            f = [min(x, y) for x, y in zip(f_rc, f_off)]
+            b = [min(x, y) for x, y in zip(b_rc, b_off)]
+            total = sum(saved)
+            if total > 0:
+                fwd_per_byte = max(0.0, sum(f_off) - sum(f)) / total
+                bwd_per_byte = max(0.0, sum(b_off) - sum(b)) / total
+        for i, name in enumerate(self.names):
+            layers.append(LayerCost(
+                name=name, saved_bytes=saved[i],
+                input_bytes=max(s.input_bytes[i] for s in samples),
+                fwd_s=f[i], bwd_s=b[i]))
+        fwd_other, head, tail = [], [], []
+        for s in samples:
+            fwd_total = s.fwd_end - s.begin - (s.fwd_stall_end - s.wstall_begin)
+            fwd_other.append(fwd_total - sum(s.fwd_s))
+            head.append(s.bwd_begin[-1] - s.fwd_end - s.head_stall)
+            tail.append(s.begin + s.period - s.bwd_end[0])
+        parts = dict(fwd_other_s=max(0.0, min(fwd_other)), bwd_head_s=max(0.0, min(head)),
+                     tail_s=max(0.0, min(tail)), fwd_s_per_byte=fwd_per_byte,
+                     bwd_s_per_byte=bwd_per_byte,
+                     untracked_bytes=max(s.untracked_bytes for s in samples))
+        return layers, parts
+
+
+def measure_bandwidth(store, nbytes=64 << 20, repeats=2):
+    """Time writes and reads of ``nbytes`` through the store's engine and spill file.
+
+    One slot of the first spill file, written from and read into a page-aligned
+    buffer, ``repeats`` times; the best of each is kept (the others met noise).
+
+    Returns:
+        ``(write_bytes_per_s, read_bytes_per_s)``.
+    """
+    spill, engine = store.spill, store.engine
+    buf = mmap.mmap(-1, nbytes)
+    try:
+        view = torch.frombuffer(buf, dtype=torch.uint8)
+        view.fill_(0x5A)  # touch every page so the write measures the disk, not faults
+        address = view.data_ptr()
+        slot = spill.files[0].alloc(nbytes, 0)
+        try:
+            best_w = best_r = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.write(slot.file, slot.offset, address, nbytes).result(
+                    timeout=store.cfg.io_timeout_s)
+                best_w = min(best_w, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                engine.read(slot.file, slot.offset, address, nbytes).result(
+                    timeout=store.cfg.io_timeout_s)
+                best_r = min(best_r, time.perf_counter() - t0)
+        finally:
+            slot.file.free(slot)
+        del view
+    finally:
+        try:
+            buf.close()
+        except BufferError:
+            pass
+    return nbytes / max(best_w, 1e-9), nbytes / max(best_r, 1e-9)
+
+
+def step_cost(parts, write_bps, read_bps, cfg) -> StepCost:
+    """The :class:`StepCost` of a profile (``LayerProfiler.costs()[1]``) on this machine."""
+    # Outside the layers (head, loss): the tail window stays in memory; the rest is
+    # written and read back during the head's backward, while every kept layer is
+    # still held: up to a prefetch window of it in use and one of read buffers.
+    untracked = parts["untracked_bytes"]
+    tail = min(untracked, cfg.keep_tail_bytes)
+    fixed = tail + min(untracked - tail, 2 * cfg.prefetch_bytes)
+    return StepCost(write_bps=write_bps, read_bps=read_bps, fwd_other_s=parts["fwd_other_s"],
+                    bwd_head_s=parts["bwd_head_s"], tail_s=parts["tail_s"],
+                    prefetch_bytes=cfg.prefetch_bytes,
+                    write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=fixed,
+                    fwd_s_per_byte=parts.get("fwd_s_per_byte", 0.0),
+                    bwd_s_per_byte=parts.get("bwd_s_per_byte", 0.0))
