@@ -36,6 +36,10 @@ INVALID = {
     "on_spill_error": ["ignore", "", None, True, "KEEP"],
     "max_spill_bytes": [-1, "lots", True, 2.5, [1]],
     "on_spill_full": ["drop", "", None, False],
+    "policy": ["dynamic", "", None, "ADAPTIVE", 1],
+    "memory_budget_bytes": [-1, "lots", True, [1]],
+    "profile_steps": [0, 1001, True, 1.5, None, "2"],
+    "replan_stall_fraction": [0, -0.1, float("nan"), True, "x", None],
 }
 
 INVALID_ENV = {
@@ -53,6 +57,10 @@ INVALID_ENV = {
     "on_spill_error": ["ignore"],
     "max_spill_bytes": ["-1", "lots"],
     "on_spill_full": ["drop"],
+    "policy": ["dynamic"],
+    "memory_budget_bytes": ["-1", "lots"],
+    "profile_steps": ["0", "two"],
+    "replan_stall_fraction": ["0", "often"],
 }
 
 
