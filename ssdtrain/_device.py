@@ -11,11 +11,14 @@ A record whose storage lives on a CUDA device moves like a host record (the same
 states, slots and engines), with three extra rules (DESIGN invariant 3):
 
 1. **Writes start after the producer.** The saved tensor may still be being
-   computed when pack runs (kernels are asynchronous). Pack makes the
-   offload stream wait for the current stream, and copies device -> pinned
-   staging there (or, with a GPUDirect engine, records an event on the current
-   stream). A single "ssdtrain-d2h" thread waits for that copy's event and only
-   then submits the disk write: forward never synchronizes with the device.
+   computed when pack runs (kernels are asynchronous). Pack records an event on
+   the current stream (:meth:`DeviceTransfers.produced`) *when the record is
+   created*, not when its write starts: the write may start later (the record
+   waits in the kept tail) from another pack, maybe on another stream. The offload
+   stream waits for that event and copies device -> pinned staging (with a
+   GPUDirect engine, the event itself is what the write waits for). A single
+   "ssdtrain-d2h" thread waits for the copy's event and only then submits the
+   disk write: forward never synchronizes with the device.
 2. **The block is not reused before the copy ends.** The record holds the saved
    tensor (``Record.source``) until the disk write has completed, and the write
    starts only after the copy's event: when that reference drops, the copy is
@@ -23,7 +26,9 @@ states, slots and engines), with three extra rules (DESIGN invariant 3):
    ``record_stream`` is needed on this side.
 3. **Loads are consumed after they land.** A read lands in pinned staging and is
    copied host -> device on the prefetch stream, into memory allocated on that
-   stream; an event marks the copy's end. Unpack makes the consumer stream (the
+   stream at the same address offset modulo 512 as the saved tensor had (so
+   kernels that pick code paths by alignment, such as cuBLAS, see the same
+   alignment and give the same bits); an event marks the copy's end. Unpack makes the consumer stream (the
    current stream of autograd's device thread) wait on that event and calls
    ``record_stream`` for it, so the allocator does not hand the block to the
    prefetch stream again while backward still reads it (pytorch/pytorch#106360).
@@ -32,7 +37,14 @@ In-place modification is checked when the write ends, after the copy's event: an
 in-place op called before the check bumped the version already (the record fails
 with autograd's message); one called after it runs after the copy on the device.
 Pinned staging comes from torch's caching host allocator, which records the
-streams using a block and does not reuse it before they are done.
+streams using a block and does not reuse it before they are done. Events that a
+host thread waits on are created with ``blocking=True`` so the waiter sleeps
+instead of spinning on a core that compute needs.
+
+Not handled: CUDA graph capture (saved tensors of a captured region must stay
+in memory; ssdtrain does not detect capture), and an out-of-memory error while
+allocating a loaded record's device memory fails that record (its backward
+raises) instead of retrying later.
 """
 
 from __future__ import annotations
@@ -43,6 +55,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ._spill import BLOCK
+
+# Device buffers keep a record's address modulo this (cuBLAS and friends choose
+# kernels by alignment up to 256 bytes; the caching allocator hands out 512).
+_DEVICE_ALIGN = 512
 from .io.base import then
 
 __all__ = ["DeviceTransfers", "is_device_tensor"]
@@ -75,24 +91,31 @@ class DeviceTransfers:
         self._closed = threading.Event()
 
     # ------------------------------------------------------------------ writes
-    def stage_out(self, storage, base: int, nbytes: int):
+    def produced(self):
+        """An event on the current stream: the saved tensor is complete once it has
+        run. Called by pack when it creates the record (rule 1)."""
+        event = torch.cuda.Event(blocking=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def stage_out(self, storage, base: int, nbytes: int, produced):
         """Start moving ``nbytes`` at byte ``base`` of a device storage towards the disk.
+
+        Args:
+            produced: the record's :meth:`produced` event, taken at pack.
 
         Returns ``(address, keepalive, event)``: the address the engine writes from
         (pinned staging, or the device memory itself when ``direct``), an object to
         hold until the write ends, and the event to wait for before writing.
         """
-        producer = torch.cuda.current_stream(self.device)
         if self.direct:
-            ready = torch.cuda.Event()
-            ready.record(producer)
-            return storage.data_ptr() + base, None, ready
+            return storage.data_ptr() + base, None, produced
         src = _bytes_view(storage, base, nbytes, self.device)
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.d2h.wait_stream(producer)
+        self.d2h.wait_event(produced)
         with torch.cuda.stream(self.d2h):
             host.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)
         done.record(self.d2h)
         return host.data_ptr(), host, done
 
@@ -114,6 +137,8 @@ class DeviceTransfers:
                 buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, device=self.device)
         else:
             buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=True)
+        # Same offset in a block as the slot: O_DIRECT moves the middle without bouncing,
+        # and (direct) the device copy keeps the saved tensor's alignment.
         shift = (misalign - buf.data_ptr()) % BLOCK
         view = buf[shift:shift + nbytes]
         return view.data_ptr(), view
@@ -126,12 +151,15 @@ class DeviceTransfers:
         """
         if self.direct:
             return buf.untyped_storage(), buf.storage_offset(), None
+        nbytes = buf.numel()
+        misalign = buf.data_ptr() % _DEVICE_ALIGN  # the saved tensor's, see read_buffer
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-            dst = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
-            dst.copy_(buf, non_blocking=True)
+            dst = torch.empty(nbytes + _DEVICE_ALIGN, dtype=torch.uint8, device=self.device)
+            shift = (misalign - dst.data_ptr()) % _DEVICE_ALIGN
+            dst[shift:shift + nbytes].copy_(buf, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.h2d)
-        return dst.untyped_storage(), 0, ready
+        return dst.untyped_storage(), shift, ready
 
     def consume(self, storage, ready) -> None:
         """Make the current stream wait for a load and keep its block from early reuse."""

@@ -65,7 +65,7 @@ class Record:
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "slot", "future", "state", "seq", "handles", "unseen", "generation", "error",
                  "prefetched", "pinned", "writes", "owner", "crc", "device", "staging", "ready",
-                 "__weakref__")
+                 "produced", "__weakref__")
 
     def __init__(self, key, sref, lo, hi, version, source, seq):
         self.key, self.sref = key, sref
@@ -90,6 +90,7 @@ class Record:
         self.device = None              # DeviceTransfers of a CUDA record (_device.py)
         self.staging = None             # pinned copy being written (CUDA records)
         self.ready = None               # event: the loaded device copy has landed
+        self.produced = None            # event: the saved CUDA tensor is complete (pack)
 
     def __repr__(self):
         return f"<Record {self.state.value} {self.nbytes} B seq={self.seq}>"
@@ -320,6 +321,7 @@ class Store:
                 rec = Record(key, StorageWeakRef(storage), lo, hi, version, t.detach(), self._seq)
                 if is_device_tensor(t):
                     rec.device = self._transfers(t.device)
+                    rec.produced = rec.device.produced()
                 self._registry.setdefault(key, []).append(rec)
                 self._live += 1
                 stats.unique_bytes += rec.nbytes
@@ -391,7 +393,8 @@ class Store:
         if dev is None:
             address = rec.storage.data_ptr() + rec.base
         else:  # NOTE [ Device records ] in _device.py
-            address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes)
+            address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes,
+                                                        rec.produced)
         rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
         rec.state = State.WRITING
         rec.writes += 1
@@ -436,7 +439,7 @@ class Store:
                 self.stats.records_written += 1
                 if self.cfg.verify:
                     rec.crc = fut.result()
-                rec.source = None
+                rec.source = rec.produced = None
                 if rec.pinned and rec.state is State.WRITING:
                     rec.state = State.LOADED  # prefetch reached it before the write ended
                 else:
@@ -648,7 +651,7 @@ class Store:
         if rec.slot is not None and not self.closed:
             rec.slot.file.free(rec.slot)
         rec.slot = None
-        rec.storage = rec.source = rec.staging = rec.ready = None
+        rec.storage = rec.source = rec.staging = rec.ready = rec.produced = None
         rec.state = State.FREED
         self._live -= 1
         group = self._registry.get(rec.key)
@@ -714,7 +717,7 @@ class Store:
                 self.closed = True
                 for group in self._registry.values():
                     for rec in group:
-                        rec.storage = rec.source = rec.staging = rec.ready = None
+                        rec.storage = rec.source = rec.staging = rec.ready = rec.produced = None
                         rec.slot = None
                 self._registry.clear()
                 self._tail.clear()

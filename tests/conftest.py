@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+
+# Deterministic cuBLAS for the bitwise CUDA tests (tests/test_device.py); it must be
+# set before cuBLAS starts. Harmless without a GPU.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:

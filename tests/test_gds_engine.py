@@ -123,3 +123,35 @@ def test_probe_reports_why_without_kvikio_or_cuda(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "kvikio", types.ModuleType("kvikio"))
     if not torch.cuda.is_available():
         assert gds._probe(str(tmp_path)) == "no CUDA device is available"
+
+
+def test_compat_mode_as_bool_or_enum():
+    """kvikio reports its compatibility mode as a bool (old) or a CompatMode enum whose
+    AUTO member is truthy: only ON means "no cuFile"; AUTO is settled per file."""
+    import enum
+
+    class CompatMode(enum.Enum):
+        OFF, ON, AUTO = 0, 1, 2
+
+    def kvikio_with(value):
+        module = types.ModuleType("kvikio")
+        module.defaults = types.SimpleNamespace(compat_mode=lambda: value)
+        return module
+
+    assert gds._compat_mode_reason(kvikio_with(True)).startswith("kvikio runs in compat")
+    assert gds._compat_mode_reason(kvikio_with(False)) == ""
+    assert gds._compat_mode_reason(kvikio_with(CompatMode.ON)).startswith("kvikio runs")
+    assert gds._compat_mode_reason(kvikio_with(CompatMode.AUTO)) == ""
+    assert gds._compat_mode_reason(kvikio_with(CompatMode.OFF)) == ""
+
+    preferred = types.ModuleType("kvikio")
+    preferred.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: True)
+    assert gds._compat_mode_reason(preferred) != ""
+
+    class File:
+        def __init__(self, on):
+            self.is_compat_mode_preferred = lambda: on
+
+    assert "compatibility mode" in gds._file_compat_reason(File(True))
+    assert gds._file_compat_reason(File(False)) == ""
+    assert gds._file_compat_reason(object()) == ""  # kvikio versions without the check

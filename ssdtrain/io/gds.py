@@ -45,6 +45,26 @@ def _host_buffer(address: int, nbytes: int):
     return (ctypes.c_char * nbytes).from_address(address)
 
 
+def _mode_is_on(mode) -> bool:
+    """A compatibility-mode setting: a bool in old kvikio, a ``CompatMode`` enum later
+    (``ON``, ``OFF``, ``AUTO``; ``AUTO`` is decided per file, see :func:`_probe`)."""
+    name = getattr(mode, "name", None)
+    if isinstance(name, str):
+        return name.upper() == "ON"
+    return bool(mode)
+
+
+def _file_compat_reason(f) -> str:
+    """The per-file verdict of kvikio versions that decide compatibility mode at open."""
+    check = getattr(f, "is_compat_mode_preferred", None)
+    try:
+        on = bool(check()) if callable(check) else False
+    except Exception as e:  # noqa: BLE001
+        return f"kvikio cannot report the file's compatibility mode ({e!r})"
+    return ("kvikio opened the test file in compatibility mode (cuFile cannot serve this "
+            "file system: POSIX I/O through host bounce buffers)") if on else ""
+
+
 def _compat_mode_reason(kvikio) -> str:
     """Why kvikio would not use cuFile here ("" when it would), across kvikio versions."""
     defaults = getattr(kvikio, "defaults", None)
@@ -52,7 +72,7 @@ def _compat_mode_reason(kvikio) -> str:
         if hasattr(defaults, "is_compat_mode_preferred"):       # kvikio >= 24.12
             on = defaults.is_compat_mode_preferred()
         elif hasattr(defaults, "compat_mode"):                  # older releases
-            on = bool(defaults.compat_mode())
+            on = _mode_is_on(defaults.compat_mode())
         else:
             return ""
     except Exception as e:  # noqa: BLE001 - any failure means "not usable"
@@ -82,16 +102,20 @@ def _probe(directory: str) -> str:
     import torch
     if not torch.cuda.is_available():
         return "no CUDA device is available"
+    device = torch.device("cuda", torch.cuda.current_device())  # not a context on GPU 0
     reason = _compat_mode_reason(kvikio)
     if reason:
         return reason
     path = os.path.join(directory, f".ssdtrain-gds-probe-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        src = torch.randint(0, 256, (_PROBE_BYTES,), dtype=torch.uint8, device="cuda")
+        src = torch.randint(0, 256, (_PROBE_BYTES,), dtype=torch.uint8, device=device)
         dst = torch.zeros_like(src)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         f = kvikio.CuFile(path, "w+")
         try:
+            reason = _file_compat_reason(f)
+            if reason:
+                return reason
             wrote = f.pwrite(_DeviceBuffer(src.data_ptr(), _PROBE_BYTES), _PROBE_BYTES, 0).get()
             read = f.pread(_DeviceBuffer(dst.data_ptr(), _PROBE_BYTES), _PROBE_BYTES, 0).get()
         finally:
@@ -116,6 +140,12 @@ class KvikioEngine(Engine):
     so the anonymous file needs no name). Requests run on ``io_threads`` waiter
     threads that block in kvikio (which splits them over its own thread pool)
     with the GIL released.
+
+    kvikio's own settings apply and are left to the user: its thread pool has
+    ``KVIKIO_NTHREADS`` threads (1 by default: set it to 4-8 for NVMe arrays), and
+    requests below ``KVIKIO_GDS_THRESHOLD`` go through POSIX I/O. kvikio
+    synchronizes with the current CUDA stream before large device requests; the
+    requests run on ssdtrain's own threads, so forward does not wait for that.
 
     Args:
         io_threads: requests in flight at once. Default 4.
