@@ -459,7 +459,7 @@ class Store:
             t = None if ref is None else ref()
             if t is not None and t._version != handle.version:
                 raise _inplace_error(t, t._version, handle.version)
-        attach = []
+        attach, view = [], None
         with self._lock:
             if self.closed:
                 raise OffloaderClosedError(
@@ -485,40 +485,60 @@ class Store:
             else:
                 raise SSDTrainError(f"ssdtrain: unpacking a record in state {rec.state.value}; "
                                     f"please report this bug.")
+            if rec.state in _RESIDENT:
+                # Use it now: once the lock is released, a write that ends drops the
+                # bytes from memory (State.ON_DISK).
+                view = self._use(rec, handle, attach)
             fut = rec.future if rec.state is State.LOADING else None
-        self._attach(attach)
-        if fut is not None:
-            self._wait(rec, fut)
-        with self._lock:
+        if view is not None:
+            self._attach(attach)
+            return view
+        for attempt in range(3):
+            self._attach(attach)
+            attach = []
             if fut is not None:
-                self._read_done(rec, fut)
-            if rec.state is State.FAILED:
-                raise _in_context(rec.error, rec)
-            storage, base = rec.storage, rec.base
-            if storage is None:
-                raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
-                                    f"please report this bug.")
-            if rec.device is not None:
-                rec.device.consume(storage, rec.ready)
-            if handle.seen != rec.generation:
-                handle.seen = rec.generation
-                rec.unseen -= 1
-                if rec.prefetched:
-                    rec.prefetched = False
-                    self._ahead -= rec.nbytes
-            owner = rec.owner
-            if owner is not None and owner.queue and self._passes[-1] is not owner \
-                    and owner in self._passes:
-                # Backward of another micro-batch began (e.g. 1F1B): prefetch for it now.
-                self._passes.remove(owner)
-                self._passes.append(owner)
-            view = torch.empty((0,), dtype=handle.dtype).set_(
-                storage, (handle.byte_offset - rec.lo + base) // handle.dtype.itemsize,
-                handle.size, handle.stride)
-            if rec.unseen == 0 and rec.state is State.LOADED:
-                self._evict(rec)
-            self._pump(attach)
+                self._wait(rec, fut)
+            with self._lock:
+                if fut is not None:
+                    self._read_done(rec, fut)
+                if rec.state is State.FAILED:
+                    raise _in_context(rec.error, rec)
+                if rec.storage is not None:
+                    view = self._use(rec, handle, attach)
+                    break
+                if rec.state is not State.ON_DISK or attempt == 2:
+                    raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
+                                        f"please report this bug.")
+                # Dropped between its read and here: the bytes are on disk, read them again.
+                log.debug("re-reading %r: it was dropped before its unpack used it", rec)
+                self._start_read(rec, attach)
+                fut = rec.future
         self._attach(attach)
+        return view
+
+    def _use(self, rec, handle, attach):
+        """The unpacked view of a resident record (under the lock)."""
+        storage, base = rec.storage, rec.base
+        if rec.device is not None:
+            rec.device.consume(storage, rec.ready)
+        if handle.seen != rec.generation:
+            handle.seen = rec.generation
+            rec.unseen -= 1
+            if rec.prefetched:
+                rec.prefetched = False
+                self._ahead -= rec.nbytes
+        owner = rec.owner
+        if owner is not None and owner.queue and self._passes[-1] is not owner \
+                and owner in self._passes:
+            # Backward of another micro-batch began (e.g. 1F1B): prefetch for it now.
+            self._passes.remove(owner)
+            self._passes.append(owner)
+        view = torch.empty((0,), dtype=handle.dtype).set_(
+            storage, (handle.byte_offset - rec.lo + base) // handle.dtype.itemsize,
+            handle.size, handle.stride)
+        if rec.unseen == 0 and rec.state is State.LOADED:
+            self._evict(rec)
+        self._pump(attach)
         return view
 
     def _wait(self, rec, fut):

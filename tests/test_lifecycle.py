@@ -690,3 +690,56 @@ def test_collected_with_writes_in_flight(spill_dir):
     assert unraisable.seen == [], "\n".join(unraisable.seen)
     assert _resources() == before
     assert os.listdir(spill_dir) == []
+
+
+# ------------------------------------------------- a write that ends during unpack
+
+
+def test_write_ending_during_unpack_keeps_the_data(spill_dir, monkeypatch):
+    """Backward unpacks a record whose write is still in flight (its bytes are still in
+    memory) and the write completes at that very moment: unpack must use the bytes it
+    found, not look again after the write dropped them (a race seen once in CI as
+    "has no data after its read"). Writes are held here and completed exactly between
+    unpack's two locked sections."""
+    from concurrent.futures import Future
+
+    from ssdtrain._store import Store
+
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), min_tensor_bytes=4096,
+                             keep_tail_bytes=0, prefetch_bytes=0)
+    store = off._store
+    real_write, held, in_backward = store.engine.write, [], [False]
+
+    def write(*args, **kwargs):
+        fut = Future()
+        held.append((fut, args, kwargs))
+        return fut
+
+    def finish():
+        while held:
+            fut, args, kwargs = held.pop(0)
+            exc = real_write(*args, **kwargs).exception()
+            fut.set_exception(exc) if exc is not None else fut.set_result(args[-1])
+
+    attach = Store._attach
+
+    def attach_then_finish(self, pending):
+        attach(self, pending)
+        if in_backward[0]:
+            finish()
+
+    monkeypatch.setattr(store.engine, "write", write)
+    monkeypatch.setattr(Store, "_attach", attach_then_finish)
+    x = torch.randn(256, 256, requires_grad=True)
+    (x * 2).sin().sum().backward()
+    ref = x.grad.clone()
+    x.grad = None
+    with off:
+        loss = (x * 2).sin().sum()
+    assert held, "the write should still be in flight when backward starts"
+    in_backward[0] = True
+    loss.backward()
+    assert torch.equal(x.grad, ref)
+    off.wait()
+    assert off.stats().offloaded_bytes > 0
+    off.close()
