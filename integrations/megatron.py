@@ -700,8 +700,9 @@ def add_ssdtrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="I/O worker threads (default 4).")
     g.add_argument("--ssdtrain-direct-io", default=None, choices=("auto", "on", "off"),
                    help="O_DIRECT use (default auto).")
-    g.add_argument("--ssdtrain-verify", action="store_true", default=None,
-                   help="CRC32C-check every record read back.")
+    g.add_argument("--ssdtrain-verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="CRC32C-check every record read back (default: on where the native "
+                        "engine is built, see OffloadConfig.verify).")
     return parser
 
 

@@ -459,7 +459,15 @@ def test_argparse_round_trip(spill_dir, tmp_path):
         from ssdtrain.integrations.distributed import rank_spill_dir
         assert cfg.spill_dir == rank_spill_dir([str(spill_dir), str(second)], create=False)
         assert (cfg.min_tensor_bytes, cfg.keep_tail_bytes, cfg.prefetch_bytes) == (2048, 0, 1 << 20)
-        assert (cfg.engine, cfg.io_threads, cfg.direct_io, cfg.verify) == ("posix", 2, "off", False)
+        assert (cfg.engine, cfg.io_threads, cfg.direct_io) == ("posix", 2, "off")
+        assert parser.parse_args(["--no-ssdtrain-verify"]).ssdtrain_verify is False
+        assert parser.parse_args(["--ssdtrain-verify"]).ssdtrain_verify is True
+        # no --ssdtrain-verify: the default ("auto") decides, as without Megatron
+        default = ssdtrain.Offloader(spill_dir=str(tmp_path), engine="posix")
+        try:
+            assert cfg.verify == default.config.verify
+        finally:
+            default.close()
         history = train(build(config))
         handle.offloader.wait()
         assert handle.stats().offloaded_bytes > 0
