@@ -107,6 +107,7 @@ def test_backward_on_another_thread(make_offloader):
     off = make_offloader(prefetch_bytes="256KiB", **DISK)
     with off:
         loss = model(*inputs)
+        off.wait()  # every write done: backward (on the other thread) reads from disk
     errors = []
 
     def backward():

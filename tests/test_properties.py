@@ -66,12 +66,14 @@ def _forward(program):
     return leaves, loss
 
 
-def _run(program, retain, off=None):
+def _run(program, retain, off=None, settle=False):
     if off is None:
         leaves, loss = _forward(program)
     else:
         with off:
             leaves, loss = _forward(program)
+            if settle:  # every write done: backward reads from disk, nothing forwarded
+                off.wait()
     if retain:
         loss.backward(retain_graph=True)
     loss.backward()
@@ -99,11 +101,12 @@ program_st = st.lists(st.tuples(st.sampled_from(sorted(OPS)), st.integers(0, 63)
 
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(program=program_st, retain=st.booleans(), which=st.integers(0, len(SETTINGS) - 1))
-def test_random_graphs_give_exact_gradients(offloaders, program, retain, which):
+@given(program=program_st, retain=st.booleans(), which=st.integers(0, len(SETTINGS) - 1),
+       settle=st.booleans())
+def test_random_graphs_give_exact_gradients(offloaders, program, retain, which, settle):
     off = offloaders[which]
     ref_loss, ref_grads = _run(program, retain)
-    loss, grads = _run(program, retain, off)
+    loss, grads = _run(program, retain, off, settle)
     assert torch.equal(loss, ref_loss)
     for r, g in zip(ref_grads, grads):
         assert (r is None) == (g is None)
@@ -117,7 +120,8 @@ def test_random_graphs_really_offload(offloaders):
     """The property above is not vacuous: the first settings write and read back."""
     off = offloaders[0]
     before = off.stats()
-    _run([("sin", 0, 0), ("transposed", 2, 1), ("halves", 3, 0), ("bf16", 4, 0)], True, off)
+    _run([("sin", 0, 0), ("transposed", 2, 1), ("halves", 3, 0), ("bf16", 4, 0)], True, off,
+         settle=True)
     off.wait()
     after = off.stats()
     assert after.records_written > before.records_written
