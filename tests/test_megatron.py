@@ -461,6 +461,10 @@ def test_argparse_round_trip(spill_dir, tmp_path):
         assert (cfg.min_tensor_bytes, cfg.keep_tail_bytes, cfg.prefetch_bytes) == (2048, 0, 1 << 20)
         assert (cfg.engine, cfg.io_threads, cfg.direct_io) == ("posix", 2, "off")
         assert parser.parse_args(["--no-ssdtrain-verify"]).ssdtrain_verify is False
+        more = parser.parse_args(["--ssdtrain-on-spill-error", "keep", "--ssdtrain-max-spill-bytes",
+                                  "1GiB", "--ssdtrain-engine", "kvikio"])
+        assert (more.ssdtrain_on_spill_error, more.ssdtrain_max_spill_bytes,
+                more.ssdtrain_engine) == ("keep", "1GiB", "kvikio")
         assert parser.parse_args(["--ssdtrain-verify"]).ssdtrain_verify is True
         # no --ssdtrain-verify: the default ("auto") decides, as without Megatron
         default = ssdtrain.Offloader(spill_dir=str(tmp_path), engine="posix")
