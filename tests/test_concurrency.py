@@ -65,6 +65,8 @@ def _run_schedule(model, inputs, order, off=None, n_micro=4):
             else:
                 with off:
                     out[i] = model(*_variant(inputs, i)) / n_micro
+                    if i == 0:
+                        off.wait()  # micro-batch 0 is read back from disk, not forwarded
                 most_live = max(most_live, off.live_records())
         else:
             loss = out.pop(i)
@@ -161,6 +163,8 @@ def test_two_offloaders_in_two_threads(make_offloader, one_intra_op_thread, name
                 model.zero_grad(set_to_none=True)
                 with offs[k]:
                     loss = model(*_variant(inputs, s + k))
+                    if s == 0:
+                        offs[k].wait()  # the first step is read back from disk
                 loss.backward()
                 per_step.append(_grads(model))
             results[k] = per_step
