@@ -127,3 +127,21 @@ class EngineCalls:
         """The write calls whose source bytes lie inside ``storage``."""
         lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
         return [(a, n) for a, n in self.writes if lo <= a and a + n <= hi]
+
+
+def grads(model):
+    """``{name: grad}`` of ``model``'s parameters, cloned."""
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_grads_equal(ref, got):
+    """Every gradient of ``got`` is ``torch.equal`` to ``ref``'s (same names)."""
+    assert ref.keys() == got.keys()
+    for name, g in ref.items():
+        assert torch.equal(got[name], g), f"gradient of {name} differs from the reference"
+
+
+def variant(inputs, i):
+    """Micro-batch ``i``: floating inputs scaled, integer ones (tokens, labels) rolled."""
+    return tuple(t * (1 + i / 8) if t.is_floating_point() else torch.roll(t, i, dims=-1)
+                 for t in inputs)

@@ -10,25 +10,14 @@ import threading
 import pytest
 import torch
 
+from helpers import assert_grads_equal as _assert_grads_equal, grads as _grads
+from helpers import variant as _variant
 from models import ALL_MODELS
 
 DISK = dict(min_tensor_bytes=4096, keep_tail_bytes=0)
 
 
-def _variant(inputs, i):
-    """Micro-batch ``i``: floating inputs scaled, integer ones (tokens, labels) rolled."""
-    return tuple(t * (1 + i / 8) if t.is_floating_point() else torch.roll(t, i, dims=-1)
-                 for t in inputs)
 
-
-def _grads(model):
-    return {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
-def _assert_grads_equal(ref, got):
-    assert ref.keys() == got.keys()
-    for name, g in ref.items():
-        assert torch.equal(got[name], g), f"gradient of {name} differs from the reference"
 
 
 def one_f_one_b(n_micro, warmup):

@@ -29,6 +29,8 @@ _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 from helpers import assert_same, run_step  # noqa: E402
+from helpers import assert_grads_equal as _assert_grads_equal  # noqa: E402
+from helpers import grads as _grads, variant as _variant  # noqa: E402
 from models import ALL_MODELS  # noqa: E402  (also puts examples/ on sys.path)
 from gpt import GPT, GPTConfig, make_batch  # noqa: E402
 
@@ -37,20 +39,7 @@ MODELS = sorted(ALL_MODELS)
 DISK = dict(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes=0)
 
 
-def _grads(model):
-    return {name: p.grad.clone() for name, p in model.named_parameters()}
 
-
-def _assert_grads_equal(ref, got):
-    assert ref.keys() == got.keys()
-    for name, g in ref.items():
-        assert torch.equal(got[name], g), f"gradient of {name} differs from the reference"
-
-
-def _variant(inputs, i):
-    """Micro-batch ``i``: floating inputs scaled, integer ones (tokens, labels) rolled."""
-    return tuple(t * (1 + i / 8) if t.is_floating_point() else torch.roll(t, i, dims=-1)
-                 for t in inputs)
 
 
 def _assert_nothing_left(off):
