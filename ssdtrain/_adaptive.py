@@ -233,6 +233,10 @@ class LayerPolicy:
 
         def forward(*args, **kwargs):
             if profiler.active and torch.is_grad_enabled():
+                measure = profiler.recompute_context(i)  # NOTE [ Measuring a recompute ]
+                if measure is not None:
+                    return checkpoint(inner, *args, use_reentrant=False, context_fn=measure,
+                                      **kwargs)
                 return checkpoint(inner, *args, use_reentrant=False, **kwargs)
             return inner(*args, **kwargs)
 

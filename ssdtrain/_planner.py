@@ -19,7 +19,8 @@ Each layer is one of
   back before its backward; costs the stalls the I/O cannot hide;
 * ``recompute``: non-reentrant checkpointing; only its inputs are saved (and
   offloaded like an offloaded layer's bytes); backward runs its forward again
-  (``fwd_s`` more) and holds its saved bytes while its backward runs.
+  (``fwd_s`` more) and holds what that recompute creates while its backward runs
+  (NOTE [ Recompute working set ]).
 
 Offloaded bytes also cost compute time: ``fwd_s_per_byte`` / ``bwd_s_per_byte``
 per byte written / read is added to the layer's forward / backward (the CPU
@@ -44,9 +45,25 @@ Memory ("activation bytes held") is the largest of, after each layer's
 forward, the kept bytes so far plus the bytes written-but-not-yet-on-disk,
 and, during each layer's backward, the kept bytes of the layers not yet
 consumed, the prefetch window, the read buffers ssdtrain keeps for reuse
-(up to ``prefetch_bytes`` of what was read before), and the layer's own bytes
-when it is recomputed. ``fixed_bytes`` (what the rest of the step keeps: small tensors,
-the tail of forward outside the layers) is added everywhere.
+(up to ``prefetch_bytes`` of what was read before), and, when the layer is
+recomputed, its working set (NOTE [ Recompute working set ]). ``fixed_bytes``
+(what the rest of the step keeps: small tensors, the tail of forward outside the
+layers) is added everywhere.
+
+NOTE [ Recompute working set ]
+
+A recomputed layer's backward first runs its forward again: that recompute
+creates every tensor the layer saves, of any size (also those below
+``min_tensor_bytes``, which ssdtrain never counts in ``saved_bytes``), and the
+temporaries of its forward, and checkpoint holds the saved ones until the
+layer's backward has used them. What the model charges for it is
+``max(saved_bytes, recompute_bytes) + input_bytes``: ``recompute_bytes`` is
+the peak of the live bytes that recompute created, measured in the adaptive
+policy's recompute-all profile step (``_profile.RecomputeMeter``; 0 when not
+measured: ``saved_bytes`` stands in), and the layer's input is held (read
+back) while its backward runs. The gradient temporaries of a layer's backward
+are not counted, for any choice: they are the step's temporaries, like those
+of forward.
 
 NOTE [ Plan search ]
 
@@ -94,6 +111,8 @@ class LayerCost:
             it saves).
         fwd_s: forward time, in seconds, without I/O stalls.
         bwd_s: backward time, in seconds, without I/O stalls.
+        recompute_bytes: peak live bytes the layer's recompute creates in backward
+            (NOTE [ Recompute working set ]); 0: not measured. Default 0.
     """
 
     name: str
@@ -101,6 +120,13 @@ class LayerCost:
     input_bytes: int
     fwd_s: float
     bwd_s: float
+    recompute_bytes: int = 0
+
+    @property
+    def recompute_working_bytes(self) -> int:
+        """What the layer holds during its backward when recomputed (NOTE [ Recompute
+        working set ]): ``max(saved_bytes, recompute_bytes) + input_bytes``."""
+        return max(self.saved_bytes, self.recompute_bytes) + self.input_bytes
 
 
 @dataclass(frozen=True)
@@ -186,12 +212,14 @@ class Plan:
     def table(self) -> str:
         """A markdown table: one row per layer, then the totals and the prediction."""
         p, s = self.prediction, self.step
-        rows = ["| layer | choice | saved (MiB) | input (MiB) | fwd (ms) | bwd (ms) |",
-                "| --- | --- | ---: | ---: | ---: | ---: |"]
+        rows = ["| layer | choice | saved (MiB) | input (MiB) | recompute (MiB) | fwd (ms) "
+                "| bwd (ms) |",
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for layer, c in zip(self.layers, self.choices):
             rows.append(f"| {layer.name} | {c} | {layer.saved_bytes / MiB:.1f} | "
-                        f"{layer.input_bytes / MiB:.1f} | {layer.fwd_s * 1e3:.1f} | "
-                        f"{layer.bwd_s * 1e3:.1f} |")
+                        f"{layer.input_bytes / MiB:.1f} | "
+                        f"{layer.recompute_working_bytes / MiB:.1f} | "
+                        f"{layer.fwd_s * 1e3:.1f} | {layer.bwd_s * 1e3:.1f} |")
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / MiB:.1f} MiB"
         counts = ", ".join(f"{n} {c}" for c, n in self.counts().items())
         rows.append("")
@@ -310,11 +338,12 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
         recompute += extra
         t = begin + layer.bwd_s + extra + o[i] * step.bwd_s_per_byte
         # The prefetch window, the read buffers idle for reuse (ssdtrain keeps up to
-        # prefetch_bytes of them during backward), and a recomputed layer's bytes.
+        # prefetch_bytes of them during backward), and a recomputed layer's working
+        # set (NOTE [ Recompute working set ]).
         read_before = below[n - 1] - below[i]
         held = kept_below[i] + min(step.prefetch_bytes, below[i]) + \
             min(step.prefetch_bytes, read_before) + \
-            (layer.saved_bytes if choices[i] == RECOMPUTE else 0)
+            (layer.recompute_working_bytes if choices[i] == RECOMPUTE else 0)
         bwd_peak = max(bwd_peak, held)
     t += step.tail_s
     return Prediction(step_s=t, stall_s=stall, recompute_s=recompute,

@@ -37,22 +37,39 @@ per byte (forward and backward apart): the planner charges it to offloaded
 bytes (``StepCost.fwd_s_per_byte`` / ``bwd_s_per_byte``). Without that step
 (``policy="static"``), layer times are the offloaded ones and the per-byte
 costs are 0.
+
+NOTE [ Measuring a recompute ]
+
+In the recompute-all step, every layer's checkpoint gets a ``context_fn``
+whose recompute context is a :class:`RecomputeMeter`: a dispatch mode that
+sees every operator the recompute runs, adds the bytes of each new output
+storage to a live count, and takes them off when the storage dies (a
+``weakref.finalize`` on the storage object, which PyTorch preserves as long as
+its ``StorageImpl`` lives). The peak of that count is the layer's
+``recompute_bytes`` (NOTE [ Recompute working set ] in _planner.py): the
+tensors checkpoint holds for the layer's backward, of any size, plus the
+temporaries of its forward at the worst moment. Only that one step pays for
+the mode (a Python call per operator of the recompute); it changes no value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._planner import LayerCost, StepCost
 
-__all__ = ["default_layers", "LayerProfiler", "StepSample", "measure_bandwidth"]
+__all__ = ["default_layers", "LayerProfiler", "StepSample", "RecomputeMeter",
+           "measure_bandwidth"]
 
 log = logging.getLogger("ssdtrain")
 
@@ -116,6 +133,7 @@ class StepSample:
     input_bytes: List[int] = field(default_factory=list)
     fwd_s: List[float] = field(default_factory=list)
     bwd_s: List[float] = field(default_factory=list)
+    recompute_bytes: List[int] = field(default_factory=list)  # NOTE [ Measuring a recompute ]
     bwd_begin: List[Optional[float]] = field(default_factory=list)
     bwd_end: List[Optional[float]] = field(default_factory=list)
     head_stall: float = 0.0
@@ -132,6 +150,7 @@ class StepSample:
         self.input_bytes = [0] * n
         self.fwd_s = [0.0] * n
         self.bwd_s = [0.0] * n
+        self.recompute_bytes = [0] * n
         self.bwd_begin = [None] * n
         self.bwd_end = [None] * n
         self._fwd_t0 = [0.0] * n
@@ -143,6 +162,44 @@ class StepSample:
         """Timed, and every layer's backward and the step's period were seen."""
         return self.timed and self.period is not None and self.fwd_end is not None and \
             all(b is not None for b in self.bwd_begin) and all(e is not None for e in self.bwd_end)
+
+
+class RecomputeMeter(TorchDispatchMode):
+    """Peak live bytes of the storages created while this mode is active, into
+    ``sample.recompute_bytes[index]`` (NOTE [ Measuring a recompute ]).
+
+    Args:
+        sample: the :class:`StepSample` to record into.
+        index: the layer's index.
+    """
+
+    def __init__(self, sample, index):
+        super().__init__()
+        self.sample, self.index = sample, index
+        self._lock = threading.Lock()
+        self._live = 0
+        self._seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            key = (storage.data_ptr(), str(storage.device))
+            if nbytes == 0 or key in self._seen:
+                continue
+            with self._lock:
+                self._seen.add(key)
+                self._live += nbytes
+                if self._live > self.sample.recompute_bytes[self.index]:
+                    self.sample.recompute_bytes[self.index] = self._live
+            weakref.finalize(storage, self._dead, key, nbytes)
+        return out
+
+    def _dead(self, key, nbytes):
+        with self._lock:
+            self._seen.discard(key)
+            self._live -= nbytes
 
 
 class LayerProfiler:
@@ -238,6 +295,14 @@ class LayerProfiler:
         else:
             s.saved_bytes[self.current] += nbytes
 
+    def recompute_context(self, i):
+        """A ``context_fn`` for the checkpoint of layer ``i`` that measures its recompute
+        (NOTE [ Measuring a recompute ]), or ``None`` outside the recompute-all step."""
+        s = self.step
+        if s is None or not (s.timed and s.recompute):
+            return None
+        return lambda: (contextlib.nullcontext(), RecomputeMeter(s, i))
+
     def current_index(self):
         """The running layer, or ``None`` (outside any layer, or on another thread)."""
         if not self.active or threading.get_ident() != self._owner:
@@ -330,6 +395,8 @@ class LayerProfiler:
         b_off = [max(0.0, min(s.bwd_s[i] for s in samples)) for i in range(len(self.names))]
         fwd_per_byte = bwd_per_byte = 0.0
         f, b = f_off, b_off
+        rc_bytes = [max((s.recompute_bytes[i] for s in self.profiled_rc), default=0)
+                    for i in range(len(self.names))]
         if self.profiled_rc:  # NOTE [ Pure compute times ]
             rc = self.profiled_rc
             f_rc = [max(0.0, min(s.fwd_s[i] for s in rc)) for i in range(len(self.names))]
@@ -347,7 +414,7 @@ class LayerProfiler:
             layers.append(LayerCost(
                 name=name, saved_bytes=saved[i],
                 input_bytes=max(s.input_bytes[i] for s in samples),
-                fwd_s=f[i], bwd_s=b[i]))
+                fwd_s=f[i], bwd_s=b[i], recompute_bytes=rc_bytes[i]))
         fwd_other, head, tail = [], [], []
         for s in samples:
             fwd_total = s.fwd_end - s.begin - (s.fwd_stall_end - s.wstall_begin)

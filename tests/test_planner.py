@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -20,6 +21,7 @@ layer_st = st.builds(
     input_bytes=st.integers(0, 64 * MiB),
     fwd_s=st.floats(0.0, 2.0, allow_nan=False),
     bwd_s=st.floats(0.0, 4.0, allow_nan=False),
+    recompute_bytes=st.integers(0, 640 * MiB),
 )
 layers_st = st.lists(layer_st, min_size=0, max_size=5)
 bw_st = st.floats(1e6, 1e11, allow_nan=False)
@@ -113,8 +115,13 @@ def test_predict_keep_all_and_recompute_all():
     rec = predict(layers, [RECOMPUTE] * 4, step)
     assert rec.recompute_s == pytest.approx(0.4)
     assert rec.written_bytes == 4 * 8 * MiB
-    # Backward holds one recomputed layer at a time, plus the (small) prefetch window.
-    assert rec.peak_bytes == 100 * MiB + 4 * 8 * MiB
+    # Backward holds one recomputed layer at a time (its saved bytes and its input,
+    # NOTE [ Recompute working set ]), plus the (small) prefetch window.
+    assert rec.peak_bytes == 100 * MiB + 8 * MiB + 4 * 8 * MiB
+    # A measured recompute larger than the saved bytes (small tensors, temporaries) counts.
+    bigger = [dataclasses.replace(layer, recompute_bytes=130 * MiB) for layer in layers]
+    assert predict(bigger, [RECOMPUTE] * 4, step).peak_bytes == 130 * MiB + 8 * MiB + 4 * 8 * MiB
+    assert predict(bigger, [KEEP] * 4, step) == keep
 
 
 def test_slow_read_stalls_offload():
@@ -213,3 +220,36 @@ def test_budget_lowers_write_behind():
     assert p.fits and p.choices == (OFFLOAD,) * 3
     assert p.write_behind_bytes == 140 * MiB
     assert p.prediction.peak_bytes <= 150 * MiB and p.prediction.stall_s >= free.stall_s
+
+
+@SETTINGS
+@given(layers_st, step_st, st.data())
+def test_recomputed_layer_working_set_is_in_the_peak(layers, step, data):
+    """NOTE [ Recompute working set ]: while a recomputed layer's backward runs, the
+    predicted memory holds what its recompute creates (measured, or its saved bytes)
+    and its input."""
+    choices = data.draw(st.lists(st.sampled_from(CHOICES), min_size=len(layers),
+                                 max_size=len(layers)))
+    pred = predict(layers, choices, step)
+    for layer, c in zip(layers, choices):
+        if c == RECOMPUTE:
+            assert pred.peak_bytes >= step.fixed_bytes + layer.input_bytes + \
+                max(layer.saved_bytes, layer.recompute_bytes)
+
+
+@SETTINGS
+@given(st.lists(layer_st, min_size=1, max_size=5), step_st, st.data(),
+       st.integers(1, 256 * MiB))
+def test_larger_recompute_never_predicts_less_memory(layers, step, data, extra):
+    choices = data.draw(st.lists(st.sampled_from(CHOICES), min_size=len(layers),
+                                 max_size=len(layers)))
+    j = data.draw(st.integers(0, len(layers) - 1))
+    more = list(layers)
+    more[j] = dataclasses.replace(layers[j], recompute_bytes=layers[j].recompute_bytes + extra)
+    a, b = predict(layers, choices, step), predict(more, choices, step)
+    assert b.step_s == a.step_s and b.written_bytes == a.written_bytes
+    assert b.peak_bytes >= a.peak_bytes
+    if choices[j] != RECOMPUTE:
+        assert b.peak_bytes == a.peak_bytes
+    else:
+        assert b.peak_bytes >= step.fixed_bytes + more[j].recompute_working_bytes

@@ -288,3 +288,74 @@ def test_set_plan_after_profiling_predicts(make_offloader):
     assert p.prediction.step_s > 0 and p.prediction.recompute_s == p.layers[0].fwd_s
     assert off.plan() is p
     assert_same(ref, run_step(model, batch, off))
+
+
+class _ManySmallSaves(torch.nn.Module):
+    """Eight ``sin`` and ``mul`` whose saved tensors are each below ``min_tensor_bytes``:
+    ssdtrain counts none of them, a recompute recreates all of them."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        for _ in range(8):
+            x = torch.sin(x) * self.w
+        return x
+
+
+class _SmallSavesNet(torch.nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(d))  # the first block's input needs grad
+        self.blocks = torch.nn.ModuleList([_ManySmallSaves(d) for _ in range(n)])
+
+    def forward(self, x):
+        x = x * self.scale
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _saved_bytes_any_size(module, x):
+    """Bytes of the distinct non-parameter storages ``module``'s forward saves for
+    backward, of any size: what a checkpoint's recompute recreates and holds."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x.detach().requires_grad_())
+    return sum(seen.values())
+
+
+def test_recompute_plan_predicts_what_the_recompute_holds(make_offloader):
+    """NOTE [ Recompute working set ]: the predicted peak of a recompute plan covers the
+    bytes a recomputed layer's backward holds, measured independently here (its saved
+    tensors, of any size, and its input), though ssdtrain's saved bytes count none of
+    them (each is below min_tensor_bytes)."""
+    torch.manual_seed(0)
+    d, n = 512, 3
+    model = _SmallSavesNet(d, n)
+    x = torch.randn(16, d)  # 32 KiB per tensor, below min_tensor_bytes
+    ref = run_step(model, (x,))
+    off = make_offloader(policy="adaptive", memory_budget_bytes=1 << 40, profile_steps=1,
+                         min_tensor_bytes=64 * KiB, keep_tail_bytes=0,
+                         prefetch_bytes=4 * MiB).track(model)
+    for _ in range(2):  # the static profile step, then the recompute-all step
+        assert_same(ref, run_step(model, (x,), off))
+    with off:
+        pass
+    p = off.set_plan([RECOMPUTE] * n)
+    assert_same(ref, run_step(model, (x,), off))
+    truth = _saved_bytes_any_size(model.blocks[0], x)
+    assert truth >= 16 * 32 * KiB  # sin's input and mul's input, 8 times
+    for layer in p.layers:
+        assert layer.saved_bytes == 0 and layer.input_bytes == x.numel() * x.element_size()
+        assert layer.recompute_bytes >= truth
+        assert p.prediction.peak_bytes >= p.step.fixed_bytes + truth + layer.input_bytes
