@@ -813,8 +813,14 @@ def _release_resources(engine, spill, devices):
 
 def _release_in_background(engine, spill, devices):
     # A garbage-collected store must not block whatever thread dropped it (it may even
-    # be an engine worker, which cannot join itself). Not a daemon: at exit,
-    # the interpreter waits for the last writes before the files close.
+    # be an engine worker, which cannot join itself).
+    if not threading.main_thread().is_alive():
+        # Interpreter exit (atexit runs after threading's shutdown stopped the main
+        # thread): a thread started now would not be waited for, and finalization
+        # would end it inside the native engine's join (std::terminate, exit code
+        # 134). Release here, in order: nothing else runs any more.
+        _release_resources(engine, spill, devices)
+        return
     threading.Thread(target=_release_resources, args=(engine, spill, devices),
                      name="ssdtrain-release").start()
 

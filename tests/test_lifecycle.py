@@ -737,3 +737,42 @@ def test_write_ending_during_unpack_keeps_the_data(spill_dir, monkeypatch):
     off.wait()
     assert off.stats().offloaded_bytes > 0
     off.close()
+
+
+# ------------------------------------------------------------------ interpreter exit
+
+_EXIT_SCRIPT = r"""
+import sys, torch, ssdtrain
+from gpt import GPT, GPTConfig, make_batch
+spill, mode = sys.argv[1], sys.argv[2]
+cfg = GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)
+model = GPT(cfg).train()
+gen = torch.Generator().manual_seed(0)
+off = ssdtrain.Offloader(spill_dir=spill, min_tensor_bytes=4096, keep_tail_bytes=0)
+keep = []
+for step in range(3):
+    with off:
+        loss = model(*make_batch(cfg, 2, gen))
+    if mode == "graph-alive" and step == 2:
+        keep.append(loss)  # a graph (and so the store) still alive at exit, writes in flight
+    else:
+        loss.backward()
+if mode == "dropped":
+    del off  # the store goes with the last graph: released by the collector
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["open", "graph-alive", "dropped"])
+def test_interpreter_exit_without_close(spill_dir, mode):
+    """A script that never calls close() exits cleanly (exit code 0): resources are
+    released at exit in the exiting thread. A release thread started at that point
+    was ended by finalization inside the native engine's join (std::terminate)."""
+    import subprocess
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([examples, *sys.path]))
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(spill_dir), mode],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr)
+    assert "terminate" not in r.stderr, r.stderr
+    assert os.listdir(spill_dir) == []
