@@ -49,7 +49,10 @@ def test_step_overhead_tiny(tmp_path, spill_dir):
     assert ssd["written_bytes_per_step"] > 0
     run = next(r for r in result["runs"] if r["mode"] == "ssdtrain")
     step = run["steps"][-1]
-    assert step["stats"]["records_written"] > 0 and step["stats"]["bytes_read"] > 0
+    # Backward reads the records back, or (writes still in flight on a slow disk) uses
+    # them from memory: which one depends on the disk's speed, not on ssdtrain.
+    assert step["stats"]["records_written"] > 0
+    assert step["stats"]["bytes_read"] > 0 or step["stats"]["forwarded"] > 0, step["stats"]
     assert ssd["max_writes_per_record"] == 1
     assert result["summary"]["torch_save"]["written_bytes_per_step"] > 0
     assert any(t["name"] == "every storage written once" and t["met"] for t in result["targets"])
