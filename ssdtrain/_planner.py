@@ -146,6 +146,12 @@ class StepCost:
         fwd_s_per_byte: compute time forward loses per byte a layer writes (the CPU
             the I/O takes from compute). Default 0.
         bwd_s_per_byte: the same in backward, per byte read back. Default 0.
+        head_bytes: bytes ssdtrain would offload that forward saves outside the
+            layers (head, loss); held only from the end of forward until the head's
+            backward has used them (NOTE [ Memory timeline ]). Default 0.
+        keep_tail_bytes: ssdtrain's ``keep_tail_bytes``: the last records of forward
+            stay in memory, inside the prefetch window (NOTE [ Memory timeline ]).
+            Default 0.
     """
 
     write_bps: float
@@ -158,6 +164,19 @@ class StepCost:
     fixed_bytes: int = 0
     fwd_s_per_byte: float = 0.0
     bwd_s_per_byte: float = 0.0
+    head_bytes: int = 0
+    keep_tail_bytes: int = 0
+
+    @property
+    def head_written_bytes(self) -> int:
+        """The head's bytes written in forward and read back for its backward: what
+        does not fit the kept tail (NOTE [ Memory timeline ])."""
+        return max(0, self.head_bytes - self.keep_tail_bytes)
+
+    def tail_bytes(self, offloaded_bytes: int) -> int:
+        """The kept tail at the end of forward when the layers offload
+        ``offloaded_bytes`` (NOTE [ Memory timeline ])."""
+        return min(self.keep_tail_bytes, self.head_bytes + offloaded_bytes)
 
 
 @dataclass(frozen=True)
@@ -280,6 +299,8 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
     wdone = [0.0] * n
     kept_so_far = 0
     fwd_peak = 0
+    written_so_far = 0
+    tail = step.tail_bytes(sum(o))
     for i, layer in enumerate(layers):
         t += layer.fwd_s + o[i] * step.fwd_s_per_byte
         if o[i]:
@@ -287,10 +308,13 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
             wdone[i] = disk
             queue.append((disk, o[i]))
         kept_so_far += kept[i]
+        written_so_far += o[i]
         # Forward waits while more than write_behind_bytes are queued (ssdtrain's throttle).
         queue = [(end, b) for end, b in queue if end > t]
         backlog = sum(b for _, b in queue)
-        fwd_peak = max(fwd_peak, kept_so_far + min(backlog, step.write_behind_bytes))
+        # The rolling tail: the newest offloaded records, not yet queued for writing.
+        fwd_peak = max(fwd_peak, kept_so_far + min(step.keep_tail_bytes, written_so_far) +
+                       min(backlog, step.write_behind_bytes))
         while backlog > step.write_behind_bytes and queue:
             end, b = queue.pop(0)
             stall += end - t
@@ -298,6 +322,12 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
             backlog -= b
     t += step.fwd_other_s
     t_fwd = t
+    # The end of forward: every kept layer, the kept tail, and the writes in flight
+    # (the head's records beyond the tail are queued now; memory only, see NOTE
+    # [ Memory timeline ]).
+    queue = [(end, b) for end, b in queue if end > t]
+    backlog = sum(b for _, b in queue) + step.head_written_bytes
+    fwd_peak = max(fwd_peak, kept_so_far + tail + min(backlog, step.write_behind_bytes))
 
     # Backward: the head, then the layers in reverse; reads newest first.
     t = t_fwd + step.bwd_head_s
@@ -315,7 +345,11 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
     for i in range(n):
         acc += kept[i]
         kept_below[i] = acc
-    bwd_peak = 0
+    # The head's backward: the kept layers, and the prefetch window, which holds the
+    # kept tail first, then the head's records read back and the layers' first reads.
+    window = max(step.prefetch_bytes, tail)
+    bwd_peak = kept_so_far + tail + min(max(0, step.prefetch_bytes - tail),
+                                        step.head_written_bytes + sum(o))
     for i in range(n - 1, -1, -1):
         layer = layers[i]
         if o[i]:
@@ -337,12 +371,10 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
         extra = layer.fwd_s if choices[i] == RECOMPUTE else 0.0
         recompute += extra
         t = begin + layer.bwd_s + extra + o[i] * step.bwd_s_per_byte
-        # The prefetch window, the read buffers idle for reuse (ssdtrain keeps up to
-        # prefetch_bytes of them during backward), and a recomputed layer's working
-        # set (NOTE [ Recompute working set ]).
-        read_before = below[n - 1] - below[i]
-        held = kept_below[i] + min(step.prefetch_bytes, below[i]) + \
-            min(step.prefetch_bytes, read_before) + \
+        # The kept layers not yet consumed, the prefetch window (this layer's
+        # offloaded bytes and the next ones', NOTE [ Memory timeline ]), and a
+        # recomputed layer's working set (NOTE [ Recompute working set ]).
+        held = kept_below[i] + min(window, below[i]) + \
             (layer.recompute_working_bytes if choices[i] == RECOMPUTE else 0)
         bwd_peak = max(bwd_peak, held)
     t += step.tail_s
@@ -443,7 +475,8 @@ def write_behind_for(layers: Sequence[LayerCost], choices: Sequence[str], step: 
     if budget_bytes is None:
         return step.write_behind_bytes
     kept = sum(layer.saved_bytes for layer, c in zip(layers, choices) if c == KEEP)
-    return max(0, min(step.write_behind_bytes, budget_bytes - step.fixed_bytes - kept))
+    tail = step.tail_bytes(sum(_offloaded_bytes(layer, c) for layer, c in zip(layers, choices)))
+    return max(0, min(step.write_behind_bytes, budget_bytes - step.fixed_bytes - kept - tail))
 
 
 def throttled_step(layers, choices, step, budget_bytes):

@@ -468,15 +468,15 @@ def measure_bandwidth(store, nbytes=64 << 20, repeats=2):
 
 def step_cost(parts, write_bps, read_bps, cfg) -> StepCost:
     """The :class:`StepCost` of a profile (``LayerProfiler.costs()[1]``) on this machine."""
-    # Outside the layers (head, loss): the tail window stays in memory; the rest is
-    # written and read back during the head's backward, while every kept layer is
-    # still held: up to a prefetch window of it in use and one of read buffers.
+    # Outside the layers (head, loss): held only from the end of forward until the
+    # head's backward, the kept tail and the rest read back through the prefetch
+    # window (NOTE [ Memory timeline ] in _planner.py).
     untracked = parts["untracked_bytes"]
-    tail = min(untracked, cfg.keep_tail_bytes)
-    fixed = tail + min(untracked - tail, 2 * cfg.prefetch_bytes)
+    fixed = 0
     return StepCost(write_bps=write_bps, read_bps=read_bps, fwd_other_s=parts["fwd_other_s"],
                     bwd_head_s=parts["bwd_head_s"], tail_s=parts["tail_s"],
                     prefetch_bytes=cfg.prefetch_bytes,
                     write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=fixed,
                     fwd_s_per_byte=parts.get("fwd_s_per_byte", 0.0),
-                    bwd_s_per_byte=parts.get("bwd_s_per_byte", 0.0))
+                    bwd_s_per_byte=parts.get("bwd_s_per_byte", 0.0),
+                    head_bytes=untracked, keep_tail_bytes=cfg.keep_tail_bytes)
