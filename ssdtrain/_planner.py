@@ -41,14 +41,44 @@ feasibility too: a record prefetch reaches while its write is still in flight
 is served from memory by ssdtrain (no read), but is predicted to be read; and
 backward memory counts the whole prefetch window as full.
 
-Memory ("activation bytes held") is the largest of, after each layer's
-forward, the kept bytes so far plus the bytes written-but-not-yet-on-disk,
-and, during each layer's backward, the kept bytes of the layers not yet
-consumed, the prefetch window, the read buffers ssdtrain keeps for reuse
-(up to ``prefetch_bytes`` of what was read before), and, when the layer is
-recomputed, its working set (NOTE [ Recompute working set ]). ``fixed_bytes``
-(what the rest of the step keeps: small tensors, the tail of forward outside the
-layers) is added everywhere.
+Memory ("activation bytes held") is the peak of a timeline, NOTE [ Memory
+timeline ].
+
+NOTE [ Memory timeline ]
+
+The predicted peak is the largest of what is resident at these moments, each
+counting what ssdtrain really holds then (``fixed_bytes``, what the rest of the
+step keeps whatever the plan, is added to each):
+
+* after layer ``i``'s forward: the kept layers so far, the rolling tail (the
+  newest offloaded records, up to ``keep_tail_bytes``, not yet queued), and the
+  writes queued and not yet on disk (at most the write-behind limit);
+* the end of forward: every kept layer, the kept tail (``keep_tail_bytes``, or
+  less when the head's and the layers' offloaded bytes are fewer), and the writes
+  in flight, now including the head's records beyond the tail
+  (``head_bytes - keep_tail_bytes``);
+* the head's backward: every kept layer and the prefetch window; ssdtrain counts
+  the kept tail in the window (``_store.end_pass``), so the window holds the
+  tail, then the head's records read back, then the layers' first reads, up to
+  ``prefetch_bytes`` in all (or the tail alone when it is larger);
+* layer ``i``'s backward: the kept layers ``<= i``, the window (the offloaded
+  bytes of layers ``<= i`` not yet used, at most ``prefetch_bytes``; the head's
+  records and the tail are freed by then), and a recomputed layer's working set
+  (NOTE [ Recompute working set ]).
+
+The head's records are memory only: their write and read are not put on the
+disk's timeline (the profile's ``bwd_head_s`` includes what the head's reads
+cost). Not counted, for any plan: read buffers ssdtrain keeps idle for reuse
+after their record died (bounded by ``prefetch_bytes``, dropped when forward
+begins) and a record backward is still using after its last unpack; like the
+gradient temporaries, they are memory of the step, not saved activations
+(``examples/step_worker.py`` measures them in what the process holds besides
+the activations). The window may overshoot ``prefetch_bytes`` by less than one
+record, and the throttle may let one record more be in flight: both are left to
+the caller's reserve. The previous model counted the head's records and two
+prefetch windows (in use and idle) at every moment, so at micro-batch 16 of
+``examples/microbatch_sweep.py`` it predicted 81 MiB for its least-memory plan
+while static ssdtrain, which offloads everything, held about 41.
 
 NOTE [ Recompute working set ]
 
@@ -467,10 +497,11 @@ def write_behind_for(layers: Sequence[LayerCost], choices: Sequence[str], step: 
                      budget_bytes: Optional[int]) -> int:
     """The write-behind limit that keeps forward's writes in flight inside the budget.
 
-    Forward holds the kept layers' bytes and the writes in flight; ssdtrain's
-    throttle makes forward wait once more than this many bytes are in flight:
-    ``budget - fixed_bytes - kept bytes``, capped at ``step.write_behind_bytes``
-    and at least 0. (The throttle acts per record, so one record may overshoot.)
+    Forward holds the kept layers' bytes, the kept tail and the writes in flight;
+    ssdtrain's throttle makes forward wait once more than this many bytes are in
+    flight: ``budget - fixed_bytes - kept bytes - tail``, capped at
+    ``step.write_behind_bytes`` and at least 0 (NOTE [ Memory timeline ]). (The
+    throttle acts per record, so one record may overshoot.)
     """
     if budget_bytes is None:
         return step.write_behind_bytes
