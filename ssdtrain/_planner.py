@@ -52,11 +52,14 @@ step keeps whatever the plan, is added to each):
 
 * after layer ``i``'s forward: the kept layers so far, the rolling tail (the
   newest offloaded records, up to ``keep_tail_bytes``, not yet queued), and the
-  writes queued and not yet on disk (at most the write-behind limit);
+  writes in flight: every byte offloaded so far, up to the write-behind limit
+  (the throttle's bound, whatever the disk's speed: the model has bandwidth but
+  no latency, and with small records measured in flight more than bandwidth
+  alone says, ``test_offload_plan_predicts_at_least_what_it_holds``);
 * the end of forward: every kept layer, the kept tail (``keep_tail_bytes``, or
   less when the head's and the layers' offloaded bytes are fewer), and the writes
   in flight, now including the head's records beyond the tail
-  (``head_bytes - keep_tail_bytes``);
+  (``head_bytes - keep_tail_bytes``), counted the same way;
 * the head's backward: every kept layer and the prefetch window; ssdtrain counts
   the kept tail in the window (``_store.end_pass``), so the window holds the
   tail, then the head's records read back, then the layers' first reads, up to
@@ -342,22 +345,24 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
         # Forward waits while more than write_behind_bytes are queued (ssdtrain's throttle).
         queue = [(end, b) for end, b in queue if end > t]
         backlog = sum(b for _, b in queue)
-        # The rolling tail: the newest offloaded records, not yet queued for writing.
+        # The rolling tail (the newest offloaded records, not yet queued for writing)
+        # and the writes in flight: every one so far, as far as memory is concerned,
+        # up to the throttle's limit (NOTE [ Memory timeline ]).
         fwd_peak = max(fwd_peak, kept_so_far + min(step.keep_tail_bytes, written_so_far) +
-                       min(backlog, step.write_behind_bytes))
+                       min(written_so_far, step.write_behind_bytes))
         while backlog > step.write_behind_bytes and queue:
             end, b = queue.pop(0)
             stall += end - t
             t = end
             backlog -= b
+    # The end of forward: every kept layer, the kept tail, and the writes in flight:
+    # the head's records beyond the tail, and those in flight when the last layer's
+    # forward ended (nothing is retired during the head's forward: NOTE [ Memory
+    # timeline ]).
+    fwd_peak = max(fwd_peak, kept_so_far + tail + min(written_so_far + step.head_written_bytes,
+                                                      step.write_behind_bytes))
     t += step.fwd_other_s
     t_fwd = t
-    # The end of forward: every kept layer, the kept tail, and the writes in flight
-    # (the head's records beyond the tail are queued now; memory only, see NOTE
-    # [ Memory timeline ]).
-    queue = [(end, b) for end, b in queue if end > t]
-    backlog = sum(b for _, b in queue) + step.head_written_bytes
-    fwd_peak = max(fwd_peak, kept_so_far + tail + min(backlog, step.write_behind_bytes))
 
     # Backward: the head, then the layers in reverse; reads newest first.
     t = t_fwd + step.bwd_head_s

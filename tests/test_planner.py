@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ssdtrain._planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, StepCost,
-                               group_layers, plan, predict, rok_plans)
+                               group_layers, plan, predict, rok_plans, throttled_step)
 
 MiB = 1 << 20
 
@@ -253,3 +253,78 @@ def test_larger_recompute_never_predicts_less_memory(layers, step, data, extra):
         assert b.peak_bytes == a.peak_bytes
     else:
         assert b.peak_bytes >= step.fixed_bytes + more[j].recompute_working_bytes
+
+
+# NOTE [ Memory timeline ]
+step_head_st = st.builds(
+    StepCost,
+    write_bps=bw_st,
+    read_bps=bw_st,
+    prefetch_bytes=st.integers(1, 1024 * MiB),
+    write_behind_bytes=st.integers(0, 2048 * MiB),
+    fixed_bytes=st.integers(0, 64 * MiB),
+    head_bytes=st.integers(0, 512 * MiB),
+    keep_tail_bytes=st.integers(0, 256 * MiB),
+)
+
+
+@SETTINGS
+@given(layers_st, budget_st, step_head_st)
+def test_budget_respected_with_head(layers, budget, step):
+    p = plan(layers, budget, step)
+    assert p.prediction == predict(layers, p.choices, p.step)
+    if p.fits:
+        assert budget is None or p.prediction.peak_bytes <= budget
+    else:
+        for choices in itertools.product(CHOICES, repeat=len(layers)):
+            assert predict(layers, choices, throttled_step(layers, choices, step, budget)) \
+                .peak_bytes > budget
+
+
+@SETTINGS
+@given(layers_st, step_head_st, st.data(), st.integers(1, 256 * MiB))
+def test_more_head_bytes_never_predict_less_memory(layers, step, data, extra):
+    choices = data.draw(st.lists(st.sampled_from(CHOICES), min_size=len(layers),
+                                 max_size=len(layers)))
+    more = dataclasses.replace(step, head_bytes=step.head_bytes + extra)
+    a, b = predict(layers, choices, step), predict(layers, choices, more)
+    assert b.peak_bytes >= a.peak_bytes
+    assert b.step_s == a.step_s  # memory only
+    # The head's records are held at the end of forward (kept tail, writes in flight).
+    assert b.peak_bytes >= step.fixed_bytes + min(more.head_bytes, step.keep_tail_bytes +
+                                                  step.write_behind_bytes)
+
+
+@SETTINGS
+@given(layers_st, step_head_st, st.data(), st.integers(1, 256 * MiB))
+def test_larger_window_never_predicts_less_memory(layers, step, data, extra):
+    choices = data.draw(st.lists(st.sampled_from(CHOICES), min_size=len(layers),
+                                 max_size=len(layers)))
+    more = dataclasses.replace(step, prefetch_bytes=step.prefetch_bytes + extra)
+    assert predict(layers, choices, more).peak_bytes >= predict(layers, choices, step).peak_bytes
+
+
+def test_head_records_held_only_until_the_heads_backward():
+    """Offload everything, fast disk: the head's records and the kept tail share the
+    prefetch window in the head's backward and are gone for the layers' backward, so
+    the peak is one window, not the head's records plus two windows."""
+    layers = _layers(4, saved=100 * MiB, f=0.1, b=0.2)
+    step = StepCost(write_bps=1e13, read_bps=1e13, prefetch_bytes=50 * MiB,
+                    write_behind_bytes=20 * MiB, head_bytes=40 * MiB,
+                    keep_tail_bytes=10 * MiB)
+    off = predict(layers, [OFFLOAD] * 4, step)
+    assert off.peak_bytes == 50 * MiB
+    # A head larger than the window, no throttle: the writes in flight at the end of
+    # forward (every layer's, as far as memory is concerned, and the head's beyond the
+    # tail) are the peak, and a budget throttles them.
+    big = dataclasses.replace(step, head_bytes=300 * MiB, write_behind_bytes=1 << 30)
+    assert predict(layers, [OFFLOAD] * 4, big).peak_bytes == 10 * MiB + 400 * MiB + 290 * MiB
+    p = plan(layers, 120 * MiB, big, allowed=(OFFLOAD,))
+    assert p.fits and p.write_behind_bytes == 110 * MiB and p.prediction.peak_bytes == 120 * MiB
+    # Keep everything: the layers, then the kept tail and the head's writes at the
+    # end of forward, and in the head's backward the window on top of every layer.
+    keep = predict(layers, [KEEP] * 4, step)
+    assert keep.peak_bytes == 400 * MiB + 10 * MiB + 30 * MiB
+    # The kept tail of a plan that offloads nothing holds only the head's records.
+    small = dataclasses.replace(step, head_bytes=4 * MiB)
+    assert predict(layers, [KEEP] * 4, small).peak_bytes == 400 * MiB + 4 * MiB

@@ -359,3 +359,29 @@ def test_recompute_plan_predicts_what_the_recompute_holds(make_offloader):
         assert layer.saved_bytes == 0 and layer.input_bytes == x.numel() * x.element_size()
         assert layer.recompute_bytes >= truth
         assert p.prediction.peak_bytes >= p.step.fixed_bytes + truth + layer.input_bytes
+
+
+@pytest.mark.parametrize("keep_tail", [0, 256 * KiB])
+def test_offload_plan_predicts_at_least_what_it_holds(make_offloader, keep_tail):
+    """NOTE [ Memory timeline ]: an offload-everything plan's predicted peak covers
+    ssdtrain's own count of what it holds (``peak_resident_bytes``) in a step run
+    under the plan, and stays close to it (within a prefetch window and the head's
+    records), where the previous model counted the head's records and two windows
+    at every moment."""
+    model, batch = _gpt(3)
+    ref = run_step(model, batch)
+    cfg = dict(SMALL, keep_tail_bytes=keep_tail, prefetch_bytes=256 * KiB)
+    off = make_offloader(policy="adaptive", memory_budget_bytes=640 * KiB, profile_steps=1,
+                         **cfg).track(model)
+    for _ in range(2):  # the static profile step, then the recompute-all step
+        assert_same(ref, run_step(model, batch, off))
+    p = off.set_plan([OFFLOAD] * 3)
+    off._stats.peak_resident_bytes = 0  # measure the planned step alone
+    assert_same(ref, run_step(model, batch, off))
+    off.wait()
+    measured = off.stats().peak_resident_bytes
+    step = p.step
+    assert step.head_bytes > 0 and step.keep_tail_bytes == keep_tail
+    assert measured > 0
+    assert p.prediction.peak_bytes >= measured, (p.prediction.peak_bytes, measured)
+    assert p.prediction.peak_bytes <= measured + step.prefetch_bytes + step.head_bytes
