@@ -328,6 +328,9 @@ def worker(mode, cfg, out_path):
                 rec["files_written"] = saver.files
                 saver.files = 0
             if off is not None:
+                # Untimed: writes still in flight after backward (records dropped before
+                # their write ended) are counted when they complete; count them here.
+                off.wait()
                 st = stats_delta(dataclasses.asdict(off.stats()), stats0)
                 writes = [r.writes for r in records]
                 rec.update(
