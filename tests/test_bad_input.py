@@ -19,7 +19,7 @@ import torch
 
 import ssdtrain
 from ssdtrain import ConfigError, OffloadConfig
-from helpers import SaveForBackward
+from helpers import save_and_unpack
 
 INVALID = {
     "spill_dir": [123, b"/tmp", [], [""], ["/tmp", "/tmp"], {"/tmp"}, [None]],
@@ -200,13 +200,7 @@ def test_saved_unsupported_tensor_comes_back_as_itself(make_offloader, make):
     """Saved by hand: what backward gets is the very object saved (kept, not rebuilt)."""
     t = make()
     off = make_offloader(min_tensor_bytes=1, keep_tail_bytes=0)
-    anchor = torch.zeros((), requires_grad=True)
-    sink = []
-    with off:
-        out = SaveForBackward.apply(anchor, sink, t)
-        off.wait()
-    out.backward()
-    (got,) = sink[0]
+    (got,) = save_and_unpack([t], off)
     assert type(got) is type(t) and got.layout == t.layout and got.device == t.device
     assert got.is_conj() == t.is_conj() and got.dtype == t.dtype
     if t.device.type != "meta" and not t.is_nested and t.layout == torch.strided:
