@@ -477,6 +477,9 @@ class Store:
                     self.stats.prefetch_hits += 1
                 else:
                     self.stats.forwarded += 1
+                # Used now, under the lock: once it is released, a write that ends
+                # drops the bytes from memory (State.ON_DISK).
+                view = self._use(rec, handle, attach)
             elif rec.state is State.LOADING:
                 self.stats.prefetch_hits += first
             elif rec.state is State.ON_DISK:
@@ -485,34 +488,22 @@ class Store:
             else:
                 raise SSDTrainError(f"ssdtrain: unpacking a record in state {rec.state.value}; "
                                     f"please report this bug.")
-            if rec.state in _RESIDENT:
-                # Use it now: once the lock is released, a write that ends drops the
-                # bytes from memory (State.ON_DISK).
-                view = self._use(rec, handle, attach)
-            fut = rec.future if rec.state is State.LOADING else None
+            fut = rec.future
+        self._attach(attach)
         if view is not None:
-            self._attach(attach)
             return view
-        for attempt in range(3):
-            self._attach(attach)
-            attach = []
-            if fut is not None:
-                self._wait(rec, fut)
-            with self._lock:
-                if fut is not None:
-                    self._read_done(rec, fut)
-                if rec.state is State.FAILED:
-                    raise _in_context(rec.error, rec)
-                if rec.storage is not None:
-                    view = self._use(rec, handle, attach)
-                    break
-                if rec.state is not State.ON_DISK or attempt == 2:
-                    raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
-                                        f"please report this bug.")
-                # Dropped between its read and here: the bytes are on disk, read them again.
-                log.debug("re-reading %r: it was dropped before its unpack used it", rec)
-                self._start_read(rec, attach)
-                fut = rec.future
+        attach = []
+        # LOADING and this handle not yet unpacked in this generation: nothing can drop
+        # the bytes between the read's end and their use below.
+        self._wait(rec, fut)
+        with self._lock:
+            self._read_done(rec, fut)
+            if rec.state is State.FAILED:
+                raise _in_context(rec.error, rec)
+            if rec.storage is None:
+                raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
+                                    f"please report this bug.")
+            view = self._use(rec, handle, attach)
         self._attach(attach)
         return view
 
