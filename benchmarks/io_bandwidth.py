@@ -24,7 +24,7 @@ aligned, i.e. *not* page aligned: NOTE [ Zero-copy O_DIRECT from unaligned tenso
 written into slots of an anonymous spill file from ``ssdtrain._spill.SpillSet``
 (``O_DIRECT`` where the file system takes it) at offsets congruent to the tensor's
 address, all requests submitted at once; reads land in page-aligned mappings with the
-record's misalignment from ``ssdtrain._store.ReadBuffers``, touched beforehand (as
+record's misalignment from ``ssdtrain._readbuf.ReadBuffers``, touched beforehand (as
 reused buffers are in steady state; ``--cold-read-buffers`` reads into fresh pages).
 
 Page cache. The engines, ``raw`` and ``deepspeed_aio`` bypass it (``O_DIRECT``;
@@ -257,7 +257,7 @@ def _verify(loaded, crcs, sizes, inject):
 def _run_engine(config, cfg, sizes, phases, check):
     import torch
     from ssdtrain._spill import SpillSet
-    from ssdtrain._store import ReadBuffers
+    from ssdtrain._readbuf import ReadBuffers
     from ssdtrain.io.native import NativeEngine
     from ssdtrain.io.posix import PosixEngine
 
@@ -285,7 +285,7 @@ def _run_engine(config, cfg, sizes, phases, check):
 
         buffers = ReadBuffers(limit=0)
         dests = [torch.empty(0, dtype=torch.uint8).set_(buffers.storage(s.offset % BLOCK,
-                                                                        s.nbytes))
+                                                                        0, s.nbytes))
                  for s in slots]
         if not cfg["cold_read_buffers"]:
             for d in dests:

@@ -10,6 +10,9 @@
 // runs on a worker thread; Engine::shutdown then detaches the workers instead of
 // joining itself, and the GIL is kept (nothing blocks). While the interpreter is finalizing, a worker never takes the GIL
 // (that would end the thread inside C++ code): the callback is skipped and leaked.
+// In a forked child the workers do not exist: abandon() (called by ssdtrain.io.native
+// from an os.register_at_fork handler, see ssdtrain/_fork.py) makes shutdown() and the
+// destructor return at once; callbacks of requests queued before the fork are leaked.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
@@ -113,6 +116,10 @@ class PyEngine {
     engine_->shutdown();
   }
 
+  // Never blocks and takes no lock (see ssdtrain::Engine::abandon): keeps the GIL.
+  void abandon() noexcept { engine_->abandon(); }
+  bool abandoned() const noexcept { return engine_->abandoned(); }
+
  private:
   std::unique_ptr<ssdtrain::Engine> engine_;
 };
@@ -151,7 +158,13 @@ PYBIND11_MODULE(_C, m) {
           py::arg("nbytes"), py::arg("path"), py::arg("callback"),
           "Read `nbytes` from `fd` at `offset` into `address`; callback as for submit_write.")
       .def("shutdown", &PyEngine::shutdown,
-           "Finish every queued request (each callback runs), then stop the workers.");
+           "Finish every queued request (each callback runs), then stop the workers.")
+      .def("abandon", &PyEngine::abandon,
+           "In a forked child: forget the parent's workers without joining them. Later\n"
+           "submits raise RuntimeError; shutdown() and destruction return at once; requests\n"
+           "queued before the fork are never completed. Idempotent.")
+      .def_property_readonly("abandoned", &PyEngine::abandoned,
+                             "Whether abandon() was called.");
 
   m.def(
       "crc32c",

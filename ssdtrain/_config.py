@@ -5,8 +5,12 @@ Environment variables (``SSDTRAIN_*``) are read in exactly one place,
 """
 
 import dataclasses
+import math
 import os
 import re
+import sys
+import threading
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -34,25 +38,100 @@ _UNITS = {
 }
 
 
+# The largest byte count any field takes: a signed 64-bit offset (8 EiB). Anything
+# larger is a typo, and would overflow the engines' 64-bit offsets and lengths.
+MAX_BYTES = (1 << 63) - 1
+
+
 def parse_bytes(value, *, name="value"):
     """Parse a byte count: an int, or a string such as ``"512MiB"``, ``"1.5 GiB"``, ``"4096"``.
 
+    Strings are parsed exactly (``"1.5GiB"`` is 1610612736, fractions of a byte are
+    dropped); the result is an ``int`` in ``[0, MAX_BYTES]``.
+
     Raises:
-        ConfigError: naming ``name`` when the value is not a non-negative size.
+        ConfigError: naming ``name`` when the value is not a size in that range.
     """
     if isinstance(value, bool):
         raise ConfigError(f"ssdtrain: {name} must be a byte count, got the bool {value!r}; "
                           f"pass an int such as 268435456 or a string such as '256MiB'.")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"ssdtrain: {name} must be >= 0 bytes, got {value}.")
-        return value
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            whole, _, part = m.group(1).lstrip("0").partition(".")
+            # More digits than any byte count up to MAX_BYTES (19) is too large; a
+            # fraction of a byte finer than 1e-30 is dropped unread (past 4300 digits
+            # int() and Fraction() refuse the string with a ValueError of their own).
+            if len(whole) > 24:
+                raise _too_large(name, value)
+            number = Fraction(f"{whole or 0}.{part[:30] or 0}")
+            value = int(number * _UNITS[m.group(2).lower()])
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"ssdtrain: {name} must be >= 0 bytes, got {_show(value)}.")
+        if value > MAX_BYTES:
+            raise _too_large(name, value)
+        return value
     raise ConfigError(f"ssdtrain: {name} must be a byte count such as 268435456 or '256MiB', "
-                      f"got {value!r}.")
+                      f"got {_show(value)}.")
+
+
+def _too_large(name, value):
+    return ConfigError(f"ssdtrain: {name} is {_show(value)}, larger than any byte count "
+                       f"ssdtrain can use (at most {MAX_BYTES}, 8 EiB); give a size such as "
+                       f"'256MiB'.")
+
+
+def _show(value):
+    """``repr(value)`` for a message, shortened: an absurd value (a 400-character
+    string) would drown the message, and repr() of an int beyond 4300 digits raises."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an int of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a message must not fail on an odd object's repr
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 60 else f"{text[:28]}...{text[-28:]} ({len(text)} characters)"
+
+
+def _number(value, *, name, what, minimum, maximum, allow_inf=False):
+    """``value`` (an int or float, not a bool) as a ``float`` in ``(minimum, maximum]``.
+
+    The one check of every number-valued field: refuses NaN, infinities (unless
+    ``allow_inf``), ints too large for a float and values out of range, with a
+    :class:`ConfigError` saying ``name`` must be ``what``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        ok = False
+    elif isinstance(value, int):  # compared as an int: float() of a huge one overflows
+        ok = minimum < value <= maximum
+    else:
+        ok = minimum < value <= maximum or (allow_inf and value == math.inf)
+    if not ok:
+        raise ConfigError(f"ssdtrain: {name} must be {what}, got {_show(value)}.")
+    return float(value)
+
+
+def _env_number(name, raw, *, integer=False):
+    """The number an ``SSDTRAIN_*`` string spells (an int where ``integer``), for the
+    field's own validation; ``"inf"`` stays infinite, but a finite spelling too large
+    for a float (``"1e999"``) is refused rather than read as infinity."""
+    key = f"SSDTRAIN_{name.upper()}"
+    text = raw.strip()
+    try:
+        if integer:
+            return int(text)
+        value = float(text)
+    except ValueError:
+        if text.lstrip("+-").isdigit():  # int() refuses more than 4300 digits
+            raise ConfigError(f"ssdtrain: {key} is {_show(raw)}, far out of range; give a "
+                              f"value in range.") from None
+        raise ConfigError(f"ssdtrain: {key} must be {'an integer' if integer else 'a number'}, "
+                          f"got {_show(raw)}.") from None
+    if math.isinf(value) and "inf" not in text.lower():
+        raise ConfigError(f"ssdtrain: {key} is {_show(raw)}, too large for a number; "
+                          f"give a value in range (or 'inf' where infinity is meant).")
+    return value
 
 
 @dataclass(kw_only=True)
@@ -78,7 +157,8 @@ class OffloadConfig:
     directory, which ssdtrain creates with mode 0700. A spill directory must belong to
     this user or root, and a world-writable one needs the sticky bit (as ``/tmp`` has);
     a symbolic link is followed only if it belongs to this user or root. A warning is
-    logged when it lies on tmpfs (RAM), where offloading frees nothing."""
+    logged when it lies on a file system held in RAM (tmpfs, ramfs, devtmpfs), where
+    offloading frees nothing."""
 
     min_tensor_bytes: int = 256 * KiB
     """Saved tensors smaller than this stay in memory: below it the per-request cost
@@ -138,7 +218,8 @@ class OffloadConfig:
 
     io_timeout_s: float = 600.0
     """Longest wait for one I/O request before a :class:`~ssdtrain.SpillIOError` names the
-    record and the file. Default 600 s."""
+    record and the file. At most ``threading.TIMEOUT_MAX`` (about 292 years).
+    Default 600 s."""
 
     on_spill_error: str = "raise"
     """What a failed write does (full or failing device, file size limit, quota):
@@ -202,7 +283,7 @@ class OffloadConfig:
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) \
                 or not 1 <= self.io_threads <= 256:
             raise ConfigError(f"ssdtrain: io_threads must be an int in [1, 256], got "
-                              f"{self.io_threads!r}.")
+                              f"{_show(self.io_threads)}.")
         if isinstance(self.direct_io, bool):
             self.direct_io = "on" if self.direct_io else "off"
         if self.direct_io not in DIRECT_IO_MODES:
@@ -211,10 +292,14 @@ class OffloadConfig:
         if not isinstance(self.verify, bool) and self.verify != "auto":
             raise ConfigError(f"ssdtrain: verify must be True, False or 'auto', got "
                               f"{self.verify!r}.")
-        if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
-                or not self.io_timeout_s > 0:
-            raise ConfigError(f"ssdtrain: io_timeout_s must be a number of seconds > 0, got "
-                              f"{self.io_timeout_s!r}.")
+        # Waits pass it to lock acquisition, which refuses more than TIMEOUT_MAX
+        # (about 292 years) with an OverflowError.
+        timeout = _number(self.io_timeout_s, name="io_timeout_s", minimum=0,
+                          maximum=threading.TIMEOUT_MAX,
+                          what=f"a number of seconds > 0 and at most {threading.TIMEOUT_MAX:.0f} "
+                               f"(threading.TIMEOUT_MAX)")
+        if type(self.io_timeout_s) is not int:
+            self.io_timeout_s = timeout
         if self.on_spill_error not in SPILL_ERROR_ACTIONS:
             raise ConfigError(f"ssdtrain: on_spill_error must be one of {SPILL_ERROR_ACTIONS}, "
                               f"got {self.on_spill_error!r}.")
@@ -238,11 +323,12 @@ class OffloadConfig:
         if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, int) \
                 or not 1 <= self.profile_steps <= 1000:
             raise ConfigError(f"ssdtrain: profile_steps must be an int in [1, 1000], got "
-                              f"{self.profile_steps!r}.")
-        f = self.replan_stall_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
-            raise ConfigError(f"ssdtrain: replan_stall_fraction must be a number > 0 (inf: never "
-                              f"re-plan), got {f!r}.")
+                              f"{_show(self.profile_steps)}.")
+        f = _number(self.replan_stall_fraction, name="replan_stall_fraction", minimum=0,
+                    maximum=sys.float_info.max, allow_inf=True,
+                    what="a number > 0 (float('inf'): never re-plan)")
+        if type(self.replan_stall_fraction) is not int:
+            self.replan_stall_fraction = f
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -283,23 +369,9 @@ def _from_env_string(name, raw):
     if name == "spill_dir":
         return [p for p in raw.split(os.pathsep) if p]
     if name in ("io_threads", "profile_steps"):
-        try:
-            return int(raw)
-        except ValueError:
-            raise ConfigError(f"ssdtrain: SSDTRAIN_{name.upper()} must be an integer, got "
-                              f"{raw!r}.") from None
-    if name == "replan_stall_fraction":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"ssdtrain: SSDTRAIN_REPLAN_STALL_FRACTION must be a number, got "
-                              f"{raw!r}.") from None
-    if name == "io_timeout_s":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"ssdtrain: SSDTRAIN_IO_TIMEOUT_S must be a number, got {raw!r}.") \
-                from None
+        return _env_number(name, raw, integer=True)
+    if name in ("replan_stall_fraction", "io_timeout_s"):
+        return _env_number(name, raw)
     if name == "verify":
         if raw.strip().lower() == "auto":
             return "auto"

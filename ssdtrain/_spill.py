@@ -20,12 +20,17 @@ from dataclasses import dataclass
 
 from ._errors import ConfigError, SpillIOError
 
-__all__ = ["BLOCK", "SlotAllocator", "SpillFile", "SpillSet", "Slot", "filesystem_type",
-           "default_spill_dir"]
+__all__ = ["BLOCK", "RAM_FILESYSTEMS", "SlotAllocator", "SpillFile", "SpillSet", "Slot",
+           "filesystem_type", "default_spill_dir"]
 
 log = logging.getLogger("ssdtrain")
 
 BLOCK = 4096  # alignment of O_DIRECT memory, offsets and lengths (>= any logical block here)
+
+# File systems whose files live in memory: a spill directory there frees nothing.
+# ``rootfs`` is the initramfs root (ramfs or tmpfs); it names "/" in /proc/mounts only
+# where no real root was mounted over it.
+RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "rootfs")
 
 
 def align_down(x, a=BLOCK):
@@ -39,7 +44,18 @@ def align_up(x, a=BLOCK):
 class SlotAllocator:
     """First-fit allocator of runs of blocks in one file; freed runs coalesce.
 
-    Pure bookkeeping (no I/O), so property tests can drive it directly.
+    Pure bookkeeping (no I/O), so property tests can drive it directly. Not
+    thread-safe: the store calls it only under its own lock.
+
+    NOTE [ Interrupt-safe allocation ]
+    A KeyboardInterrupt may arrive at any point of the training thread, including
+    inside :meth:`alloc`, :meth:`free` and :meth:`rebuild`. Each first computes what it
+    will change, touching nothing, then commits every change in one line made of
+    subscript and attribute stores only: no call, hence no point where CPython
+    checks for a pending signal (nor a line event for a tracer), so the operation
+    happens fully or not at all. What can still be lost is the caller's knowledge
+    of the result (an interrupt right after ``alloc`` returned leaks the run);
+    :meth:`rebuild`, from the runs still referenced, reclaims such leaks.
     """
 
     def __init__(self):
@@ -49,50 +65,90 @@ class SlotAllocator:
         self.used = 0       # blocks currently allocated
 
     def alloc(self, nblocks: int) -> int:
+        """The first block of a run of ``nblocks`` free blocks (first fit), now in use."""
         if nblocks <= 0:
             raise ValueError(f"nblocks must be positive, got {nblocks}")
-        for i, start in enumerate(self._starts):
-            length = self._length[start]
-            if length >= nblocks:
-                del self._starts[i]
-                del self._length[start]
-                if length > nblocks:
-                    self._insert(start + nblocks, length - nblocks)
-                self.used += nblocks
-                return start
-        start = self.end
-        self.end += nblocks
-        self.used += nblocks
-        return start
+        starts, length, used = self._starts, self._length, self.used + nblocks
+        for i, start in enumerate(starts):
+            run = length[start]
+            if run == nblocks:  # exact fit: the free run goes
+                del starts[i], length[start]; self.used = used; return start
+            if run > nblocks:  # the rest stays free, at the same place in the order
+                s, n = start + nblocks, run - nblocks
+                starts[i] = s; length[s] = n; del length[start]; self.used = used; return start
+        start, end = self.end, self.end + nblocks
+        self.end = end; self.used = used; return start
 
     def free(self, start: int, nblocks: int) -> None:
-        if nblocks <= 0 or start < 0 or start + nblocks > self.end:
+        """Return ``[start, start + nblocks)``, which :meth:`alloc` gave out, to the free runs.
+
+        Raises:
+            AssertionError: the run lies outside the file or overlaps a free run
+                (a double free); nothing changes then.
+        """
+        end = self.end
+        if nblocks <= 0 or start < 0 or start + nblocks > end:
             raise AssertionError(f"ssdtrain: freeing blocks [{start}, {start + nblocks}) outside "
-                                 f"[0, {self.end}); please report this bug.")
-        i = bisect.bisect_left(self._starts, start)
-        prev = self._starts[i - 1] if i > 0 else None
-        if (i < len(self._starts) and self._starts[i] < start + nblocks) or \
-                (prev is not None and prev + self._length[prev] > start):
+                                 f"[0, {end}); please report this bug.")
+        starts, length = self._starts, self._length
+        i = bisect.bisect_left(starts, start)
+        prev = starts[i - 1] if i > 0 else None
+        nxt = starts[i] if i < len(starts) else None
+        if (nxt is not None and nxt < start + nblocks) or \
+                (prev is not None and prev + length[prev] > start):
             raise AssertionError(f"ssdtrain: double free of blocks at {start}; please report.")
-        self.used -= nblocks
-        if prev is not None and prev + self._length[prev] == start:  # merge with the run before
-            start, nblocks = prev, self._length.pop(prev) + nblocks
-            del self._starts[i - 1]
-            i -= 1
-        if i < len(self._starts) and self._starts[i] == start + nblocks:  # and the one after
-            nblocks += self._length.pop(self._starts[i])
-            del self._starts[i]
-        if start + nblocks == self.end:  # the tail shrinks rather than stays free
-            self.end = start
+        merge_prev = prev is not None and prev + length[prev] == start
+        merge_next = nxt is not None and nxt == start + nblocks
+        lo = prev if merge_prev else start
+        hi = nxt + length[nxt] if merge_next else start + nblocks
+        used, merged = self.used - nblocks, hi - lo
+        # NOTE [ Interrupt-safe allocation ]: one line of stores per case. A run
+        # merged with the next free run cannot reach ``end``: that run would be at the
+        # tail, which never stays free.
+        if hi == end:  # the tail shrinks rather than stays free
+            if merge_prev:
+                del starts[i - 1], length[prev]; self.end = prev; self.used = used
+            else:
+                self.end = start; self.used = used
+        elif merge_prev and merge_next:
+            del starts[i], length[nxt]; length[prev] = merged; self.used = used
+        elif merge_prev:
+            length[prev] = merged; self.used = used
+        elif merge_next:
+            starts[i] = start; length[start] = merged; del length[nxt]; self.used = used
         else:
-            self._insert(start, nblocks)
+            starts[i:i] = [start]; length[start] = nblocks; self.used = used
+
+    def rebuild(self, runs) -> None:
+        """Recompute the books from ``runs``, the ``(start, nblocks)`` runs in use.
+
+        Every other block below the new high-water mark (the largest end of a used run)
+        becomes free, coalesced; ``used`` is their total. The store calls it to repair
+        itself after an interrupt (NOTE [ Interrupt-safe allocation ]): runs lost by
+        then become free again.
+
+        Raises:
+            AssertionError: a run is empty, negative, or overlaps another; nothing
+                changes then.
+        """
+        runs = sorted((int(s), int(n)) for s, n in runs)
+        starts, length, pos, used = [], {}, 0, 0
+        for s, n in runs:
+            if n <= 0 or s < 0:
+                raise AssertionError(f"ssdtrain: rebuilding the spill allocator from an invalid "
+                                     f"run of {n} blocks at {s}; please report this bug.")
+            if s < pos:
+                raise AssertionError(f"ssdtrain: rebuilding the spill allocator from overlapping "
+                                     f"runs (one ends at block {pos}, the next starts at {s}); "
+                                     f"please report this bug.")
+            if s > pos:
+                starts.append(pos)
+                length[pos] = s - pos
+            pos, used = s + n, used + n
+        self._starts, self._length, self.end, self.used = starts, length, pos, used
 
     def free_runs(self):
         return [(s, self._length[s]) for s in self._starts]
-
-    def _insert(self, start, length):
-        bisect.insort(self._starts, start)
-        self._length[start] = length
 
 
 def filesystem_type(path: str) -> str:
@@ -149,6 +205,9 @@ class SpillFile:
             os.close(dir_fd)
         self.fd = fd
         self.allocator = SlotAllocator()
+        # The store calls alloc, free and rebuild only under its own lock, so this one
+        # is never contended there; it keeps the allocator whole for any other caller
+        # (tests, tools). Never taken by a finalizer (they only queue events).
         self._lock = threading.Lock()
         self.name = f"{directory}/<anonymous spill file fd {fd}>"
 
@@ -162,6 +221,24 @@ class SpillFile:
     def free(self, slot: Slot) -> None:
         with self._lock:
             self.allocator.free(slot.block, slot.nblocks)
+
+    def rebuild(self, slots) -> None:
+        """Recompute the allocator from ``slots``, the slots of this file still in use.
+
+        Blocks of slots lost to an interrupt become free again (NOTE [ Interrupt-safe
+        allocation ]). The same ``Slot`` object given twice counts once.
+
+        Raises:
+            AssertionError: a slot belongs to another file, or two slots overlap.
+        """
+        runs = {}
+        for slot in slots:
+            if slot.file is not self:
+                raise AssertionError(f"ssdtrain: rebuilding {self.name} from a slot of "
+                                     f"{slot.file.name}; please report this bug.")
+            runs[id(slot)] = (slot.block, slot.nblocks)
+        with self._lock:
+            self.allocator.rebuild(runs.values())
 
     def size_bytes(self) -> int:
         return os.fstat(self.fd).st_size if self.fd >= 0 else 0
@@ -186,7 +263,7 @@ class SpillSet:
         self._next = 0
         for f in self.files:
             kind = filesystem_type(f.directory)
-            if kind in ("tmpfs", "ramfs"):
+            if kind in RAM_FILESYSTEMS:
                 log.warning("ssdtrain: spill_dir %s is on %s, which lives in RAM: offloading "
                             "there frees no memory. Point spill_dir at an SSD.", f.directory, kind)
             log.info("ssdtrain: spilling to %s (%s, %s)", f.directory, kind or "unknown fs",
@@ -196,6 +273,26 @@ class SpillSet:
         f = self.files[self._next % len(self.files)]
         self._next += 1
         return f.alloc(nbytes, misalign)
+
+    def rebuild(self, slots) -> None:
+        """Recompute every file's allocator from ``slots``, the slots still in use
+        (grouped by file; a file none of them is in becomes empty). See
+        :meth:`SpillFile.rebuild`.
+
+        Raises:
+            AssertionError: a slot belongs to no file of this set, or two slots of one
+                file overlap.
+        """
+        by_file = {id(f): [] for f in self.files}
+        for slot in slots:
+            group = by_file.get(id(slot.file))
+            if group is None:
+                raise AssertionError(f"ssdtrain: rebuilding the spill files from a slot of "
+                                     f"{slot.file.name}, which is not one of them; please "
+                                     f"report this bug.")
+            group.append(slot)
+        for f in self.files:
+            f.rebuild(by_file[id(f)])
 
     def used_bytes(self) -> int:
         return sum(f.allocator.used for f in self.files) * BLOCK

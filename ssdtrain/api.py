@@ -61,6 +61,10 @@ class Stats:
     """Failed writes whose records stayed in memory (``on_spill_error="keep"``)."""
     over_budget_bytes: int = 0
     """Bytes kept in memory because writing them would exceed ``max_spill_bytes``."""
+    quarantined_bytes: int = 0
+    """Bytes of records whose request submission was cut short by an interrupt: their memory
+    (and, for writes, disk slot) is kept for the rest of the process, since the request may
+    still touch it (docs/failure.md)."""
 
     def summary(self) -> str:
         """One line for logs."""
@@ -163,6 +167,7 @@ class Offloader:
     def __exit__(self, exc_type, exc, tb):
         if self._hooks is None:
             return False
+        _explain(exc)
         self._stop_hooks(exc_type, exc, tb)
         self._end_forward(raise_pending=exc_type is None)
         return False
@@ -243,6 +248,7 @@ class Offloader:
         try:
             yield self
         except BaseException as e:
+            _explain(e)
             self._stop_hooks(type(e), e, e.__traceback__)
             raise
         else:
@@ -510,6 +516,15 @@ class Offloader:
             raise SSDTrainError("ssdtrain: set_plan() called inside a forward pass; call it "
                                 "between steps.")
         return self._layers.set_choices(getattr(choices, "choices", choices))
+
+def _explain(exc):
+    """Add a note to torch's refusal of saved-tensor hooks under torch.func transforms."""
+    if isinstance(exc, RuntimeError) and "support saved tensor hooks" in str(exc) \
+            and hasattr(exc, "add_note"):
+        exc.add_note("ssdtrain: torch.func transforms (grad, vjp, jacrev, hessian) cannot run "
+                     "with saved-tensor hooks, which ssdtrain installs inside `with offloader:`; "
+                     "call them outside the block (or outside offloader.intercept()).")
+
 
 def offload(config: OffloadConfig = None, **overrides) -> Offloader:
     """A new :class:`Offloader`; the one-shot form of ``Offloader(config, **overrides)``.

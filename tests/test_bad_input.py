@@ -24,44 +24,56 @@ from helpers import save_and_unpack
 INVALID = {
     "spill_dir": [123, b"/tmp", [], [""], ["/tmp", "/tmp"], {"/tmp"}, [None]],
     "min_tensor_bytes": [-1, "lots", True, 1.5, None],
-    "prefetch_bytes": [-4096, "1 parsec", False, [1], None],
+    "prefetch_bytes": [-4096, "1 parsec", False, [1], None, 10 ** 400, -10 ** 5000, 1 << 63,
+                       "9" * 400, float("inf"), float("nan")],
     "keep_tail_bytes": [-1, "-1MiB", True, None],
     "engine": ["gds", "", None, 1, "NATIVE"],
-    "io_threads": [0, 257, -1, True, "4", 2.0, None],
+    "io_threads": [0, 257, -1, True, "4", 2.0, None, 10 ** 5000],
     "io_chunk_bytes": [0, 4095, -1, "1k", None],
     "direct_io": ["sometimes", "", None, 1],
     "write_behind_bytes": [-1, "x", None],
     "verify": ["yes", 1, 0, None, "true"],
-    "io_timeout_s": [0, -1, float("nan"), True, "10", None],
+    "io_timeout_s": [0, -1, float("nan"), True, "10", None, float("inf"), 1e300, 10 ** 400,
+                     -float("inf"), -10 ** 5000],
     "on_spill_error": ["ignore", "", None, True, "KEEP"],
-    "max_spill_bytes": [-1, "lots", True, 2.5, [1]],
+    "max_spill_bytes": [-1, "lots", True, 2.5, [1], "9" * 5000, "99999999999 TiB"],
     "on_spill_full": ["drop", "", None, False],
     "policy": ["dynamic", "", None, "ADAPTIVE", 1],
     "memory_budget_bytes": [-1, "lots", True, [1]],
-    "profile_steps": [0, 1001, True, 1.5, None, "2"],
-    "replan_stall_fraction": [0, -0.1, float("nan"), True, "x", None],
+    "profile_steps": [0, 1001, True, 1.5, None, "2", 10 ** 5000],
+    "replan_stall_fraction": [0, -0.1, float("nan"), True, "x", None, -float("inf"),
+                              10 ** 400, -10 ** 400],
 }
 
 INVALID_ENV = {
     "spill_dir": [],  # any string is a path list; its problems show when the Offloader opens it
     "min_tensor_bytes": ["-1", "lots", ""],
-    "prefetch_bytes": ["1 parsec", "-3"],
+    "prefetch_bytes": ["1 parsec", "-3", "9" * 400, "9" * 5000, "inf", "nan", "1e999"],
     "keep_tail_bytes": ["x"],
     "engine": ["gds", ""],
-    "io_threads": ["four", "0", "1.5"],
+    "io_threads": ["four", "0", "1.5", "9" * 400, "9" * 5000],
     "io_chunk_bytes": ["100", "nope"],
     "direct_io": ["sometimes"],
     "write_behind_bytes": ["-1MiB"],
     "verify": ["maybe", "2"],
-    "io_timeout_s": ["soon", "0", "-1"],
+    "io_timeout_s": ["soon", "0", "-1", "inf", "nan", "1e999", "9" * 400, "-inf"],
     "on_spill_error": ["ignore"],
-    "max_spill_bytes": ["-1", "lots"],
+    "max_spill_bytes": ["-1", "lots", "9" * 20, "9223372036854775808"],
     "on_spill_full": ["drop"],
     "policy": ["dynamic"],
     "memory_budget_bytes": ["-1", "lots"],
-    "profile_steps": ["0", "two"],
-    "replan_stall_fraction": ["0", "often"],
+    "profile_steps": ["0", "two", "9" * 400],
+    "replan_stall_fraction": ["0", "often", "1e999", "9" * 400, "nan", "-inf"],
 }
+
+
+def _id(value):
+    """A short test id: some invalid values are thousands of digits long (and repr()
+    of an int beyond 4300 digits raises)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"int{value.bit_length()}bits" if value > 0 else f"-int{value.bit_length()}bits"
+    text = repr(value)
+    return text if len(text) <= 30 else f"{text[:12]}..{len(text)}chars"
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +90,7 @@ def test_every_field_is_covered():
 
 
 @pytest.mark.parametrize("field,value", [(f, v) for f, vs in INVALID.items() for v in vs],
-                         ids=repr)
+                         ids=_id)
 def test_invalid_value_names_the_field(field, value):
     with pytest.raises(ConfigError) as excinfo:
         OffloadConfig(**{field: value})
@@ -87,7 +99,7 @@ def test_invalid_value_names_the_field(field, value):
 
 
 @pytest.mark.parametrize("field,raw", [(f, v) for f, vs in INVALID_ENV.items() for v in vs],
-                         ids=repr)
+                         ids=_id)
 def test_invalid_env_value_names_the_field(field, raw):
     with pytest.raises(ConfigError) as excinfo:
         OffloadConfig.from_env({f"SSDTRAIN_{field.upper()}": raw})
@@ -112,6 +124,34 @@ def test_valid_new_fields():
     assert OffloadConfig().max_spill_bytes is None
     assert OffloadConfig(max_spill_bytes=0).max_spill_bytes == 0
     assert OffloadConfig.from_env({"SSDTRAIN_MAX_SPILL_BYTES": "none"}).max_spill_bytes is None
+
+
+def test_huge_byte_string_from_env_is_a_config_error():
+    """``SSDTRAIN_PREFETCH_BYTES='9'*400`` used to raise OverflowError (int(float('inf')))."""
+    with pytest.raises(ConfigError, match="prefetch_bytes.*larger than any byte count"):
+        OffloadConfig.from_env({"SSDTRAIN_PREFETCH_BYTES": "9" * 400})
+
+
+def test_extreme_but_valid_numbers():
+    """The bounds themselves are accepted, and byte strings are parsed exactly."""
+    import threading
+
+    from ssdtrain._config import MAX_BYTES
+
+    cfg = OffloadConfig(max_spill_bytes=MAX_BYTES, prefetch_bytes=str(MAX_BYTES),
+                        io_timeout_s=threading.TIMEOUT_MAX,
+                        replan_stall_fraction=float("inf"))
+    assert (cfg.max_spill_bytes, cfg.prefetch_bytes) == (MAX_BYTES, MAX_BYTES)
+    assert cfg.io_timeout_s == threading.TIMEOUT_MAX
+    assert cfg.replan_stall_fraction == float("inf")
+    env = OffloadConfig.from_env({"SSDTRAIN_REPLAN_STALL_FRACTION": "inf",
+                                  "SSDTRAIN_KEEP_TAIL_BYTES": "9007199254740993",
+                                  "SSDTRAIN_MIN_TENSOR_BYTES": "0" * 5000 + "1.5KiB",
+                                  "SSDTRAIN_WRITE_BEHIND_BYTES": "1." + "0" * 5000 + "1KiB"})
+    assert env.replan_stall_fraction == float("inf")
+    assert env.keep_tail_bytes == 9007199254740993  # exact: not rounded through a float
+    assert env.min_tensor_bytes == 1536
+    assert env.write_behind_bytes == 1024
 
 
 # ----------------------------------------------------------- unsupported tensors

@@ -715,15 +715,15 @@ def test_write_ending_during_unpack_keeps_the_data(spill_dir, monkeypatch):
             exc = real_write(*args, **kwargs).exception()
             fut.set_exception(exc) if exc is not None else fut.set_result(args[-1])
 
-    attach = Store._attach
+    settle = Store._settle  # runs right after each locked section of unpack
 
-    def attach_then_finish(self, pending):
-        attach(self, pending)
+    def settle_then_finish(self):
+        settle(self)
         if in_backward[0]:
             finish()
 
     monkeypatch.setattr(store.engine, "write", write)
-    monkeypatch.setattr(Store, "_attach", attach_then_finish)
+    monkeypatch.setattr(Store, "_settle", settle_then_finish)
     x = torch.randn(256, 256, requires_grad=True)
     (x * 2).sin().sum().backward()
     ref = x.grad.clone()

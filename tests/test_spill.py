@@ -1,7 +1,10 @@
 """Spill files and slot allocation (``ssdtrain/_spill.py``).
 
 ``SlotAllocator`` is pure bookkeeping, so it is driven directly by hypothesis with
-random alloc/free sequences and checked against a block-by-block model. ``SpillFile``
+random alloc/free sequences and checked against a block-by-block model; ``rebuild``
+(the store's repair) must reproduce its books from the live runs, and a
+KeyboardInterrupt injected (``sys.settrace``) at every line of alloc, free and rebuild
+must leave them as before or as after the call. ``SpillFile``
 and ``SpillSet`` are checked on real directories: files are anonymous, opened
 read-write, ``O_DIRECT`` where asked and possible, and striped over directories.
 """
@@ -12,6 +15,7 @@ import errno
 import fcntl
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -209,6 +213,218 @@ def test_free_outside_raises(start, n):
 def test_alloc_non_positive(n):
     with pytest.raises(ValueError):
         SlotAllocator().alloc(n)
+
+
+# ------------------------------------------------------------- SlotAllocator.rebuild
+
+@_settings
+@given(_ops)
+def test_rebuild_from_live_runs_matches_the_allocator(ops):
+    """The store repairs itself by rebuilding from the slots its records hold: that
+    must give exactly the books the allocator kept (same end, used and free runs)."""
+    a, live = SlotAllocator(), {}
+    for op in ops:
+        _apply(a, live, op)
+    b = SlotAllocator()
+    b.alloc(7)  # rebuild replaces whatever was there
+    b.rebuild(live.items())
+    assert (b.end, b.used, b.free_runs()) == (a.end, a.used, a.free_runs())
+    _check_invariants(b, dict(live))
+    a.rebuild(reversed(list(live.items())))  # in place, any order: nothing changes
+    assert (a.end, a.used, a.free_runs()) == (b.end, b.used, b.free_runs())
+    # Both go on allocating and freeing identically.
+    live_a, live_b = dict(live), dict(live)
+    for op in ops[:20]:
+        assert _apply(a, live_a, op) == _apply(b, live_b, op)
+
+
+@_settings
+@given(_ops, st.sets(st.integers(0, 200)))
+def test_rebuild_reclaims_lost_runs(ops, lost):
+    """Runs whose owners were lost to an interrupt become free again."""
+    a, live = SlotAllocator(), {}
+    for op in ops:
+        _apply(a, live, op)
+    keep = {s: n for i, (s, n) in enumerate(sorted(live.items())) if i not in lost}
+    a.rebuild(keep.items())
+    _check_invariants(a, dict(keep))
+    assert a.used == sum(keep.values())
+    assert a.end == max((s + n for s, n in keep.items()), default=0)
+    for s, n in keep.items():  # what is still referenced can be freed, exactly once
+        a.free(s, n)
+    assert (a.end, a.used, a.free_runs()) == (0, 0, [])
+
+
+@pytest.mark.parametrize("runs", [[(0, 2), (1, 1)], [(3, 4), (0, 4)], [(0, 1), (0, 1)],
+                                  [(0, 0)], [(2, -1)], [(-1, 2)]], ids=repr)
+def test_rebuild_rejects_invalid_runs_and_changes_nothing(runs):
+    a = SlotAllocator()
+    for n in (3, 2, 4):
+        a.alloc(n)
+    a.free(3, 2)
+    state = (a.end, a.used, a.free_runs())
+    with pytest.raises(AssertionError, match="please report"):
+        a.rebuild(runs)
+    assert (a.end, a.used, a.free_runs()) == state
+
+
+def test_rebuild_simple():
+    a = SlotAllocator()
+    a.rebuild([(5, 2), (1, 1), (9, 3)])
+    assert (a.end, a.used, a.free_runs()) == (12, 6, [(0, 1), (2, 3), (7, 2)])
+    assert a.alloc(3) == 2 and a.alloc(1) == 0 and a.alloc(3) == 12
+    a.rebuild([])
+    assert (a.end, a.used, a.free_runs()) == (0, 0, [])
+
+
+# ------------------------------------------------- interrupts inside alloc and free
+
+def _state(a: SlotAllocator):
+    assert sorted(a._length) == a._starts, "free-run index and lengths disagree"
+    return a.end, a.used, a.free_runs()
+
+
+def _allocator(live_runs, free_runs_):
+    """An allocator whose live runs are ``live_runs`` (rebuilt from them), then with
+    ``free_runs_`` freed through ``free`` (so the books are what free leaves)."""
+    a = SlotAllocator()
+    a.rebuild(list(live_runs) + list(free_runs_))
+    for s, n in free_runs_:
+        a.free(s, n)
+    return a
+
+
+class _InterruptAt:
+    """A ``sys.settrace`` function that raises KeyboardInterrupt at the ``k``-th trace
+    event (call, line or return) inside ``SlotAllocator.alloc``/``free``, as a Ctrl-C
+    arriving there would."""
+
+    CODES = (SlotAllocator.alloc.__code__, SlotAllocator.free.__code__,
+             SlotAllocator.rebuild.__code__)
+
+    def __init__(self, k):
+        self.k, self.n, self.fired_at = k, 0, None
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code not in self.CODES:
+            return None
+        return self._local(frame, event, arg)
+
+    def _local(self, frame, event, arg):
+        if self.n == self.k:
+            self.fired_at = (event, frame.f_lineno)
+            raise KeyboardInterrupt
+        self.n += 1
+        return self._local
+
+
+# (live runs, runs freed after them, the operation): every branch of alloc and free.
+_INTERRUPT_CASES = {
+    "alloc-exact-fit": ([(0, 2), (5, 1)], [(2, 3)], ("alloc", 3)),
+    "alloc-split": ([(0, 2), (9, 1)], [(2, 7)], ("alloc", 3)),
+    "alloc-at-end": ([(0, 2), (4, 1)], [(2, 2)], ("alloc", 5)),
+    "alloc-empty": ([], [], ("alloc", 1)),
+    "free-tail": ([(0, 2), (2, 3)], [], ("free", 2, 3)),
+    "free-tail-merge-prev": ([(0, 2), (5, 3)], [(2, 3)], ("free", 5, 3)),
+    "free-merge-both": ([(0, 1), (3, 1), (6, 1)], [(1, 2), (4, 2)], ("free", 3, 1)),
+    "free-merge-prev": ([(0, 1), (3, 1), (5, 1)], [(1, 2)], ("free", 3, 1)),
+    "free-merge-next": ([(0, 1), (1, 1), (4, 1)], [(2, 2)], ("free", 1, 1)),
+    "free-isolated": ([(0, 1), (1, 1), (2, 1), (3, 1)], [], ("free", 1, 1)),
+    "free-only-run": ([(0, 4)], [], ("free", 0, 4)),
+}
+
+
+def _run(a, op):
+    return a.alloc(op[1]) if op[0] == "alloc" else a.free(op[1], op[2])
+
+
+@pytest.mark.parametrize("case", sorted(_INTERRUPT_CASES))
+def test_interrupt_at_every_line_of_alloc_and_free(case):
+    """NOTE [ Interrupt-safe allocation ]: a KeyboardInterrupt raised at any trace event
+    inside alloc/free leaves the books either as before the call or as after it; a run
+    allocated but lost with the interrupt is reclaimed by rebuild()."""
+    live_runs, freed, op = _INTERRUPT_CASES[case]
+    ref = _allocator(live_runs, freed)
+    before = _state(ref)
+    result = _run(ref, op)
+    after = _state(ref)
+    assert after != before
+    live_after = dict(live_runs)
+    if op[0] == "alloc":
+        live_after[result] = op[1]
+    else:
+        del live_after[op[1]]
+    outcomes, k = set(), 0
+    while True:
+        a = _allocator(live_runs, freed)
+        tracer, old = _InterruptAt(k), sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            _run(a, op)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(old)
+        if tracer.fired_at is None:
+            break  # k is past the last event: every point has been tried
+        state = _state(a)
+        assert state in (before, after), \
+            f"interrupted at {tracer.fired_at}: books {state}, neither {before} nor {after}"
+        outcomes.add(state == after)
+        live = live_after if state == after else dict(live_runs)
+        _check_invariants(a, dict(live))
+        # The caller never saw the result of an interrupted alloc: rebuilding from
+        # what it knows of reclaims the run.
+        a.rebuild(live_runs if op[0] == "alloc" else live.items())
+        _check_invariants(a, dict(live_runs) if op[0] == "alloc" else dict(live))
+        k += 1
+    assert k > 3, f"only {k} trace events seen: the tracer did not reach alloc/free"
+    assert outcomes == {False, True}, "interrupts hit only one side of the commit"
+
+
+def test_interrupt_at_every_line_of_rebuild():
+    """rebuild() commits in one line too: interrupted anywhere, it changed all or nothing."""
+    live, freed = [(0, 1), (3, 1), (6, 2)], [(1, 2), (4, 2)]
+    target = [(2, 3), (9, 1)]
+    ref = _allocator(live, freed)
+    before = _state(ref)
+    ref.rebuild(target)
+    after = _state(ref)
+    seen, k = set(), 0
+    while True:
+        a = _allocator(live, freed)
+        tracer, old = _InterruptAt(k), sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            a.rebuild(target)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(old)
+        if tracer.fired_at is None:
+            break
+        state = _state(a)
+        assert state in (before, after), f"interrupted at {tracer.fired_at}: books {state}"
+        seen.add(state == after)
+        k += 1
+    assert k > 3 and seen == {False, True}
+
+
+def test_commit_lines_make_no_call():
+    """The commit lines of alloc, free and rebuild (those storing ``used``) are subscript and
+    attribute stores only: CPython checks for a pending signal at calls and backward
+    jumps, so a real Ctrl-C cannot split such a line (a tracer's line events cannot
+    either, which the test above checks)."""
+    import dis
+
+    for fn in (SlotAllocator.alloc, SlotAllocator.free, SlotAllocator.rebuild):
+        ins = list(dis.get_instructions(fn))
+        commits = {i.positions.lineno for i in ins
+                   if i.opname == "STORE_ATTR" and i.argval == "used"}
+        assert commits, fn
+        for line in commits:
+            ops = [i.opname for i in ins if i.positions.lineno == line]
+            assert not any("CALL" in o or "JUMP_BACKWARD" in o for o in ops), (fn, line, ops)
 
 
 # ------------------------------------------------------------------- filesystem_type
@@ -451,3 +667,90 @@ def test_spill_set_on_tmpfs_warns(shm_dir, caplog):
     s.close()
     assert any("RAM" in r.getMessage() and shm_dir in r.getMessage() for r in caplog.records), \
         caplog.text
+
+
+@pytest.mark.parametrize("kind", ["devtmpfs", "tmpfs", "ramfs", "rootfs"])
+def test_spill_set_on_ram_filesystem_warns(tmp_path, monkeypatch, caplog, kind):
+    """Every RAM-backed file system warns, devtmpfs (``/dev``) included. The file system
+    type is faked: nothing is created in /dev."""
+    import logging
+
+    monkeypatch.setattr(_spill, "filesystem_type", lambda path: kind)
+    with caplog.at_level(logging.WARNING, logger="ssdtrain"):
+        s = SpillSet([str(tmp_path)], "off")
+    s.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("RAM" in m and str(tmp_path) in m and kind in m for m in warnings), caplog.text
+
+
+@pytest.mark.parametrize("kind", ["ext4", "xfs", "btrfs", ""])
+def test_spill_set_on_disk_filesystem_does_not_warn(tmp_path, monkeypatch, caplog, kind):
+    import logging
+
+    monkeypatch.setattr(_spill, "filesystem_type", lambda path: kind)
+    with caplog.at_level(logging.WARNING, logger="ssdtrain"):
+        s = SpillSet([str(tmp_path)], "off")
+    s.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_dev_is_devtmpfs_where_mounted_so():
+    """The real /dev, where it is devtmpfs (most Linux hosts; containers often mount a
+    tmpfs there): both are in RAM_FILESYSTEMS, so a spill_dir under /dev warns."""
+    kind = filesystem_type("/dev")
+    if kind not in ("devtmpfs", "tmpfs"):
+        pytest.skip(f"/dev is on {kind!r} here")
+    assert kind in _spill.RAM_FILESYSTEMS
+
+
+# ------------------------------------------------------- SpillFile / SpillSet.rebuild
+
+def test_spill_file_rebuild(tmp_path):
+    f = SpillFile(str(tmp_path), "off")
+    try:
+        slots = [f.alloc(n, 7) for n in (100, 5000, 9000, 1, 20000)]
+        kept = [slots[0], slots[3]]
+        f.rebuild(kept + [slots[0]])  # the same slot twice counts once
+        assert f.allocator.used == sum(s.nblocks for s in kept)
+        assert f.allocator.end == slots[3].block + slots[3].nblocks
+        _check_invariants(f.allocator, {s.block: s.nblocks for s in kept})
+        again = f.alloc(5000, 7)  # a lost slot's blocks are reused
+        assert again.block == slots[1].block
+        other = SpillFile(str(tmp_path), "off")
+        try:
+            with pytest.raises(AssertionError, match="please report"):
+                f.rebuild([other.alloc(1, 0)])
+        finally:
+            other.close()
+        for s in kept + [again]:
+            f.free(s)
+        assert (f.allocator.used, f.allocator.end) == (0, 0)
+    finally:
+        f.close()
+
+
+def test_spill_set_rebuild_groups_by_file(tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    s = SpillSet([str(d) for d in dirs], "off")
+    try:
+        slots = [s.alloc(10_000, 64) for _ in range(6)]  # striped: a, b, a, b, a, b
+        kept = [slots[1], slots[4], slots[5]]
+        s.rebuild(kept)
+        assert s.used_bytes() == sum(sl.nblocks for sl in kept) * BLOCK
+        for f in s.files:
+            mine = {sl.block: sl.nblocks for sl in kept if sl.file is f}
+            _check_invariants(f.allocator, mine)
+        s.rebuild([])
+        assert s.used_bytes() == 0 and all(f.allocator.end == 0 for f in s.files)
+        stranger = SpillFile(str(tmp_path), "off")
+        try:
+            with pytest.raises(AssertionError, match="not one of them"):
+                s.rebuild([stranger.alloc(1, 0)])
+        finally:
+            stranger.close()
+        with pytest.raises(AssertionError, match="overlapping"):
+            s.rebuild([slots[0], slots[2], s.files[0].alloc(1, 0)])  # block 0 twice in a
+    finally:
+        s.close()

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <utility>
 
@@ -391,6 +392,22 @@ Engine::Engine(int threads, std::size_t chunk_bytes, Backend backend)
 
 Engine::~Engine() { shutdown(); }
 
+void Engine::abandon() noexcept {
+  if (abandoned_.exchange(true)) return;
+  // Leaked on purpose (see the declaration): neither vector nor state is ever destroyed.
+  auto* threads = new (std::nothrow) std::vector<std::thread>(std::move(threads_));
+  if (threads == nullptr) {
+    // Out of memory: end the vector's lifetime by reusing its storage, which forgets
+    // the std::thread objects without running their destructors.
+    new (&threads_) std::vector<std::thread>();
+  }
+  // The workers' own copies (on their stacks, copied into this process but never
+  // unwound) already keep the state alive; this one says so explicitly.
+  (void)new (std::nothrow) std::shared_ptr<State>(state_);
+}
+
+bool Engine::abandoned() const noexcept { return abandoned_.load(); }
+
 Backend Engine::backend() const noexcept { return state_->backend; }
 
 bool Engine::on_worker_thread() const noexcept { return tls_worker_of == state_.get(); }
@@ -403,6 +420,10 @@ void Engine::submit(Op op, int fd, bool direct, std::uint64_t offset, std::uintp
                                 " modulo " + std::to_string(kBlock));
   }
   if (!done) throw std::invalid_argument("a request needs a completion");
+  if (abandoned_.load()) {
+    throw std::runtime_error("ssdtrain: the native I/O engine was abandoned (it belongs to the "
+                             "process this one was forked from); create a new engine here");
+  }
   auto r = std::make_shared<Request>();
   r->op = op;
   r->fd = fd;
@@ -438,6 +459,7 @@ void Engine::submit(Op op, int fd, bool direct, std::uint64_t offset, std::uintp
 }
 
 void Engine::shutdown() {
+  if (abandoned_.load()) return;  // a forked child: no worker to stop (see abandon())
   std::vector<std::thread> mine;
   {
     std::lock_guard<std::mutex> lock(state_->mu);

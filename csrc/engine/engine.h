@@ -11,6 +11,7 @@
 // POSIX_FADV_DONTNEED, a read with POSIX_FADV_DONTNEED, as the posix engine does.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -55,6 +56,21 @@ class Engine {
   // finish the queue on their own, keeping the state they share alive.
   void shutdown();
 
+  // For a forked child (see NOTE [ Engines after fork ] in ssdtrain/_fork.py): the
+  // workers are threads of the parent and do not exist here, and the shared state's
+  // mutex may have been copied locked (a worker held it at the fork) and its condition
+  // variables with waiters that will never wake. So this touches neither: the
+  // std::thread objects are moved into a deliberately leaked heap vector (their
+  // destructors, which would std::terminate on a joinable thread, never run), one
+  // reference to the shared state is leaked too (it is never destroyed: destroying a
+  // condition variable with waiters can block forever), and the engine is marked
+  // abandoned: submit() then throws std::runtime_error, and shutdown() and the
+  // destructor return at once. Requests queued before the fork are never completed
+  // (their completions are leaked with the state). Never blocks, never throws;
+  // idempotent. Calling it in a process whose workers are alive leaks them running.
+  void abandon() noexcept;
+  bool abandoned() const noexcept;
+
   Backend backend() const noexcept;
 
   // Whether the calling thread is one of this engine's workers (then shutdown() and
@@ -70,6 +86,8 @@ class Engine {
  private:
   std::shared_ptr<State> state_;
   std::vector<std::thread> threads_;
+  // Read without state_->mu, which abandon() must not take (see there).
+  std::atomic<bool> abandoned_{false};
 };
 
 }  // namespace ssdtrain

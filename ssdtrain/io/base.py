@@ -4,16 +4,27 @@ import abc
 import errno as _errno
 from concurrent.futures import Future
 
+from .. import _fork
 from .._errors import IntegrityError, SpillIOError
 
 
 class Engine(abc.ABC):
-    """Moves bytes between memory and spill files, asynchronously."""
+    """Moves bytes between memory and spill files, asynchronously.
+
+    Every engine is registered with :mod:`ssdtrain._fork` when it is made (here, in
+    ``__new__``, so subclasses need not remember to): in a child forked while it is
+    alive, :meth:`abandon` is called right after the fork (NOTE [ Engines after fork ]).
+    """
 
     name: str = "?"
     device_memory: bool = False
     """Whether ``write``/``read`` also take CUDA device addresses (``device=True``):
     GPUDirect Storage. Engines without it see host memory only."""
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        _fork.register(self, Engine.abandon_in_child)
+        return self
 
     @abc.abstractmethod
     def write(self, file, offset: int, address: int, nbytes: int) -> Future:
@@ -26,6 +37,24 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Finish queued requests and stop the workers."""
+
+    def abandon(self) -> None:
+        """In a forked child: forget the parent's workers and requests, never waiting.
+
+        Called automatically in the child right after ``os.fork()``. Afterwards
+        ``write``/``read`` return futures failed with :class:`~ssdtrain.SpillIOError`
+        (:func:`abandoned`), ``shutdown`` returns at once, and the futures of requests
+        made before the fork never complete (their memory belongs to the parent's
+        requests: nothing here may free or reuse it).
+        Must not block, take a lock another thread may have held at the fork, or touch
+        a device. Idempotent. The default does nothing: right for engines without
+        threads of their own.
+        """
+
+    @staticmethod
+    def abandon_in_child(engine: "Engine") -> None:
+        """The :mod:`ssdtrain._fork` callback: ``engine.abandon()``."""
+        engine.abandon()
 
 
 def io_error(verb: str, file, offset: int, nbytes: int, err: int, message: str):
@@ -42,6 +71,20 @@ def io_error(verb: str, file, offset: int, nbytes: int, err: int, message: str):
         f"ssdtrain: {verb} {nbytes} bytes at offset {offset} of {file.name} failed: {message} "
         f"(errno {err}). Check free space and the device's health; the data of this record is "
         f"lost only if it was not kept in memory.", errno=err, filename=file.directory)
+
+
+def abandoned(engine: Engine, verb: str, file, offset: int, nbytes: int) -> Future:
+    """The outcome of a request made to ``engine`` after :meth:`Engine.abandon` (in a
+    forked child, on an engine inherited from the parent): a future failed with
+    :class:`SpillIOError`, moving no data."""
+    fut = Future()
+    fut.set_running_or_notify_cancel()
+    fut.set_exception(SpillIOError(
+        f"ssdtrain: {verb} {nbytes} bytes at offset {offset} of {file.name} was refused: the "
+        f"{engine.name} engine belongs to the process this one was forked from, and its I/O "
+        f"threads do not exist here. Create a new Offloader in the child instead of using "
+        f"the parent's.", filename=file.directory))
+    return fut
 
 
 def then(inner: Future, fn) -> Future:

@@ -114,6 +114,15 @@ class FaultyEngine(Engine):
                                            "injected hang, ended by shutdown"))
         self.inner.shutdown()
 
+    def abandon(self):
+        """In a forked child: forgets the hung requests (they belong to the parent: none is
+        failed here, which would run the parent's callbacks in the child) and abandons
+        ``inner``. The lock is replaced, not taken: another thread may have held it at
+        the fork."""
+        self._lock = threading.Lock()
+        self._hung = []
+        self.inner.abandon()
+
     def _request(self, op, file, offset, address, nbytes, kw):
         with self._lock:
             self.calls[op] += 1

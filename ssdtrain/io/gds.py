@@ -184,6 +184,24 @@ class KvikioEngine(Engine):
         for f in files.values():
             f.close()
 
+    def abandon(self):
+        """In a forked child: no CUDA call may run here, and the pool's threads (and
+        kvikio's) do not exist. The kvikio file handles are leaked, never closed (closing
+        one deregisters it with cuFile: a CUDA call); the pool is replaced by one that is
+        already shut down, so ``shutdown()`` returns at once and ``write``/``read`` raise
+        ``RuntimeError`` instead of starting threads that would call kvikio. Requests
+        queued before the fork never complete."""
+        if getattr(self, "_pool", None) is None:  # __init__ did not finish: nothing to forget
+            return
+        import ctypes
+        files = self._files
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(files))  # deliberately never freed
+        self._files = {}
+        self._lock = threading.Lock()  # another thread may have held the old one at the fork
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ssdtrain-gds-abandoned")
+        pool.shutdown(wait=False)      # no thread was ever started: returns at once
+        self._pool = pool
+
     def _cufile(self, file):
         with self._lock:
             f = self._files.get(file)

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 from .._errors import ConfigError
 from .._spill import BLOCK
-from .base import Engine, io_error
+from .base import Engine, abandoned, io_error
 
 try:
     from .. import _C
@@ -103,6 +103,7 @@ class NativeEngine(Engine):
         # Drains and joins the workers at shutdown(), when this object is collected,
         # or at interpreter exit (before finalization, when callbacks can still run).
         self._finalizer = weakref.finalize(self, engine.shutdown)
+        self._abandoned = False  # last: abandon() skips an engine not fully made
 
     def write(self, file, offset, address, nbytes):
         return self._submit(self._engine.submit_write, "writing", file, offset, address, nbytes)
@@ -113,7 +114,19 @@ class NativeEngine(Engine):
     def shutdown(self):
         self._finalizer()
 
+    def abandon(self):
+        """In a forked child: the C++ engine forgets the parent's workers (leaked, never
+        joined; see ``ssdtrain::Engine::abandon``) and the finalizer that would join them
+        at exit is detached. Requests queued before the fork never complete."""
+        if getattr(self, "_abandoned", True):  # done already, or __init__ did not finish
+            return
+        self._abandoned = True
+        self._finalizer.detach()
+        self._engine.abandon()
+
     def _submit(self, submit, verb, file, offset, address, nbytes):
+        if self._abandoned:
+            return abandoned(self, verb, file, offset, nbytes)
         if file.direct and offset % BLOCK != address % BLOCK:
             raise AssertionError(f"ssdtrain: O_DIRECT request with offset {offset} not congruent "
                                  f"to address {address:#x} modulo {BLOCK}; please report.")

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .._errors import SpillIOError
 from .._spill import BLOCK, align_down, align_up
-from .base import Engine, io_error
+from .base import Engine, abandoned, io_error
 
 __all__ = ["PosixEngine"]
 
@@ -81,6 +81,7 @@ class PosixEngine(Engine):
         self.chunk_bytes = chunk_bytes
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ssdtrain-io")
         self._local = threading.local()
+        self._abandoned = False
 
     def write(self, file, offset, address, nbytes):
         return self._submit(self._write_piece, file, offset, address, nbytes,
@@ -91,9 +92,23 @@ class PosixEngine(Engine):
                             None if file.direct else _drop_clean_pages)
 
     def shutdown(self):
+        if self._abandoned:
+            return
         self._pool.shutdown(wait=True)
 
+    def abandon(self):
+        """In a forked child: the pool's threads do not exist here, and its lock may have
+        been copied held, so the pool is not touched again (not even shut down): it is
+        dropped, with the pieces queued before the fork, which never run."""
+        if getattr(self, "_abandoned", True):  # done already, or __init__ did not finish
+            return
+        self._abandoned = True
+        self._pool = None
+
     def _submit(self, fn, file, offset, address, nbytes, on_done):
+        if self._abandoned:
+            return abandoned(self, "writing" if fn == self._write_piece else "reading", file,
+                             offset, nbytes)
         if file.direct and offset % BLOCK != address % BLOCK:
             raise AssertionError(f"ssdtrain: O_DIRECT request with offset {offset} not congruent "
                                  f"to address {address:#x} modulo {BLOCK}; please report.")

@@ -1,0 +1,155 @@
+"""Prefetch and reads: pass queues, the prefetch window, starting and finishing reads,
+dropping read copies. A mixin of :class:`ssdtrain._store.Store`; methods whose name ends
+in ``_locked`` run with the store lock held (NOTE [ Store lock discipline ] in _store.py).
+
+NOTE [ Prefetch window ]
+
+Each forward under the offloader is a *pass*. When it ends, its records that are being
+written or are on disk are queued newest first (backward uses them in reverse order);
+``_pump_locked`` starts reads from the queue of the pass whose backward runs (the last
+one whose record was used) while fewer than ``prefetch_bytes`` are held ahead of use.
+The kept tail counts against the same window. A record is read at most once per use:
+one that was used and dropped (every live handle unpacked) is never prefetched again
+again until a new pack uses it (``Record.used``).
+"""
+
+import collections
+import functools
+
+from . import _checksum
+from ._records import GEOMETRY_ALIGN, State
+from ._spill import BLOCK
+from .io.base import then
+from ._writeback import _READ, _owning, _without_frames, failed_future
+
+
+class _Pass:
+    """One forward under the offloader: the records it saved, for prefetch."""
+
+    __slots__ = ("records", "queue")
+
+    def __init__(self):
+        self.records = []
+        self.queue = None  # deque of records to prefetch, built when forward ends
+
+
+class Prefetch:
+    """Everything between a record's write and its use in backward."""
+
+    def _end_pass_locked(self):
+        """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
+        p, self._current = self._current, None
+        if p is None or self.closed:
+            return
+        for rec in list(self._tail):
+            self._keep_locked(rec)
+            # The kept tail is what backward uses first: it fills the window, so
+            # kept + prefetched bytes stay within prefetch_bytes (not their sum).
+            if not rec.prefetched:
+                rec.prefetched = True
+                self._ahead += rec.nbytes
+        todo = {id(r): r for r in p.records if r.state in (State.WRITING, State.ON_DISK)}
+        p.queue = collections.deque(sorted(todo.values(), key=lambda r: -r.seq))
+        p.records = None
+        self._passes = [q for q in self._passes if q.queue] + ([p] if p.queue else [])
+        self._pump_locked()
+
+    def _pump_locked(self):
+        budget = self.cfg.prefetch_bytes
+        while self._passes and self._ahead < budget:
+            p = self._passes[-1]
+            if not p.queue:
+                self._passes.pop()
+                continue
+            rec = p.queue[0]
+            if rec.tokens and not rec.prefetched and not rec.used:
+                if rec.state is State.WRITING:
+                    rec.pinned = True
+                    rec.prefetched = True
+                    self._ahead += rec.nbytes
+                elif rec.state is State.ON_DISK:
+                    rec.prefetched = True
+                    self._ahead += rec.nbytes
+                    self._start_read_locked(rec)
+            p.queue.popleft()
+
+    def _promote_locked(self, rec):
+        """Backward of another pass began (e.g. 1F1B): prefetch for it now."""
+        owner = rec.owner
+        if owner is not None and owner.queue and self._passes and self._passes[-1] is not owner \
+                and owner in self._passes:
+            self._passes.remove(owner)
+            self._passes.append(owner)
+
+    def _start_read_locked(self, rec):
+        """ON_DISK -> LOADING: a read buffer and the read; the request owns the buffer."""
+        misalign, dev, slot = rec.slot.offset % BLOCK, rec.device, rec.slot
+        if dev is None:
+            lead = rec.lo % GEOMETRY_ALIGN  # NOTE [ View geometry ] in _records.py
+            storage = self._buffers.storage(misalign, lead, rec.nbytes)
+            owner, address = storage, storage.data_ptr() + lead
+        else:  # lands in staging (or device memory); the storage is set when it is done
+            address, owner = dev.read_buffer(misalign, rec.nbytes)
+            storage, lead = None, 0
+        rec.storage, rec.base = storage, lead
+        rec.submitted = False
+        self._move_locked(rec, State.LOADING)
+        try:
+            fut = self._submit_read(rec, slot, address, owner)
+        except Exception as e:  # refused: nothing in flight, the read fails
+            fut = failed_future(e)
+        rec.future = _owning(fut, (owner,))
+        rec.future.add_done_callback(self._callback(rec, _READ))
+
+    def _submit_read(self, rec, slot, address, buf):
+        """The engine call; ``rec.submitted`` is set on the line before it."""
+        dev = rec.device
+        if dev is not None and dev.direct:
+            rec.submitted = True
+            fut = self.engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)
+        else:
+            rec.submitted = True
+            fut = self.engine.read(slot.file, slot.offset, address, rec.nbytes)
+            if self.cfg.verify:
+                fut = then(fut, functools.partial(_verify, rec, rec.crc, slot, address,
+                                                  rec.nbytes))
+        if dev is not None:
+            fut = then(fut, functools.partial(dev.stage_in, buf))
+        return fut
+
+    def _read_done_locked(self, rec, fut):
+        """The read of ``rec`` ended. Idempotent (the waiter and the callback may both
+        call it): clears ``rec.future`` last."""
+        if rec.future is not fut:
+            return
+        if rec.state is State.LOADING:
+            exc = _without_frames(fut.exception())
+            if exc is not None:
+                rec.error = exc
+                self._move_locked(rec, State.FAILED)
+                rec.storage = None
+            else:
+                if rec.device is not None:
+                    rec.storage, rec.base, rec.ready = fut.result()
+                self._move_locked(rec, State.LOADED)
+                self.stats.bytes_read += rec.nbytes
+                self.stats.records_read += 1
+        rec.future = None
+        if not rec.tokens:
+            self._free_locked(rec)
+
+    def _evict_locked(self, rec):
+        """LOADED -> ON_DISK: every live handle has been unpacked; drop the copy
+        (retain_graph reads it again, on demand)."""
+        self._move_locked(rec, State.ON_DISK)
+        rec.storage = rec.ready = None
+        rec.generation += 1
+        rec.used = True
+        rec.unseen = set(rec.tokens)
+
+
+def _verify(rec, expected, slot, address, nbytes):
+    observed = _checksum.crc32c(address, nbytes)
+    if observed != expected:
+        raise _checksum.mismatch(f"record {rec!r}", f"{slot.file.name} at offset {slot.offset}",
+                                 expected, observed)

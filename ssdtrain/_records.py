@@ -1,0 +1,262 @@
+"""Records, handles and the one table of their legal state transitions.
+
+NOTE [ Record state machine ]
+
+One :class:`Record` per saved storage range; many :class:`Handle` objects may
+point at it (dedup). Its ``state`` changes only through :func:`transition`, which
+checks the move against ``TRANSITIONS`` (an illegal move is a bug: it raises
+``AssertionError``, always, not only under ``python -O``-less runs)::
+
+    state     bytes in memory?  on disk?  I/O in flight?  moves to (event)
+    PENDING   yes (the tensor)  no        no              WRITING (tail overflow, plan "offload")
+                                                          KEPT    (forward ended, plan "keep",
+                                                                   max_spill_bytes reached)
+    WRITING   yes (the tensor)  landing   write           ON_DISK (write done: bytes dropped)
+                                                          LOADED  (write done, prefetch pinned it)
+                                                          KEPT    (write failed and
+                                                                   on_spill_error="keep")
+                                                          FAILED  (write failed, storage changed)
+    KEPT      yes               no        no              -
+    ON_DISK   no                yes       no              LOADING (read started)
+    LOADING   landing           yes       read            LOADED  (read done)
+                                                          FAILED  (read failed or corrupt)
+                                                          ON_DISK (repair: read never submitted)
+    LOADED    yes (read copy)   yes       no              ON_DISK (every live handle unpacked once)
+    FAILED    no                -         no              -
+    any       -                 -         -               FREED   (last handle gone and no I/O in
+                                                                   flight; or close())
+
+A record is *resident* (counted in ``Store._resident``) while it holds bytes in
+memory: PENDING, WRITING, KEPT, LOADING (the read buffer), LOADED. FREED is final.
+
+Byte geometry: a record covers bytes ``[lo, hi)`` of its storage. Its bytes in
+memory are ``record.storage`` from byte ``record.base`` on (the original storage
+with ``base == lo``, or a read buffer with ``base == lo % 16``: see NOTE [ View
+geometry ]). A handle stores its view's offset in bytes relative to ``lo``
+(``Handle.rel``), never in elements of another dtype.
+
+NOTE [ View geometry ]
+
+A view of dtype ``d`` starts at byte ``lo + rel`` of the original storage, where
+``lo + rel`` is a multiple of ``d.itemsize`` (torch requires it). A read buffer
+rebuilds the record at byte ``base`` of a new storage; the view's element offset
+there is ``(base + rel) / itemsize``, which is an integer for every dtype only if
+``base ≡ lo (mod 16)`` (16 = the largest itemsize, complex128; every itemsize
+divides it). So ``base = lo % 16``, never 0 when ``lo`` is not 16-aligned: a
+mixed-dtype view deduplicated into a small window that starts at an odd byte
+comes back at its own bytes.
+"""
+
+import enum
+import weakref
+
+import torch
+
+__all__ = ["State", "TRANSITIONS", "RESIDENT", "Record", "Handle", "Kept", "transition",
+           "GEOMETRY_ALIGN"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+GEOMETRY_ALIGN = 16  # the largest element size torch has (complex128); NOTE [ View geometry ]
+
+
+class State(enum.Enum):
+    PENDING = "pending"    # in the tail window; write not started; bytes in memory
+    WRITING = "writing"    # write in flight; bytes in memory
+    KEPT = "kept"          # stays in memory until freed
+    ON_DISK = "on_disk"    # only on disk
+    LOADING = "loading"    # read in flight
+    LOADED = "loaded"      # in memory again (and still on disk)
+    FAILED = "failed"      # a write or read failed; ``error`` says why
+    FREED = "freed"        # no handle left (final)
+
+
+_S = State
+TRANSITIONS = {
+    _S.PENDING: frozenset({_S.WRITING, _S.KEPT, _S.FREED}),
+    _S.WRITING: frozenset({_S.ON_DISK, _S.LOADED, _S.KEPT, _S.FAILED, _S.FREED}),
+    _S.KEPT: frozenset({_S.FREED}),
+    _S.ON_DISK: frozenset({_S.LOADING, _S.FREED}),
+    _S.LOADING: frozenset({_S.LOADED, _S.FAILED, _S.ON_DISK, _S.FREED}),
+    _S.LOADED: frozenset({_S.ON_DISK, _S.FREED}),
+    _S.FAILED: frozenset({_S.FREED}),
+    _S.FREED: frozenset(),
+}
+"""Legal moves: ``TRANSITIONS[a]`` is the set of states ``a`` may move to (NOTE [ Record
+state machine ]). WRITING/LOADING -> FREED happens only when the request has completed,
+or at ``close()``, where the request keeps its memory (NOTE [ Memory owned by requests ]
+in _store.py)."""
+
+RESIDENT = frozenset({_S.PENDING, _S.WRITING, _S.KEPT, _S.LOADING, _S.LOADED})
+"""States whose record holds its bytes (or its read buffer) in memory."""
+
+SERVABLE = frozenset({_S.PENDING, _S.WRITING, _S.KEPT, _S.LOADED})
+"""States whose bytes can be handed to backward at once (no read)."""
+
+
+def transition(rec, to):
+    """Move ``rec`` to state ``to``; raises ``AssertionError`` on an illegal move."""
+    if to not in TRANSITIONS[rec.state]:
+        raise AssertionError(f"ssdtrain: illegal record transition {rec.state.value} -> "
+                             f"{to.value} for {rec!r}; please report this bug.")
+    rec.state = to
+
+
+class Record:
+    """One saved storage range ``[lo, hi)`` and where its bytes are."""
+
+    __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
+                 "ptr", "span", "slot", "future", "submitted", "state", "seq", "tokens", "unseen",
+                 "generation", "used", "error", "prefetched", "pinned", "writes", "owner", "crc",
+                 "device", "staging", "ready", "produced", "__weakref__")
+
+    def __init__(self, key, sref, lo, hi, version, source, seq):
+        self.key, self.sref = key, sref
+        self.lo, self.hi, self.nbytes = lo, hi, hi - lo
+        self.version = version
+        self.source = source            # a detached alias: keeps the bytes alive, shares _version
+        self.storage = source.untyped_storage()
+        self.base = lo                  # byte of ``storage`` where this record's ``lo`` lies
+        self.ptr = self.storage.data_ptr()    # to see a resize_ or swap of the storage
+        self.span = self.storage.nbytes()
+        self.slot = None
+        self.future = None              # the request in flight (write or read), if any
+        self.submitted = False          # the engine may have the request (set before its call)
+        self.state = State.PENDING
+        self.seq = seq                  # pack order of the latest handle (prefetch order)
+        self.tokens = set()             # weakrefs of live handles: release is idempotent
+        self.unseen = set()             # live handles not unpacked since the last load
+        self.generation = 0             # bumped each time the in-memory copy is dropped
+        self.used = False               # used and dropped since its last pack: never prefetched
+        self.error = None
+        self.prefetched = False         # counted in the prefetch window, not yet consumed
+        self.pinned = False             # prefetch wants the bytes kept when the write ends
+        self.writes = 0
+        self.owner = None               # the _Pass that packed it last (prefetch window)
+        self.crc = None                 # CRC32C of the bytes written (verify=True)
+        self.device = None              # DeviceTransfers of a CUDA record (_device.py)
+        self.staging = None             # pinned copy being written (CUDA records)
+        self.ready = None               # event: the loaded device copy has landed
+        self.produced = None            # event: the saved CUDA tensor is complete (pack)
+
+    @property
+    def handles(self):
+        return len(self.tokens)
+
+    def storage_changed(self):
+        """Whether the original storage was resized or given other memory since pack
+        (``untyped_storage().resize_()``, ``set_``): the version counter cannot see it."""
+        src = self.source
+        if src is None:
+            return False
+        s = src.untyped_storage()
+        return s.data_ptr() != self.ptr or s.nbytes() != self.span
+
+    def __repr__(self):
+        return f"<Record {self.state.value} {self.nbytes} B seq={self.seq}>"
+
+
+class Handle:
+    """What autograd holds instead of a saved tensor: a record and the view to rebuild.
+
+    ``rel`` is the view's first byte relative to the record's ``lo`` (NOTE [ View
+    geometry ]). A dying handle only queues its release (``Store.release``).
+    """
+
+    __slots__ = ("store", "record", "token", "dtype", "size", "stride", "rel", "version",
+                 "tensor_ref", "base_ref", "seen", "__weakref__")
+
+    def __init__(self, store, record, t, byte_offset, version):
+        self.store = None               # set last: __del__ of a half-built handle does nothing
+        self.record = record
+        # The record counts its live handles by these weak references: a release queued by
+        # __del__ is idempotent, and one that never ran (an interrupt at __del__'s first
+        # line is swallowed by Python) is found by Store._sweep_locked.
+        self.token = weakref.ref(self)
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.rel = byte_offset - record.lo
+        self.version = version
+        # Version checks at unpack (NOTE in _inplace_error): the saved tensor is often a
+        # temporary view; its base, which shares the version counter, usually lives on.
+        self.tensor_ref = weakref.ref(t)
+        self.base_ref = None if t._base is None else weakref.ref(t._base)
+        self.seen = -1                  # generation in which this handle was last unpacked
+        self.store = store
+
+    def __del__(self):
+        store = self.store
+        if store is not None:
+            store.release(self.record, self.token)
+
+
+class Kept:
+    """A saved tensor passed through in memory, with the version it was saved at.
+
+    Holds a detached alias (no reference cycle through ``grad_fn``) that shares the
+    version counter and the storage, so in-place writes after saving are caught as
+    autograd would, and a weak reference to the saved tensor itself, so a ``.data``
+    swap on it is seen at unpack.
+    """
+
+    __slots__ = ("tensor", "version", "ref")
+
+    def __init__(self, t):
+        self.tensor = t.detach()
+        self.version = t._version
+        # Only plain strided tensors have a storage to compare (not sparse, subclasses...).
+        self.ref = weakref.ref(t) if type(t) in _PLAIN and t.layout is _STRIDED else None
+
+    def unpack(self):
+        t = self.tensor
+        if t._version != self.version:
+            raise inplace_error(t, t._version, self.version)
+        if self.ref is None:
+            return t
+        orig = self.ref()
+        s = t.untyped_storage()
+        if orig is not None and orig.untyped_storage()._cdata != s._cdata:
+            return swapped(orig)
+        if t.numel() and s.nbytes() < (t.storage_offset() + _span(t)) * t.element_size():
+            raise swapped_error(t, "its storage was resized (untyped_storage().resize_())")
+        return t
+
+
+def inplace_error(t, now, expected):
+    from ._errors import InplaceModificationError
+    return InplaceModificationError(
+        f"ssdtrain: one of the variables needed for gradient computation has been modified by "
+        f"an inplace operation: [{t.type()} {list(t.size())}] is at version {now}; expected "
+        f"version {expected} instead. Autograd does not check this while saved-tensor hooks are "
+        f"installed, so ssdtrain does. Hint: avoid the in-place operation, or clone the tensor "
+        f"before modifying it.")
+
+
+def _span(t):
+    """Elements of storage ``t`` can reach from its offset (``numel > 0``)."""
+    span = 1
+    for size, stride in zip(t.size(), t.stride()):
+        span += (size - 1) * stride
+    return span
+
+
+def swapped(t):
+    """The saved tensor ``t`` (alive) was given other data (``t.data = ...``, ``set_``)
+    after it was saved. Autograd saves a leaf (a parameter, an input) as the tensor
+    itself, so backward sees the new data (DeepSpeed ZeRO-3 relies on this: it frees and
+    regathers parameters between forward and backward): return it. For any other tensor
+    autograd's choice depends on whether the saving op produced it, which a hook cannot
+    know: raise."""
+    if t.is_leaf:
+        return t.detach()
+    raise swapped_error(t, "its tensor was given other data (`.data = ...` or `set_`)")
+
+
+def swapped_error(t, what):
+    from ._errors import InplaceModificationError
+    return InplaceModificationError(
+        f"ssdtrain: a tensor saved for backward ([{t.dtype} {list(t.size())}]) was changed "
+        f"after it was saved: {what}. The version counter does not see this, so neither "
+        f"autograd nor ssdtrain can give backward the values it expects. Hint: do not resize, "
+        f"`set_` or reassign `.data` of tensors an autograd graph still needs; clone first.")

@@ -1,0 +1,261 @@
+"""Write-back: the tail window, starting writes, the throttle, the spill budget and the
+failure policy. A mixin of :class:`ssdtrain._store.Store`; methods whose name ends in
+``_locked`` run with the store lock held (NOTE [ Store lock discipline ] in _store.py).
+"""
+
+import errno as _errno
+import functools
+import logging
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from . import _checksum
+from ._errors import SpillIOError, SSDTrainError
+from ._records import State, inplace_error, swapped_error
+from ._spill import BLOCK, align_up
+from .io.base import then
+
+log = logging.getLogger("ssdtrain")
+
+
+class WriteBack:
+    """Everything between a record's pack and the end of its write."""
+
+    def _trim_tail_locked(self):
+        """Start writing the oldest tail records until the tail fits ``keep_tail_bytes``."""
+        while self._tail_bytes > self.cfg.keep_tail_bytes and self._tail:
+            rec = next(iter(self._tail))
+            if not self._over_budget_locked(rec):
+                self._start_write_locked(rec)
+
+    def _start_write_locked(self, rec):
+        """PENDING -> WRITING: allocate a slot and submit the write.
+
+        The request owns the memory it reads (NOTE [ Memory owned by requests ]). The
+        state moves before the submission: a record seen WRITING with no future is one
+        whose submission was interrupted (``Store._repair_locked`` handles it).
+        """
+        dev, ready = rec.device, None
+        if dev is None:
+            address = rec.storage.data_ptr() + rec.base
+        else:  # NOTE [ Device records ] in _device.py
+            address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes,
+                                                        rec.produced)
+        if rec.storage_changed():
+            # resize_()/set_ after pack: the bytes are gone; writing would read freed memory.
+            self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
+                                                 "replaced (untyped_storage().resize_() or set_)"))
+            return
+        rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
+        rec.submitted = False
+        self._move_locked(rec, State.WRITING)
+        rec.writes += 1
+        owners = (rec.source, rec.storage, rec.staging)
+        try:
+            if ready is None:
+                fut = self._submit_write(rec, rec.slot, address, rec.nbytes, False)
+            else:  # submitted by the device waiter thread once the copy is done
+                rec.submitted = True
+                fut = dev.after(ready, functools.partial(self._submit_write, None, rec.slot,
+                                                         address, rec.nbytes, dev.direct))
+        except Exception as e:  # refused (e.g. the engine was shut down): nothing in flight
+            fut = failed_future(e)
+        rec.future = _owning(fut, owners)
+        rec.future.add_done_callback(self._callback(rec, _WRITTEN))
+
+    def _submit_write(self, rec, slot, address, nbytes, on_device):
+        """The engine call. ``rec.submitted`` is set on the line before it: a record seen
+        WRITING with no future and ``submitted`` false had nothing submitted."""
+        engine = self.engine
+        if on_device:
+            return engine.write(slot.file, slot.offset, address, nbytes, device=True)
+        if rec is not None:
+            rec.submitted = True
+        fut = engine.write(slot.file, slot.offset, address, nbytes)
+        if self.cfg.verify:  # the future's result becomes the CRC of what was written
+            fut = then(fut, functools.partial(_checksum.crc32c, address, nbytes))
+        return fut
+
+    def _write_done_locked(self, rec, fut):
+        """The write of ``rec`` ended. Idempotent: clears ``rec.future`` last."""
+        if rec.future is not fut:
+            return
+        if rec.state is State.WRITING:
+            rec.staging = None
+            exc = _without_frames(fut.exception())
+            if exc is not None:
+                if not self._keep_after_failed_write_locked(rec, exc):
+                    self._errors.append(exc)
+                    log.error("%s", exc)
+                    self._fail_locked(rec, exc)
+            elif rec.source._version != rec.version:
+                self._fail_locked(rec, inplace_error(rec.source, rec.source._version,
+                                                     rec.version))
+            elif rec.storage_changed():
+                self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
+                                                     "replaced while it was being written"))
+            else:
+                self.stats.offloaded_bytes += rec.nbytes
+                self.stats.records_written += 1
+                if self.cfg.verify and rec.device is None:
+                    rec.crc = fut.result()
+                if rec.pinned:  # prefetch reached it before the write ended: keep the bytes
+                    self._move_locked(rec, State.LOADED)
+                    rec.source = rec.produced = None
+                else:
+                    self._move_locked(rec, State.ON_DISK)
+                    rec.storage = rec.source = rec.produced = None
+        rec.future = None
+        if not rec.tokens:
+            self._free_locked(rec)
+
+    def _fail_locked(self, rec, exc):
+        """Any state -> FAILED: ``exc`` is raised when backward needs the record."""
+        rec.error = exc
+        self._move_locked(rec, State.FAILED)
+        rec.storage = rec.source = rec.staging = rec.produced = None
+
+    def _throttle(self):
+        """Wait until the writes in flight fit in ``write_behind_bytes``: wait for the oldest
+        write's future, never under the lock; ``io_timeout_s`` for each write."""
+        t0 = time.perf_counter()
+        try:
+            while True:
+                with self._lock:
+                    try:
+                        self._drain_locked()
+                        if self._errors:
+                            raise _copy(self._errors.pop(0))
+                        if self._writing_bytes <= self.write_behind or self.closed:
+                            return
+                        oldest = next(iter(self._writing))
+                        fut = oldest.future
+                        if fut is not None and fut.done():  # its completion may be queued
+                            self._write_done_locked(oldest, fut)
+                            continue
+                    except BaseException:
+                        self._repair_locked()
+                        raise
+                if fut is None:
+                    raise SSDTrainError(f"ssdtrain: record {oldest!r} is being written with no "
+                                        f"request; please report this bug.")
+                try:
+                    fut.exception(timeout=self.cfg.io_timeout_s)
+                except FutureTimeout:
+                    raise SpillIOError(
+                        f"ssdtrain: writing record {oldest!r} to {oldest.slot.file.name} did not "
+                        f"finish within io_timeout_s={self.cfg.io_timeout_s} s; the device may be "
+                        f"hung or overloaded.", filename=oldest.slot.file.directory) from None
+        finally:
+            self.stats.write_stall_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------ spill errors and budget
+    def _keep_after_failed_write_locked(self, rec, exc):
+        """``on_spill_error="keep"``: a record whose write failed stays in memory."""
+        if self.cfg.on_spill_error != "keep" or not isinstance(exc, SpillIOError) \
+                or rec.storage is None or rec.storage_changed():
+            return False
+        slot, rec.slot = rec.slot, None
+        if slot is not None:
+            slot.file.free(slot)
+        self._move_locked(rec, State.KEPT)
+        self.stats.spill_errors += 1
+        self.stats.kept_bytes += rec.nbytes
+        self._warn_once("write", "ssdtrain: a spill write failed (%s); on_spill_error='keep' "
+                        "keeps such records in memory, so memory use grows until the device is "
+                        "fixed. Further failures are counted in Stats.spill_errors.", exc)
+        return True
+
+    def _over_budget_locked(self, rec):
+        """``max_spill_bytes``: keep ``rec`` in memory (or queue the error) if writing it
+        would take the spill slots in use beyond the budget. Returns whether it did."""
+        limit = self.cfg.max_spill_bytes
+        if limit is None:
+            return False
+        misalign = 0 if rec.device is not None else (rec.storage.data_ptr() + rec.base) % BLOCK
+        need = max(BLOCK, align_up(misalign + rec.nbytes))
+        used = self.spill.used_bytes()
+        if used + need <= limit:
+            return False
+        self._keep_locked(rec)
+        self.stats.over_budget_bytes += rec.nbytes
+        if self.cfg.on_spill_full == "raise":
+            self._errors.append(SpillIOError(
+                f"ssdtrain: writing record {rec!r} ({need} bytes of slots) would take the spill "
+                f"files beyond max_spill_bytes={limit} ({used} bytes in use); "
+                f"on_spill_full='raise' stops here. Raise max_spill_bytes, offload less "
+                f"(min_tensor_bytes, keep_tail_bytes), or set on_spill_full='keep' to keep such "
+                f"records in memory.", errno=_errno.ENOSPC,
+                filename=self.spill.files[0].directory))
+        else:
+            self._warn_once("budget", "ssdtrain: max_spill_bytes=%d reached (%d bytes in use); "
+                            "records beyond it stay in memory (Stats.over_budget_bytes).",
+                            limit, used)
+        return True
+
+    def _keep_locked(self, rec):
+        """PENDING -> KEPT: the record stays in memory until its last handle dies."""
+        self._move_locked(rec, State.KEPT)
+        self.stats.kept_bytes += rec.nbytes
+
+    def _warn_once(self, what, msg, *args):
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
+
+
+_WRITTEN = "written"
+_READ = "read"
+_RELEASE = "release"
+
+
+def failed_future(exc):
+    """A completed future holding ``exc``: a request the engine refused is handled like
+    one that failed (its error surfaces; it is never swallowed)."""
+    fut = Future()
+    fut.set_running_or_notify_cancel()
+    fut.set_exception(exc)
+    return fut
+
+
+def _owning(fut, owners):
+    """``fut``, made to hold ``owners`` (the memory its request reads or writes) until it
+    completes: the engine holds the future until then, so the memory outlives the request
+    even if the store lets go of it (timeout, close()). NOTE [ Memory owned by requests ]
+    in _store.py."""
+    fut.ssdtrain_owners = owners
+    fut.add_done_callback(_disown)  # first callback: runs before the store's, when it is over
+    return fut
+
+
+def _disown(fut):
+    fut.__dict__.pop("ssdtrain_owners", None)
+
+
+def _without_frames(exc):
+    """``exc`` with no traceback. An error raised while a request completed inline (on the
+    training thread, in pack) has frames that link back to forward's, which hold the
+    graph, whose handles hold the record that keeps the error: a leak."""
+    if exc is not None:
+        exc.__traceback__ = None
+        exc.__context__ = None
+    return exc
+
+
+def _copy(err, note=""):
+    """A new exception like ``err`` (message + ``note``) to raise in its place.
+
+    The error kept on a record (and in the pending list) is never raised itself: a raised
+    exception's traceback holds the frames of forward or backward, and through them the
+    graph whose handles keep that very record alive (a cycle through the store, which
+    ``gc`` cannot break while the store lives)."""
+    from ._errors import SSDTrainError
+    if not isinstance(err, SSDTrainError):
+        return err
+    if isinstance(err, SpillIOError):
+        return SpillIOError(str(err) + note, errno=err.errno, filename=err.filename)
+    try:
+        return type(err)(str(err) + note)
+    except TypeError:
+        return err

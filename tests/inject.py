@@ -1,0 +1,754 @@
+"""Fault injection for the store: a KeyboardInterrupt at a chosen line, and the checks after.
+
+A Ctrl-C (SIGINT) raises KeyboardInterrupt on the training thread between any two
+bytecodes, including inside ssdtrain's store while it holds its lock, has submitted
+a request but not yet attached its completion callback, or runs a finalizer (where
+Python swallows the exception). A training loop that catches KeyboardInterrupt at
+the step level and goes on must find the store intact. This module replays one
+small scenario under ``sys.settrace`` and raises KeyboardInterrupt at the ``k``-th
+execution of one line of the store modules, then checks what a training loop would
+rely on::
+
+    sc = inject.Scenario()
+    counts = inject.baseline(sc, inject.make_offloader(d))    # {(file, line): times run}
+    for target in inject.targets(counts):                     # [(file, line, k, n)]
+        outcome = inject.run_case(sc, inject.make_offloader(d), target)
+        assert not outcome.failures, outcome.failures
+
+Only the calling (training) thread is traced: a real SIGINT runs its handler on the
+main thread only; engine completions on engine threads are never interrupted.
+
+A broken store can leave its lock held or an engine thread blocked forever, and a
+process with such a thread never exits (``concurrent.futures`` joins its workers at
+exit). So tests run sweeps in a child process (:func:`run_child`: ``python inject.py
+sweep|sigint ...``), which reports each outcome as a JSON line as it goes and ends
+with ``os._exit``; the parent kills it at a timeout and still has what was reported.
+Inside the child every wait is bounded too, so one broken case fails alone: the
+training thread is woken by ``SIGALRM`` (a blocked ``Lock.acquire`` on the main
+thread is interrupted by signals), ``close()`` runs on a helper thread joined with a
+timeout and, if stuck in Python code, is stopped with an asynchronous exception.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import dataclasses
+import dis
+import faulthandler
+import gc
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ssdtrain
+
+__all__ = ["STORE_MODULES", "store_files", "Scenario", "LineCounter", "InterruptAt", "Hung",
+           "baseline", "targets", "run_case", "Outcome", "Sweep", "sweep", "sigint_loop",
+           "watchdog", "bounded_call", "settle_and_check", "make_offloader", "run_child",
+           "child_env", "KiB"]
+
+KiB = 1024
+
+# The store, as split by the rebuild; whichever of them exist are traced.
+STORE_MODULES = ("_store.py", "_records.py", "_writeback.py", "_prefetch.py", "_readbuf.py",
+                 "_spill.py")
+
+
+def store_files() -> frozenset:
+    """``co_filename`` values of the store modules present in this checkout (discovered at
+    run time: the split of ``_store.py`` is in progress). Both the path as imported and
+    its real path are included, so a symlinked checkout matches too."""
+    pkg = os.path.dirname(ssdtrain.__file__)
+    names = set()
+    for name in STORE_MODULES:
+        path = os.path.join(pkg, name)
+        if os.path.exists(path):
+            names.update((path, os.path.realpath(path), os.path.abspath(path)))
+    return frozenset(names)
+
+
+def short(path: str) -> str:
+    """``ssdtrain/_store.py`` for a full path (for messages)."""
+    return "ssdtrain/" + os.path.basename(path)
+
+
+# ----------------------------------------------------------------------------- tracers
+
+class LineCounter:
+    """A ``sys.settrace`` function counting ``(file, line)`` executions in ``files``."""
+
+    def __init__(self, files):
+        self.files = files
+        self.counts = collections.Counter()
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_filename in self.files:
+            return self._local
+        return None
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.counts[(frame.f_code.co_filename, frame.f_lineno)] += 1
+        return self._local
+
+
+_LINES = {}
+
+
+def _code_lines(code):
+    lines = _LINES.get(code)
+    if lines is None:
+        lines = _LINES[code] = frozenset(ln for _, ln in dis.findlinestarts(code) if ln)
+    return lines
+
+
+class InterruptAt:
+    """A ``sys.settrace`` function raising KeyboardInterrupt at the ``k``-th 'line' event of
+    ``file:line`` (before that line runs), as a SIGINT arriving there would.
+
+    Only frames whose code holds that line get a local tracer, so the rest of the
+    program runs at almost full speed. ``fired`` says whether it happened; the
+    interpreter removes a trace function that raises, so it fires once.
+    """
+
+    def __init__(self, file, line, k):
+        self.file, self.line, self.k = file, line, k
+        self.seen = 0
+        self.fired = False
+
+    def __call__(self, frame, event, arg):
+        code = frame.f_code
+        if self.fired or code.co_filename != self.file or self.line not in _code_lines(code):
+            return None
+        return self._local
+
+    def _local(self, frame, event, arg):
+        if event == "line" and frame.f_lineno == self.line and not self.fired:
+            self.seen += 1
+            if self.seen == self.k:
+                self.fired = True
+                raise KeyboardInterrupt(f"injected at {short(self.file)}:{self.line} "
+                                        f"(occurrence {self.k})")
+        return self._local
+
+
+# ----------------------------------------------------------------------------- bounds
+
+class Hung(BaseException):
+    """Raised on the training thread by :func:`watchdog` when a check ran past its bound
+    (a BaseException, so no ``except Exception`` in the code under test swallows it)."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, what: str):
+    """Raise :class:`Hung` in the main thread if the block runs longer than ``seconds``.
+
+    Uses ``SIGALRM``: its handler runs on the main thread at the next bytecode, and a
+    main thread blocked in ``Lock.acquire`` (a deadlock on the store's lock) is woken.
+    Code stuck in C without checking signals cannot be interrupted this way.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise Hung(f"{what} did not finish within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class _Abandoned(BaseException):
+    """Raised asynchronously in a helper thread that ran past its bound, to stop it."""
+
+
+def _async_raise(thread, exc_type):
+    return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                      ctypes.py_object(exc_type))
+
+
+def _store_stack(thread):
+    """The innermost frames of ``thread`` (``file:line in func``), for messages."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return "?"
+    entries = traceback.extract_stack(frame)[-4:]
+    return " <- ".join(f"{os.path.basename(e.filename)}:{e.lineno} in {e.name}"
+                       for e in reversed(entries))
+
+
+def bounded_call(fn, timeout: float, what: str):
+    """Run ``fn()`` on a helper thread; ``None`` if it returned within ``timeout``, else a
+    message saying what went wrong (raised, or still running and where).
+
+    A thread still running after ``timeout`` is sent an asynchronous exception (which
+    stops a Python-level spin or wait loop); one stuck in native code is left behind
+    as a daemon.
+    """
+    errors = []
+
+    def run():
+        try:
+            fn()
+        except _Abandoned:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name=f"inject-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        where = _store_stack(thread)
+        _async_raise(thread, _Abandoned)
+        thread.join(5)
+        left = " (stuck in native code: left running)" if thread.is_alive() else ""
+        return f"{what} did not return within {timeout} s; it was at {where}{left}"
+    if errors:
+        e = errors[0]
+        return f"{what} raised {type(e).__name__}: {e}"
+    return None
+
+
+# ----------------------------------------------------------------------------- scenario
+
+class _SaveViews(torch.autograd.Function):
+    """``_SaveViews.apply(x[:k], x, x[:m])`` is ``x*x`` plus ``x[:m]**2/2`` on the first ``m``
+    rows and ``x[:k]**2/2`` on the first ``k``. It saves its three inputs in that order: the
+    small window (its own record: under half of the storage, saved first), ``x`` (the
+    whole storage: a second record on it) and the large view (over half of the storage:
+    deduplicated into ``x``'s record). The views are made outside ``forward`` so that they
+    have a ``grad_fn`` (views made inside look like leaves and stay in memory). Every
+    saved byte enters the gradient, so a wrong byte read back shows up in it."""
+
+    @staticmethod
+    def forward(ctx, small, x, big):
+        ctx.save_for_backward(small, x, big)
+        y = x * x
+        y[:big.shape[0]] += big * big / 2
+        y[:small.shape[0]] += small * small / 2
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        small, x, big = ctx.saved_tensors
+        return g[:small.shape[0]] * small, 2 * g * x, g[:big.shape[0]] * big
+
+
+class TinyNet(nn.Module):
+    """Residual Linear/GELU/Linear blocks and :class:`_SaveViews`; MSE loss. With batch 32
+    and width 64 every activation is 8-16 KiB: above ``min_tensor_bytes=1024``."""
+
+    def __init__(self, d=64, hidden=128, depth=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+            for _ in range(depth))
+
+    def forward(self, x, y):
+        h = x
+        for block in self.blocks:
+            h = h + block(h)
+        n = h.shape[0]
+        h = _SaveViews.apply(h[:n // 4], h, h[:3 * n // 4])
+        return F.mse_loss(h, y)
+
+
+class Scenario:
+    """A few training steps of :class:`TinyNet` (each: forward under the offloader,
+    ``backward(retain_graph=True)``, ``backward()`` again), with reference gradients from
+    the same steps without ssdtrain.
+
+    With :data:`CONFIG` (``keep_tail_bytes=0``, a 32 KiB prefetch window and write-behind
+    limit) every eligible record is written; backward uses some prefetched, some read
+    on a miss, the second backward reads every record again, and two packs share a
+    record (dedup).
+    """
+
+    CONFIG = dict(min_tensor_bytes=1 * KiB, keep_tail_bytes=0, prefetch_bytes=32 * KiB,
+                  write_behind_bytes=32 * KiB, io_timeout_s=5, io_threads=2)
+
+    def __init__(self, n_steps=8, batch=32, d=64):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            self.model = TinyNet(d=d)
+        g = torch.Generator().manual_seed(4321)
+        self.inputs = [(torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g))
+                       for _ in range(n_steps)]
+        self.reference = [self.step(i, None) for i in range(n_steps)]
+
+    def step(self, i, off):
+        """Step ``i`` (inputs ``i``) under ``off`` (or none); returns the gradients.
+        Nothing of the step's graph outlives it."""
+        model = self.model
+        model.zero_grad(set_to_none=True)
+        ctx = off if off is not None else contextlib.nullcontext()
+        with ctx:
+            loss = model(*self.inputs[i])
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    def compare(self, i, grads):
+        """``None`` if ``grads`` equal step ``i``'s reference bitwise, else what differs."""
+        for name, ref in self.reference[i].items():
+            got = grads.get(name)
+            if got is None or not torch.equal(got, ref):
+                diff = "missing" if got is None else \
+                    f"max abs diff {(got.double() - ref.double()).abs().max().item():.3g}"
+                return f"gradient of {name} in step {i} differs from the reference ({diff})"
+        return None
+
+
+def make_offloader(spill_dir, **overrides):
+    """A fresh Offloader with :data:`Scenario.CONFIG` (and ``overrides``) on ``spill_dir``.
+    Not the ``make_offloader`` fixture: that closes at teardown, unbounded, and a store
+    broken by an interrupt may never close."""
+    cfg = dict(Scenario.CONFIG, spill_dir=str(spill_dir))
+    cfg.update(overrides)
+    return ssdtrain.Offloader(ssdtrain.OffloadConfig(**cfg))
+
+
+def baseline(sc: Scenario, off, n_steps=2):
+    """``{(file, line): times run}`` in the store modules on this thread while ``n_steps``
+    steps run under ``off`` (closed after)."""
+    counter = LineCounter(store_files())
+    sys.settrace(counter)
+    try:
+        for i in range(n_steps):
+            sc.step(i, off)
+    finally:
+        sys.settrace(None)
+    gc.collect()
+    off.close()
+    return dict(counter.counts)
+
+
+def targets(counts, full=False):
+    """``[(file, line, k, n)]``: interrupt the ``k``-th of the ``n`` runs of each line.
+
+    Every line at its first run; lines run more than once also at their last run,
+    and (``full``) at the middle one. Sorted by file and line (deterministic)."""
+    out = []
+    for (file, line), n in sorted(counts.items()):
+        ks = {1, n}
+        if full:
+            ks.add((n + 1) // 2)
+        out += [(file, line, k, n) for k in sorted(ks)]
+    return out
+
+
+# ----------------------------------------------------------------------------- checks
+
+@dataclass
+class Outcome:
+    """What one injected run did and which checks failed."""
+
+    where: str
+    fired: bool = False
+    surfaced: str = ""          # "step 1" (caught by the loop), "swallowed" (in a finalizer)
+    failures: list = field(default_factory=list)  # "check: detail"
+    quarantined: int = 0        # Stats.quarantined_bytes at the end (0 if absent)
+
+
+def settle_and_check(off, failures, *, settle_s=1.0):
+    """After every graph is dropped: wait (polling, at most ``settle_s``) for writes still
+    in flight to end, then require no live record, no resident byte, no spill slot in
+    use beyond ``Stats.quarantined_bytes`` (memory kept on purpose for a request that may
+    be in flight), and ``check_invariants()`` where the store has it. Appends to
+    ``failures``; returns the quarantined bytes."""
+    gc.collect()
+    deadline = time.monotonic() + settle_s
+    while True:
+        live, resident, spill = off.live_records(), off.resident_bytes(), off.spill_bytes_in_use()
+        quarantined = getattr(off.stats(), "quarantined_bytes", 0) or 0
+        clean = live == 0 and resident == 0 and spill <= quarantined
+        if clean or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+        gc.collect()
+    if live:
+        failures.append(f"live_records: {live} records still live after every graph was dropped "
+                        f"(expected 0)")
+    if resident:
+        failures.append(f"resident_bytes: {resident} bytes still resident after every graph was "
+                        f"dropped (expected 0)")
+    if spill > quarantined:
+        failures.append(f"spill_bytes_in_use: {spill} bytes of spill slots in use after every "
+                        f"graph was dropped (expected 0, or at most quarantined_bytes="
+                        f"{quarantined})")
+    check = getattr(off._store, "check_invariants", None)
+    if check is not None:
+        try:
+            check()
+        except AssertionError as e:
+            failures.append(f"check_invariants: {e}")
+    return quarantined
+
+
+class _Unraisable:
+    """Collects exceptions Python could not raise (finalizers, ``__del__``): an interrupt
+    delivered there is swallowed and only reported through ``sys.unraisablehook``."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __enter__(self):
+        self._old = sys.unraisablehook
+        sys.unraisablehook = self._hook
+        return self
+
+    def _hook(self, unraisable):
+        self.seen.append((unraisable.exc_type, unraisable.exc_value, unraisable.object))
+
+    def __exit__(self, *exc):
+        sys.unraisablehook = self._old
+        return False
+
+
+def run_case(sc: Scenario, off, target=None, *, armed_steps=2, after_steps=2,
+             step_bound_s=15.0, close_bound_s=None):
+    """Run ``armed_steps`` steps with KeyboardInterrupt injected at ``target`` (``(file, line,
+    k, n)``, or ``None`` for no injection), catching it at the step level and dropping
+    that step, then ``after_steps`` more; check gradients, leftovers, invariants and a
+    bounded ``close()``. Returns an :class:`Outcome`.
+
+    ``close_bound_s`` defaults to ``io_timeout_s + 5``.
+    """
+    if target is None:
+        where, injector = "no injection", None
+    else:
+        file, line, k, n = target
+        where = f"{short(file)}:{line} (occurrence {k} of {n})"
+        injector = InterruptAt(file, line, k)
+    outcome = Outcome(where)
+    fails = outcome.failures
+    if close_bound_s is None:
+        close_bound_s = off.config.io_timeout_s + 5
+    with _Unraisable() as unraisable:
+        try:
+            with watchdog(step_bound_s, "the steps and checks"):
+                grads = None
+                for i in range(armed_steps + after_steps):
+                    try:
+                        if injector is not None and i < armed_steps:
+                            sys.settrace(injector)
+                        try:
+                            grads = sc.step(i, off)
+                        finally:
+                            sys.settrace(None)
+                    except KeyboardInterrupt:
+                        outcome.surfaced = f"step {i}"
+                        continue  # the loop drops that step (its graph went with the frames)
+                    except Exception as e:  # noqa: BLE001
+                        fails.append(f"step {i}: raised {type(e).__name__}: {e}")
+                        continue
+                    wrong = sc.compare(i, grads)
+                    if wrong:
+                        fails.append(f"step {i}: {wrong}")
+                del grads
+                outcome.quarantined = settle_and_check(off, fails)
+        except Hung as e:
+            fails.append(f"hang on the training thread: {e} (a deadlock on the store's lock or "
+                         f"a spin)")
+        gc.collect()
+    if injector is not None:
+        outcome.fired = injector.fired
+        if injector.fired and not outcome.surfaced:
+            kinds = [f"{t.__name__} in {o!r}" for t, _, o in unraisable.seen
+                     if t is KeyboardInterrupt]
+            outcome.surfaced = "swallowed" + (f" ({kinds[0]})" if kinds else "")
+    err = bounded_call(off.close, close_bound_s, "close()")
+    if err:
+        fails.append(f"close: {err}")
+    return outcome
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+@dataclass
+class Sweep:
+    """The outcomes of injecting at many targets with one engine."""
+
+    engine: str
+    outcomes: list = field(default_factory=list)
+    stopped: str = ""           # why the sweep ended early, if it did
+
+    @classmethod
+    def from_records(cls, engine, records):
+        """The sweep a child process reported (its ``outcome`` JSON lines)."""
+        result = cls(engine)
+        for r in records:
+            if r["kind"] == "outcome":
+                result.outcomes.append(Outcome(**{k: v for k, v in r.items() if k != "kind"}))
+            elif r["kind"] == "done":
+                result.stopped = r["stopped"]
+        return result
+
+    @property
+    def failing(self):
+        return [o for o in self.outcomes if o.failures]
+
+    def summary(self) -> str:
+        """Counts (fired, where the interrupt surfaced, quarantine) and the failing lines."""
+        fired = [o for o in self.outcomes if o.fired]
+        caught = sum(o.surfaced.startswith("step") for o in fired)
+        swallowed = sum(o.surfaced.startswith("swallowed") for o in fired)
+        quarantined = sum(o.quarantined > 0 for o in self.outcomes)
+        lines = sorted({o.where.split(" ")[0] for o in self.failing})
+        text = (f"[{self.engine}] {len(self.outcomes)} targets: {len(fired)} fired "
+                f"({caught} caught by the step loop, {swallowed} swallowed in a finalizer, "
+                f"{len(fired) - caught - swallowed} absorbed elsewhere), "
+                f"{len(self.outcomes) - len(fired)} not reached (timing); "
+                f"{quarantined} ended with quarantined bytes; {len(self.failing)} failed"
+                + (f" at {len(lines)} lines: {', '.join(lines)}" if lines else ""))
+        return text + (f"; {self.stopped}" if self.stopped else "")
+
+    def message(self, limit=40) -> str:
+        """One line per failing target and check, for the assertion."""
+        rows = [f"{o.where} [{self.engine}], interrupt {o.surfaced or 'not fired'}: {f}"
+                for o in self.failing for f in o.failures]
+        more = f"\n... and {len(rows) - limit} more" if len(rows) > limit else ""
+        return self.summary() + "\n" + "\n".join(rows[:limit]) + more
+
+
+def sweep(sc: Scenario, spill_dir, engine, tgts, *, max_failing=10, report=None,
+          **run_kw) -> Sweep:
+    """:func:`run_case` at each of ``tgts`` with a fresh Offloader (``engine``) each time.
+    Stops after ``max_failing`` failing targets: a broken store can cost a bounded wait
+    per target, and the first failures say enough. ``report(outcome)`` is called after
+    each target."""
+    result = Sweep(engine)
+    for i, target in enumerate(tgts):
+        outcome = run_case(sc, make_offloader(spill_dir, engine=engine), target, **run_kw)
+        result.outcomes.append(outcome)
+        if report is not None:
+            report(outcome)
+        if len(result.failing) >= max_failing and i + 1 < len(tgts):
+            result.stopped = (f"stopped after {max_failing} failing targets, "
+                              f"{len(tgts) - i - 1} not run")
+            break
+    return result
+
+
+# ----------------------------------------------------------------------------- real SIGINT
+
+def sigint_loop(sc: Scenario, off, seconds, *, seed=0, interval_s=(0.001, 0.025),
+                after_steps=2, close_bound_s=None):
+    """Train for ``seconds`` while a helper thread sends SIGINT to this process at random
+    intervals (``interval_s``, from a seeded RNG); each KeyboardInterrupt is caught at
+    the step level and that step dropped. Then ``after_steps`` clean steps, the checks
+    of :func:`settle_and_check` and a bounded ``close()``. Must run on the main thread.
+
+    The SIGINT handler raises KeyboardInterrupt (as the default one does) only while a
+    step runs, and disarms itself when it does, so the loop's own bookkeeping between
+    steps is never interrupted; a signal arriving between steps is counted and ignored.
+
+    Returns ``(failures, info)``: info counts steps, interrupts caught, signals sent and
+    the most live records seen between steps.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("sigint_loop must run on the main thread (signal handlers do)")
+    info = dict(steps=0, completed=0, interrupted=0, sent=0, ignored=0, max_live=0,
+                quarantined=0, swallowed=0)
+    fails = []
+    armed = [False]
+
+    def on_sigint(signum, frame):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt("SIGINT")
+        info["ignored"] += 1
+
+    stop = threading.Event()
+    rng = random.Random(seed)
+    pid = os.getpid()
+
+    def sender():
+        while not stop.wait(rng.uniform(*interval_s)):
+            os.kill(pid, signal.SIGINT)
+            info["sent"] += 1
+
+    if close_bound_s is None:
+        close_bound_s = off.config.io_timeout_s + 5
+    n = len(sc.inputs)
+    old = signal.signal(signal.SIGINT, on_sigint)
+    thread = threading.Thread(target=sender, name="inject-sigint", daemon=True)
+    with _Unraisable() as unraisable:
+        try:
+            with watchdog(seconds + 20, "the SIGINT loop and checks"):
+                thread.start()
+                end = time.monotonic() + seconds
+                i = 0
+                while time.monotonic() < end:
+                    try:
+                        armed[0] = True
+                        grads = sc.step(i % n, off)
+                        armed[0] = False
+                    except KeyboardInterrupt:
+                        info["interrupted"] += 1
+                    except Exception as e:  # noqa: BLE001
+                        armed[0] = False
+                        fails.append(f"step {i}: raised {type(e).__name__}: {e}")
+                    else:
+                        info["completed"] += 1
+                        wrong = sc.compare(i % n, grads)
+                        if wrong:
+                            fails.append(f"step {i}: {wrong}")
+                    grads = None
+                    i += 1
+                    if i % 16 == 0:
+                        info["max_live"] = max(info["max_live"], off.live_records())
+                    if len(fails) > 10:
+                        break
+                info["steps"] = i
+                stop.set()
+                thread.join()
+                time.sleep(0.05)  # let a SIGINT still pending reach the (disarmed) handler
+                signal.signal(signal.SIGINT, old)
+                for j in range(after_steps):
+                    try:
+                        wrong = sc.compare(j, sc.step(j, off))
+                    except Exception as e:  # noqa: BLE001
+                        wrong = f"raised {type(e).__name__}: {e}"
+                    if wrong:
+                        fails.append(f"clean step {j} after the SIGINTs: {wrong}")
+                info["quarantined"] = settle_and_check(off, fails)
+        except Hung as e:
+            fails.append(f"hang on the training thread: {e} (a deadlock on the store's lock or "
+                         f"a spin)")
+        finally:
+            stop.set()
+            armed[0] = False
+            if thread.is_alive():
+                thread.join()
+            signal.signal(signal.SIGINT, old)
+        info["swallowed"] = sum(t is KeyboardInterrupt for t, _, _ in unraisable.seen)
+    err = bounded_call(off.close, close_bound_s, "close()")
+    if err:
+        fails.append(f"close: {err}")
+    return fails, info
+
+
+# ----------------------------------------------------------------------------- child process
+
+def child_env():
+    """The environment of a child process: imports this checkout's ``ssdtrain`` (and these
+    helpers) whatever the current directory."""
+    env = dict(os.environ)
+    paths = [os.path.dirname(os.path.dirname(os.path.abspath(ssdtrain.__file__))),
+             os.path.dirname(os.path.abspath(__file__))]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def run_child(script_args, timeout):
+    """Run ``python <script> *args --out FILE`` (``script_args[0]`` is the script) with a
+    timeout; returns ``(records, rc, stderr_tail)``: ``records`` are the JSON lines it
+    wrote to FILE (all of them, even if it was killed), ``rc`` is ``None`` on a timeout.
+    """
+    with tempfile.TemporaryDirectory(prefix="ssdtrain-inject-") as tmp:
+        out = os.path.join(tmp, "out.jsonl")
+        err_path = os.path.join(tmp, "stderr")
+        with open(err_path, "wb") as err:
+            proc = subprocess.Popen([sys.executable, *script_args, "--out", out],
+                                    stdout=err, stderr=subprocess.STDOUT, env=child_env())
+            try:
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                rc = None
+        records = []
+        if os.path.exists(out):
+            with open(out) as f:
+                for line in f:
+                    if line.strip():
+                        records.append(json.loads(line))
+        with open(err_path, "rb") as f:
+            tail = f.read()[-6000:].decode(errors="replace")
+    return records, rc, tail
+
+
+class _Writer:
+    def __init__(self, path):
+        self.f = open(path, "a")
+
+    def __call__(self, kind, **data):
+        self.f.write(json.dumps(dict(data, kind=kind)) + "\n")
+        self.f.flush()
+
+
+def _main(argv=None):
+    """``sweep --engine E --select first|last|full --spill DIR --out F [--max-failing N]``
+    or ``sigint --engine E --seconds S --seed N --spill DIR --out F``: see the tests."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=_main.__doc__)
+    parser.add_argument("mode", choices=("sweep", "sigint"))
+    parser.add_argument("--engine", default="posix")
+    parser.add_argument("--select", choices=("first", "last", "full"), default="first")
+    parser.add_argument("--spill", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-failing", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=1.5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-bound-s", type=float, default=15.0,
+                        help="bound of one case's steps and checks (diagnostics: lower)")
+    parser.add_argument("--close-bound-s", type=float, default=None,
+                        help="bound of close(); default io_timeout_s + 5 (diagnostics: lower)")
+    parser.add_argument("--hang-s", type=float, default=600.0,
+                        help="dump every thread's stack and exit after this long")
+    args = parser.parse_args(argv)
+    faulthandler.dump_traceback_later(args.hang_s, exit=True)
+    write = _Writer(args.out)
+    torch.set_num_threads(1)
+    sc = Scenario()
+    gc.collect()
+    gc.freeze()  # the full collections of each case must not rescan torch's objects
+    if args.mode == "sweep":
+        counts = baseline(sc, make_offloader(args.spill, engine=args.engine))
+        tgts = targets(counts, full=args.select == "full")
+        if args.select != "full":
+            tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]
+        write("baseline", lines=len(counts), targets=len(tgts),
+              files=sorted({short(f) for f, _ in counts}))
+        result = sweep(sc, args.spill, args.engine, tgts, max_failing=args.max_failing,
+                       report=lambda o: write("outcome", **dataclasses.asdict(o)),
+                       step_bound_s=args.step_bound_s, close_bound_s=args.close_bound_s)
+        write("done", stopped=result.stopped)
+    else:
+        fails, info = sigint_loop(sc, make_offloader(args.spill, engine=args.engine),
+                                  args.seconds, seed=args.seed)
+        write("sigint", failures=fails, info=info)
+        write("done", stopped="")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not a normal exit: a store broken by an interrupt may have left an engine thread
+    # blocked forever, and interpreter shutdown would wait for it.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _main()
