@@ -63,8 +63,11 @@ soak: $(STAMP)
 
 # asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
 #  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;
-#  2. ssdtrain._C rebuilt in place with the sanitizers and tests/test_native_engine.py
-#     run against it. CPython is not built with ASan, so libasan must be loaded first
+#  2. ssdtrain._C rebuilt in place with the sanitizers and $(ASAN_TESTS) run against it:
+#     the engine's own tests, the io_timeout_s races (tests/test_timeouts.py: memory an
+#     I/O request still uses must not be freed; its subprocesses inherit LD_PRELOAD, so
+#     they run under ASan too) and fork safety (tests/test_fork.py). CPython is not
+#     built with ASan, so libasan must be loaded first
 #     (LD_PRELOAD, found with `$(CXX) -print-file-name=libasan.so`), together with
 #     libstdc++ (python does not link it, and ASan's C++ exception interceptor aborts
 #     with "real___cxa_throw != 0" when libstdc++ is loaded after it). Leak detection
@@ -76,6 +79,7 @@ soak: $(STAMP)
 SANITIZE         := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 ASAN_PRELOAD      = $(shell $(CXX) -print-file-name=libasan.so) $(shell $(CXX) -print-file-name=libstdc++.so)
 ASAN_PYTEST_ARGS ?= -q
+ASAN_TESTS       ?= tests/test_native_engine.py tests/test_timeouts.py tests/test_fork.py
 asan-test: $(STAMP)
 	@mkdir -p build/asan
 	$(CXX) -std=c++17 -O1 -g $(SANITIZE) -Wall -Wextra -Icsrc csrc/engine/*.cpp \
@@ -86,7 +90,7 @@ asan-test: $(STAMP)
 		--force --build-temp build/asan/ext
 	@status=0; \
 	LD_PRELOAD="$(ASAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
-		$(VPY) -m pytest tests/test_native_engine.py $(ASAN_PYTEST_ARGS) || status=$$?; \
+		$(VPY) -m pytest $(ASAN_TESTS) $(ASAN_PYTEST_ARGS) || status=$$?; \
 	echo "==> rebuilding ssdtrain._C without sanitizers"; \
 	$(VPY) setup.py -q build_ext --inplace --force --build-temp build/native || exit 1; \
 	exit $$status

