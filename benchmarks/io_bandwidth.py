@@ -89,9 +89,9 @@ ENGINE_CONFIGS = ("native-uring", "native-threads", "posix")
 PEERS = ("torch_save", "deepspeed_aio")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
-BLOCK = 4096  # O_DIRECT alignment used everywhere (ssdtrain._spill.BLOCK)
+BLOCK = 4096  # O_DIRECT alignment used everywhere (ssdtrain._align.BLOCK)
 
-# Targets from issue 3 (reported, never asserted).
+# Targets (benchmarks/README.md; reported, never asserted).
 TARGET_RAW_RATIO = 0.9
 
 _UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "kb": 1000, "m": MiB, "mib": MiB, "mb": 1000 ** 2,
@@ -682,7 +682,7 @@ def render_table(summary, configs, skipped):
 
 
 def check_targets(summary):
-    """Issue 3's targets: native >= 0.9x raw both ways, ahead of every peer measured."""
+    """The targets: native >= 0.9x raw both ways, ahead of every peer measured."""
     raw = summary.get("raw")
     if not raw or raw.get("failed"):
         return []
@@ -884,7 +884,7 @@ def main(argv=None):
     print(f"Command: {command}")
     if targets:
         print()
-        print("Targets (issue 3; reported, not asserted):")
+        print("Targets (reported, not asserted):")
         for name, value, met in targets:
             print(f"- {name}: {value} -> {'met' if met else 'NOT met'}")
 

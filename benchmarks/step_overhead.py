@@ -27,7 +27,7 @@ loss and of every gradient, so the parent can report bitwise equality with
 
 Output: a markdown table on stdout (medians over the measured steps of every
 repeat, ratios to ``none``; step times skip steps that other processes disturbed,
-see NOTE [ Contention ]), whether the targets of issue 2 were met, and a JSON
+see NOTE [ Contention ]), whether the targets (benchmarks/README.md) were met, and a JSON
 file with every raw per-step number. Progress goes to stderr. Nothing here
 asserts a timing.
 
@@ -65,7 +65,7 @@ DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "step_overhead.j
 MODES = ("none", "ssdtrain", "recompute", "torch_save", "save_on_cpu")
 MiB = 1 << 20
 
-# Targets from issue 2 (reported, never asserted).
+# Targets (benchmarks/README.md; reported, never asserted).
 TARGET_STEP_RATIO = 1.05
 TARGET_MEMORY_RATIO = 0.5
 
@@ -462,7 +462,7 @@ def summarize(runs, modes, max_other=1.0):
 
 
 def check_targets(runs, summary, max_other=1.0):
-    """Issue 2's targets for ssdtrain versus none: (name, value text, met) triples."""
+    """The targets for ssdtrain versus none: (name, value text, met) triples."""
     s, ref = summary.get("ssdtrain"), summary.get("none")
     if not s or not ref or s.get("failed") or ref.get("failed"):
         return []
@@ -670,7 +670,7 @@ def main(argv=None):
     print(f"Command: {command}")
     if targets:
         print()
-        print("Targets (issue 2, ssdtrain vs none; reported, not asserted):")
+        print("Targets (ssdtrain vs none; reported, not asserted):")
         for name, value, met in targets:
             verdict = "unknown (contended)" if met is None else "met" if met else "NOT met"
             print(f"- {name}: {value} -> {verdict}")

@@ -124,39 +124,47 @@ class PyEngine {
   std::unique_ptr<ssdtrain::Engine> engine_;
 };
 
+// Engine.submit_write and Engine.submit_read: the operation is bound in, the Python
+// signature is the same.
+template <ssdtrain::Op kOp>
+void submit_op(PyEngine& self, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
+               std::size_t nbytes, std::string path, py::function callback) {
+  self.submit(kOp, fd, direct, offset, address, nbytes, std::move(path), std::move(callback));
+}
+
+template <typename Class, typename Fn>
+void def_submit(Class& cls, const char* name, Fn fn, const char* doc) {
+  cls.def(name, fn, py::arg("fd"), py::arg("direct"), py::arg("offset"), py::arg("address"),
+          py::arg("nbytes"), py::arg("path"), py::arg("callback"), doc);
+}
+
+// crc32c and crc32c_table: CRC32C of `nbytes` at `address`, without the GIL.
+template <std::uint32_t (*kCrc)(const void*, std::size_t, std::uint32_t) noexcept>
+std::uint32_t crc_at(std::uintptr_t address, std::size_t nbytes, std::uint32_t seed) {
+  py::gil_scoped_release nogil;
+  return kCrc(reinterpret_cast<const void*>(address), nbytes, seed);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ssdtrain's native I/O engine (torch-free); use it through ssdtrain.io.native.";
 
-  py::class_<PyEngine>(m, "Engine")
+  py::class_<PyEngine> engine(m, "Engine");
+  engine
       .def(py::init<int, std::size_t, const std::string&>(), py::arg("threads"),
            py::arg("chunk_bytes"), py::arg("backend") = "auto",
            "A pool of `threads` workers; requests split at address multiples of `chunk_bytes`.\n"
            "backend: 'auto' (io_uring where it works, else threads), 'uring' or 'threads'.")
       .def_property_readonly("backend", &PyEngine::backend,
-                             "The back end in use: 'uring' or 'threads'.")
-      .def(
-          "submit_write",
-          [](PyEngine& self, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
-             std::size_t nbytes, std::string path, py::function callback) {
-            self.submit(ssdtrain::Op::kWrite, fd, direct, offset, address, nbytes,
-                        std::move(path), std::move(callback));
-          },
-          py::arg("fd"), py::arg("direct"), py::arg("offset"), py::arg("address"),
-          py::arg("nbytes"), py::arg("path"), py::arg("callback"),
-          "Write `nbytes` at `address` to `fd` at `offset`; later, on a worker thread,\n"
-          "callback(errno, message) with errno 0 on success. Keep the memory alive until then.")
-      .def(
-          "submit_read",
-          [](PyEngine& self, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
-             std::size_t nbytes, std::string path, py::function callback) {
-            self.submit(ssdtrain::Op::kRead, fd, direct, offset, address, nbytes,
-                        std::move(path), std::move(callback));
-          },
-          py::arg("fd"), py::arg("direct"), py::arg("offset"), py::arg("address"),
-          py::arg("nbytes"), py::arg("path"), py::arg("callback"),
-          "Read `nbytes` from `fd` at `offset` into `address`; callback as for submit_write.")
+                             "The back end in use: 'uring' or 'threads'.");
+  def_submit(engine, "submit_write", &submit_op<ssdtrain::Op::kWrite>,
+             "Write `nbytes` at `address` to `fd` at `offset`; later, on a worker thread,\n"
+             "callback(errno, message) with errno 0 on success. Keep the memory alive until "
+             "then.");
+  def_submit(engine, "submit_read", &submit_op<ssdtrain::Op::kRead>,
+             "Read `nbytes` from `fd` at `offset` into `address`; callback as for submit_write.");
+  engine
       .def("shutdown", &PyEngine::shutdown,
            "Finish every queued request (each callback runs), then stop the workers.")
       .def("abandon", &PyEngine::abandon,
@@ -166,22 +174,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("abandoned", &PyEngine::abandoned,
                              "Whether abandon() was called.");
 
-  m.def(
-      "crc32c",
-      [](std::uintptr_t address, std::size_t nbytes, std::uint32_t seed) {
-        py::gil_scoped_release nogil;
-        return ssdtrain::crc32c(reinterpret_cast<const void*>(address), nbytes, seed);
-      },
-      py::arg("address"), py::arg("nbytes"), py::arg("seed") = 0,
-      "CRC32C of `nbytes` at `address`; `seed` is a previous result to extend.");
-  m.def(
-      "crc32c_table",
-      [](std::uintptr_t address, std::size_t nbytes, std::uint32_t seed) {
-        py::gil_scoped_release nogil;
-        return ssdtrain::crc32c_table(reinterpret_cast<const void*>(address), nbytes, seed);
-      },
-      py::arg("address"), py::arg("nbytes"), py::arg("seed") = 0,
-      "CRC32C by the portable table implementation (what crc32c uses without SSE4.2).");
+  m.def("crc32c", &crc_at<ssdtrain::crc32c>, py::arg("address"), py::arg("nbytes"),
+        py::arg("seed") = 0,
+        "CRC32C of `nbytes` at `address`; `seed` is a previous result to extend.");
+  m.def("crc32c_table", &crc_at<ssdtrain::crc32c_table>, py::arg("address"), py::arg("nbytes"),
+        py::arg("seed") = 0,
+        "CRC32C by the portable table implementation (what crc32c uses without SSE4.2).");
   m.attr("crc32c_hardware") = ssdtrain::crc32c_hardware();
   m.def(
       "uring_probe",

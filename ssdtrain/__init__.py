@@ -15,19 +15,9 @@ Example::
 from ._config import OffloadConfig
 from ._errors import (ConfigError, InplaceModificationError, IntegrityError,
                       OffloaderClosedError, SpillIOError, SSDTrainError)
+from ._errors import __all__ as _ERROR_NAMES
 from .api import Offloader, Stats, offload
 
-__all__ = [
-    "Offloader",
-    "OffloadConfig",
-    "Stats",
-    "offload",
-    "SSDTrainError",
-    "ConfigError",
-    "SpillIOError",
-    "IntegrityError",
-    "OffloaderClosedError",
-    "InplaceModificationError",
-]
+__all__ = ["Offloader", "OffloadConfig", "Stats", "offload", *_ERROR_NAMES]
 
 __version__ = "0.1.0"

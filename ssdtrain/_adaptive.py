@@ -19,8 +19,9 @@ NOTE [ Applying a plan ]
 * ``recompute``: the layer's ``forward`` is replaced, on the instance, by one
   that runs the original through ``torch.utils.checkpoint(use_reentrant=False)``
   while the offloader's forward is open. Checkpointing installs its own
-  saved-tensor hooks inside the layer, and the innermost hooks win (DESIGN
-  invariant 6): nothing the layer saves reaches ssdtrain, and backward
+  saved-tensor hooks inside the layer, and the innermost hooks win (NOTE [
+  Innermost hooks win ] in docs/ARCHITECTURE.md): nothing the layer saves reaches
+  ssdtrain, and backward
   recomputes it. What does reach ssdtrain is the layer's *inputs*, which
   checkpoint saves (``save_inputs``) outside its own hooks: they are offloaded
   like an offloaded layer's bytes. Tests check both (tests/test_track.py).

@@ -20,7 +20,7 @@ Only a *training* forward of the *outermost* call opens a pass. A call is a no-o
   enclosing pass owns the tensors;
 * another saved-tensor hooks context encloses the call (``save_on_cpu``, a
   checkpoint around the whole model): pushing ours on top would take the tensors
-  away from it (innermost hooks win, DESIGN invariant 6), so we step aside.
+  away from it (NOTE [ Innermost hooks win ] in docs/ARCHITECTURE.md), so we step aside.
 
 A forward that raises still ends its pass: the forward hook is registered with
 ``always_call=True``, which torch runs when ``forward`` raises an ``Exception``.

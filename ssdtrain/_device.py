@@ -8,7 +8,7 @@ NOTE [ Device records ]
 =======================
 
 A record whose storage lives on a CUDA device moves like a host record (the same
-states, slots and engines), with three extra rules (DESIGN invariant 3):
+states, slots and engines), with three extra rules:
 
 1. **Writes start after the producer.** The saved tensor may still be being
    computed when pack runs (kernels are asynchronous). Pack records an event on
@@ -54,19 +54,44 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ._spill import BLOCK
+from ._align import BLOCK
+from .io.base import then
+
+__all__ = ["DeviceTransfers", "GDS_PROBE_MEMORY", "is_device_tensor"]
 
 # Device buffers keep a record's address modulo this (cuBLAS and friends choose
 # kernels by alignment up to 256 bytes; the caching allocator hands out 512).
 _DEVICE_ALIGN = 512
-from .io.base import then
-
-__all__ = ["DeviceTransfers", "is_device_tensor"]
 
 
 def is_device_tensor(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on a CUDA device (a record that needs :class:`DeviceTransfers`)."""
     return t.device.type == "cuda"
+
+
+class _GdsProbeMemory:
+    """Device memory for the GPUDirect Storage probe (``ssdtrain.io.gds.probe``), which
+    itself never touches CUDA: it is handed :data:`GDS_PROBE_MEMORY` and sees addresses."""
+
+    @staticmethod
+    def missing() -> str:
+        """Why there is no device to test with, or ``""``."""
+        return "" if torch.cuda.is_available() else "no CUDA device is available"
+
+    @staticmethod
+    def buffers(nbytes: int):
+        """``(source, destination, same)``: the addresses of ``nbytes`` random bytes and of
+        ``nbytes`` zeros on the current device (not a context on GPU 0), both ready, and a
+        callable telling whether the destination now equals the source. The callable
+        holds both buffers: keep it until the test I/O has ended."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.zeros_like(src)
+        torch.cuda.synchronize(device)
+        return src.data_ptr(), dst.data_ptr(), lambda: torch.equal(src, dst)
+
+
+GDS_PROBE_MEMORY = _GdsProbeMemory()
 
 
 def _bytes_view(storage, base: int, nbytes: int, device) -> torch.Tensor:

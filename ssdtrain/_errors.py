@@ -49,5 +49,6 @@ class InplaceModificationError(SSDTrainError):
     """A tensor saved for backward was modified in place after it was saved.
 
     Autograd raises the same complaint without hooks; with saved-tensor hooks
-    installed it no longer checks, so ssdtrain does (DESIGN invariant 8).
+    installed it no longer checks, so ssdtrain does (NOTE [ In-place checks ] in
+    docs/ARCHITECTURE.md says where, and what cannot be detected).
     """

@@ -123,7 +123,12 @@ class Prefetch:
             return
         if rec.state is State.LOADING:
             exc = _without_frames(fut.exception())
-            if exc is not None:
+            if exc is not None and not isinstance(exc, Exception):
+                # An interrupt while the read completed inline (its CRC on this thread):
+                # the engine is done with the buffer; drop it, a later unpack reads again.
+                self._move_locked(rec, State.ON_DISK)
+                rec.storage = rec.ready = None
+            elif exc is not None:
                 rec.error = exc
                 self._move_locked(rec, State.FAILED)
                 rec.storage = None

@@ -443,7 +443,9 @@ def measure_bandwidth(store, nbytes=64 << 20, repeats=2):
         view = torch.frombuffer(buf, dtype=torch.uint8)
         view.fill_(0x5A)  # touch every page so the write measures the disk, not faults
         address = view.data_ptr()
-        slot = spill.files[0].alloc(nbytes, 0)
+        with store._lock:  # the allocator is the store's (NOTE [ Store lock discipline ])
+            slot = spill.files[0].alloc(nbytes, 0)
+            store._extra_slots.add(slot)  # a repair meanwhile must keep it
         try:
             best_w = best_r = float("inf")
             for _ in range(repeats):
@@ -456,7 +458,9 @@ def measure_bandwidth(store, nbytes=64 << 20, repeats=2):
                     timeout=store.cfg.io_timeout_s)
                 best_r = min(best_r, time.perf_counter() - t0)
         finally:
-            slot.file.free(slot)
+            with store._lock:
+                store._extra_slots.discard(slot)
+                slot.file.free(slot)
         del view
     finally:
         try:

@@ -52,7 +52,7 @@ import weakref
 
 import torch
 
-__all__ = ["State", "TRANSITIONS", "RESIDENT", "Record", "Handle", "Kept", "transition",
+__all__ = ["State", "TRANSITIONS", "RESIDENT", "Record", "Handle", "Token", "Kept", "transition",
            "GEOMETRY_ALIGN"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -166,13 +166,14 @@ class Handle:
     __slots__ = ("store", "record", "token", "dtype", "size", "stride", "rel", "version",
                  "tensor_ref", "base_ref", "seen", "__weakref__")
 
-    def __init__(self, store, record, t, byte_offset, version):
-        self.store = None               # set last: __del__ of a half-built handle does nothing
+    def __init__(self, store, record, t, byte_offset, version, inbox_append):
+        self.store = store
         self.record = record
-        # The record counts its live handles by these weak references: a release queued by
-        # __del__ is idempotent, and one that never ran (an interrupt at __del__'s first
-        # line is swallowed by Python) is found by Store._sweep_locked.
-        self.token = weakref.ref(self)
+        # The record counts its live handles by these weak references. When the handle
+        # dies, the weak reference's callback, ``deque.append`` of the store's inbox (C
+        # code: no Python frame, so no interrupt can cut it short), queues the token:
+        # the release (NOTE [ Store lock discipline ]). No ``__del__``.
+        self.token = Token(self, inbox_append, record)
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
@@ -185,10 +186,21 @@ class Handle:
         self.seen = -1                  # generation in which this handle was last unpacked
         self.store = store
 
-    def __del__(self):
-        store = getattr(self, "store", None)  # unset if __init__ was cut short
-        if store is not None:
-            store.release(self.record, self.token)
+
+
+class Token(weakref.ref):
+    """A weak reference to a :class:`Handle` that knows its record; queued into the
+    store's inbox by its callback when the handle dies (the release event)."""
+
+    __slots__ = ("record",)
+
+    def __new__(cls, handle, callback, record):
+        self = weakref.ref.__new__(cls, handle, callback)
+        self.record = record
+        return self
+
+    def __init__(self, handle, callback, record):
+        super().__init__(handle, callback)
 
 
 class Kept:

@@ -15,9 +15,9 @@ import mmap
 import os
 import stat
 import tempfile
-import threading
 from dataclasses import dataclass
 
+from ._align import BLOCK, align_down, align_up  # re-exported: BLOCK lived here first
 from ._errors import ConfigError, SpillIOError
 
 __all__ = ["BLOCK", "RAM_FILESYSTEMS", "SlotAllocator", "SpillFile", "SpillSet", "Slot",
@@ -25,20 +25,10 @@ __all__ = ["BLOCK", "RAM_FILESYSTEMS", "SlotAllocator", "SpillFile", "SpillSet",
 
 log = logging.getLogger("ssdtrain")
 
-BLOCK = 4096  # alignment of O_DIRECT memory, offsets and lengths (>= any logical block here)
-
 # File systems whose files live in memory: a spill directory there frees nothing.
 # ``rootfs`` is the initramfs root (ramfs or tmpfs); it names "/" in /proc/mounts only
 # where no real root was mounted over it.
 RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "rootfs")
-
-
-def align_down(x, a=BLOCK):
-    return x - x % a
-
-
-def align_up(x, a=BLOCK):
-    return -(-x // a) * a
 
 
 class SlotAllocator:
@@ -205,22 +195,18 @@ class SpillFile:
             os.close(dir_fd)
         self.fd = fd
         self.allocator = SlotAllocator()
-        # The store calls alloc, free and rebuild only under its own lock, so this one
-        # is never contended there; it keeps the allocator whole for any other caller
-        # (tests, tools). Never taken by a finalizer (they only queue events).
-        self._lock = threading.Lock()
+        # No lock of its own: the store calls alloc, free and rebuild only under its lock
+        # (a second lock here, left held by an interrupt, would hang every later step).
         self.name = f"{directory}/<anonymous spill file fd {fd}>"
 
     def alloc(self, nbytes: int, misalign: int) -> Slot:
         """A slot for ``nbytes`` whose file offset is ``misalign`` modulo ``BLOCK``."""
         nblocks = max(1, align_up(misalign + nbytes) // BLOCK)
-        with self._lock:
-            block = self.allocator.alloc(nblocks)
+        block = self.allocator.alloc(nblocks)
         return Slot(self, block, nblocks, block * BLOCK + misalign, nbytes)
 
     def free(self, slot: Slot) -> None:
-        with self._lock:
-            self.allocator.free(slot.block, slot.nblocks)
+        self.allocator.free(slot.block, slot.nblocks)
 
     def rebuild(self, slots) -> None:
         """Recompute the allocator from ``slots``, the slots of this file still in use.
@@ -237,8 +223,7 @@ class SpillFile:
                 raise AssertionError(f"ssdtrain: rebuilding {self.name} from a slot of "
                                      f"{slot.file.name}; please report this bug.")
             runs[id(slot)] = (slot.block, slot.nblocks)
-        with self._lock:
-            self.allocator.rebuild(runs.values())
+        self.allocator.rebuild(runs.values())
 
     def size_bytes(self) -> int:
         return os.fstat(self.fd).st_size if self.fd >= 0 else 0

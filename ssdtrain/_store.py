@@ -11,22 +11,24 @@ NOTE [ Store lock discipline ]
   exception can separate from the block), never held across a wait (the throttle,
   unpack and flush wait on futures outside it), and methods that need it end in
   ``_locked``.
-* Nothing that can run inside a locked region re-enters the store: finalizers
-  (``Handle.__del__``, read-buffer give-back) only append an event to
-  ``Store._inbox`` (a ``collections.deque``: atomic, lock-free) and return; I/O
-  completion callbacks append too, and on an engine thread (never the main thread,
-  where a KeyboardInterrupt could land between a non-blocking acquire and its ``try``)
-  drain it if the lock is free (``_settle_nowait``). A cyclic GC fired by any
+* Nothing that can run inside a locked region re-enters the store. A handle's death
+  is queued by its weak reference's callback, which is ``deque.append`` of
+  ``Store._inbox`` itself (``Token``): C code, no Python frame, so neither a garbage
+  collection nor an interrupt can cut it short; there is no ``Handle.__del__``. Read
+  buffers' finalizers only append to the pool's own deque. I/O completion callbacks
+  append too, and on an engine thread (never the main thread, where a
+  KeyboardInterrupt could land between a non-blocking acquire and its ``try``) drain
+  the inbox if the lock is free (``_settle_nowait``). A cyclic GC fired by any
   allocation under the lock therefore only queues work; nothing ever blocks on, or
   takes, the store lock from a finalizer.
 * The inbox is drained at safe points: at the start of every locked region, after
   each one (``_settle``), by engine threads, and at the end of every backward that
   unpacked a record (a callback queued on autograd's engine), so a graph's memory is
   back before the optimizer step. Event handlers are idempotent and clear their
-  trigger last (``rec.future = None``; handles are weak references in a set), so a
-  handler cut short by an exception can run again; a release that never ran (an
-  exception at ``__del__``'s first line is swallowed by Python) is found by
-  ``_sweep_locked`` at the next step.
+  trigger last (``rec.future = None``; a handle's token leaves a set), so a handler
+  cut short by an exception can run again. ``_sweep_locked`` (each step's start,
+  ``live_records()``...) also releases tokens whose handle is gone, whatever
+  happened to their event.
 * CRC32C runs on engine threads (``then`` callbacks), never under the lock (unless an
   engine completes a request inline, which none of ssdtrain's do).
 * If any exception (``KeyboardInterrupt`` included) escapes a locked region, the region
@@ -61,9 +63,10 @@ from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
 from ._device import is_device_tensor
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._policy import TRACKER, is_offloadable_kind
+from ._spill import BLOCK
 from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers
-from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, inplace_error,
+from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, inplace_error,
                        swapped, swapped_error, transition)
 from ._writeback import _READ, _RELEASE, _WRITTEN, WriteBack, _copy
 
@@ -102,6 +105,7 @@ class Store(WriteBack, Prefetch):
         self._devices = {}                     # torch.device -> DeviceTransfers
         self._warned = set()                   # warnings already logged (once per store)
         self._forked = False
+        self._extra_slots = set()              # slots allocated outside records (bandwidth probe)
         self._task = -1                        # the graph task whose end drains (unpack)
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
         self.write_behind = config.write_behind_bytes  # a plan may lower it to fit its budget
@@ -210,7 +214,7 @@ class Store(WriteBack, Prefetch):
         if self._current is not None:
             self._current.records.append(rec)
             rec.owner = self._current
-        handle = Handle(self, rec, t, extent[0], version)
+        handle = Handle(self, rec, t, extent[0], version, self._inbox.append)
         rec.tokens.add(handle.token); rec.unseen.add(handle.token)  # noqa: E702 (NOTE [ Store lock discipline ])
         self._trim_tail_locked()
         return handle
@@ -348,12 +352,6 @@ class Store(WriteBack, Prefetch):
             self.stats.stall_seconds += time.perf_counter() - t0
 
     # ----------------------------------------------------------------- events
-    def release(self, rec, token):
-        """A handle died (autograd freed the graph or this saved tensor): queue it. Runs in
-        ``Handle.__del__``: it only enqueues (NOTE [ Store lock discipline ])."""
-        if not self._forked:
-            self._inbox.append((_RELEASE, rec, token))
-
     def _callback(self, rec, kind):
         """A future callback that queues the completion (and does not keep the store alive).
         On an engine thread it also drains the inbox if the lock is free."""
@@ -404,7 +402,11 @@ class Store(WriteBack, Prefetch):
         so one bad event cannot stop every later store operation."""
         inbox = self._inbox
         while inbox:
-            kind, rec, arg = inbox[0]
+            ev = inbox[0]
+            if type(ev) is Token:  # a handle died (its weak reference's callback)
+                kind, rec, arg = _RELEASE, ev.record, ev
+            else:
+                kind, rec, arg = ev
             try:
                 if kind is _RELEASE:
                     self._released_locked(rec, arg)
@@ -413,7 +415,7 @@ class Store(WriteBack, Prefetch):
                 else:
                     self._read_done_locked(rec, arg)
             except Exception:
-                if inbox and inbox[0][2] is arg:
+                if inbox and inbox[0] is ev:
                     inbox.popleft()
                 raise
             inbox.popleft()
@@ -498,9 +500,8 @@ class Store(WriteBack, Prefetch):
         self._recount_locked()
 
     def _sweep_locked(self):
-        """Release the handles that died without their release being queued (Python
-        swallows an exception raised inside ``Handle.__del__``; a KeyboardInterrupt can
-        land on its first line). Cheap when few records are live (at a step's start)."""
+        """Release the handles that are gone but still counted (a belt to the braces of
+        the tokens' callbacks). Cheap when few records are live (at a step's start)."""
         for group in list(self._registry.values()):
             for rec in list(group):
                 for ref in [r for r in rec.tokens if r() is None]:
@@ -528,7 +529,8 @@ class Store(WriteBack, Prefetch):
         owners = (rec.source, rec.storage, rec.staging, rec.slot) if writing else \
             (rec.storage, None, None, None)
         _QUARANTINE.append(owners)
-        self.stats.quarantined_bytes += rec.nbytes
+        slot = owners[3]
+        self.stats.quarantined_bytes += rec.nbytes + (0 if slot is None else slot.nblocks * BLOCK)
         self._warn_once("quarantine", "ssdtrain: an interrupt cut short the submission of a "
                         "request (%r); its memory%s is kept for the rest of the process so that "
                         "the request, if it was submitted, cannot touch freed memory "
@@ -561,7 +563,7 @@ class Store(WriteBack, Prefetch):
         self._resident = sum(r.nbytes for r in recs if r.state in RESIDENT)
         self._ahead = sum(r.nbytes for r in recs if r.prefetched)
         self._live = len(recs)
-        slots = [r.slot for r in recs if r.slot is not None]
+        slots = [r.slot for r in recs if r.slot is not None] + list(self._extra_slots)
         slots += [q[3] for q in _QUARANTINE if q[3] is not None and q[3].file in self.spill.files]
         self.spill.rebuild(slots)
 

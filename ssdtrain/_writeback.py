@@ -85,7 +85,15 @@ class WriteBack:
         if rec.state is State.WRITING:
             rec.staging = None
             exc = _without_frames(fut.exception())
-            if exc is not None:
+            if exc is not None and not isinstance(exc, Exception) and rec.storage is not None \
+                    and not rec.storage_changed():
+                # An interrupt while the request completed inline (its CRC on this thread):
+                # the bytes are still in memory, so keep them; no error to report.
+                slot, rec.slot = rec.slot, None
+                if slot is not None:
+                    slot.file.free(slot)
+                self._move_locked(rec, State.KEPT)
+            elif exc is not None:
                 if not self._keep_after_failed_write_locked(rec, exc):
                     self._errors.append(exc)
                     log.error("%s", exc)
@@ -258,8 +266,10 @@ def _copy(err, note=""):
     graph whose handles keep that very record alive (a cycle through the store, which
     ``gc`` cannot break while the store lives)."""
     from ._errors import SSDTrainError
-    if not isinstance(err, SSDTrainError):
-        return err
+    if not isinstance(err, SSDTrainError):  # never raise the stored object (see above)
+        new = SSDTrainError(f"ssdtrain: {type(err).__name__}: {err}{note}")
+        new.__cause__ = err
+        return new
     if isinstance(err, SpillIOError):
         return SpillIOError(str(err) + note, errno=err.errno, filename=err.filename)
     try:

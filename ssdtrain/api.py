@@ -10,6 +10,7 @@ import torch
 
 from . import _checksum
 from ._config import OffloadConfig
+from ._device import GDS_PROBE_MEMORY
 from ._errors import ConfigError, SSDTrainError
 from ._policy import TRACKER
 from ._spill import SpillSet, default_spill_dir
@@ -134,7 +135,8 @@ class Offloader:
             engine = make_engine(config.engine, io_threads=config.io_threads,
                                  io_chunk_bytes=config.io_chunk_bytes,
                                  directories=[f.directory for f in spill.files],
-                                 verify=config.verify is True)
+                                 verify=config.verify is True,
+                                 gds_memory=GDS_PROBE_MEMORY)
         except BaseException:
             spill.close()
             raise
@@ -322,7 +324,7 @@ class Offloader:
         return f"<ssdtrain.Offloader {state} engine={self._stats.engine} " \
                f"spill_dir={self.config.spill_dir}>"
 
-    # ------------------------------------------------------- attach (issue 7)
+    # ---------------------------------------------------------------- attach
     _attachments = ()  # Attachment objects (ssdtrain/_attach.py), one per attached module
 
     def attach(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -10,7 +10,7 @@ execution of one line of the store modules, then checks what a training loop wou
 rely on::
 
     sc = inject.Scenario()
-    counts = inject.baseline(sc, inject.make_offloader(d))    # {(file, line): times run}
+    counts = inject.baseline(sc, lambda: inject.make_offloader(d))  # {(file, line): runs}
     for target in inject.targets(counts):                     # [(file, line, k, n)]
         outcome = inject.run_case(sc, inject.make_offloader(d), target)
         assert not outcome.failures, outcome.failures
@@ -20,13 +20,15 @@ main thread only; engine completions on engine threads are never interrupted.
 
 A broken store can leave its lock held or an engine thread blocked forever, and a
 process with such a thread never exits (``concurrent.futures`` joins its workers at
-exit). So tests run sweeps in a child process (:func:`run_child`: ``python inject.py
-sweep|sigint ...``), which reports each outcome as a JSON line as it goes and ends
-with ``os._exit``; the parent kills it at a timeout and still has what was reported.
-Inside the child every wait is bounded too, so one broken case fails alone: the
-training thread is woken by ``SIGALRM`` (a blocked ``Lock.acquire`` on the main
-thread is interrupted by signals), ``close()`` runs on a helper thread joined with a
-timeout and, if stuck in Python code, is stopped with an asynchronous exception.
+exit). So tests run sweeps in child processes (:func:`sweep_in_children`; the child is
+``python inject.py sweep ...``), which report each outcome as a JSON line as they go
+and end with ``os._exit``; a case that may have left a thread stuck ends its child, and
+the next child resumes after it. Inside a child every wait is bounded, so one broken
+case fails alone: the training thread is woken by ``SIGALRM`` (a blocked
+``Lock.acquire`` on the main thread is interrupted by signals), ``close()`` runs on a
+helper thread joined with a timeout and, if stuck in Python code, is stopped with an
+asynchronous exception, and a child stuck anyway dumps its stacks and exits at a
+per-case timeout.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ import ssdtrain
 
 __all__ = ["STORE_MODULES", "store_files", "Scenario", "LineCounter", "InterruptAt", "Hung",
            "baseline", "targets", "run_case", "Outcome", "Sweep", "sweep", "sigint_loop",
-           "watchdog", "bounded_call", "settle_and_check", "make_offloader", "run_child",
-           "child_env", "KiB"]
+           "sweep_in_children", "poisoned", "watchdog", "bounded_call", "settle_and_check",
+           "make_offloader", "run_child", "child_env", "KiB"]
 
 KiB = 1024
 
@@ -88,8 +90,39 @@ def short(path: str) -> str:
 
 # ----------------------------------------------------------------------------- tracers
 
+_WITH_EXIT = (("LOAD_CONST", None), ("LOAD_CONST", None), ("LOAD_CONST", None))
+
+
+def _with_exits(code, _cache={}):
+    """Offsets in ``code`` where a ``with`` block's exit starts (``__exit__(None, None,
+    None)``). CPython reports a second 'line' event for the ``with`` line there, while
+    the lock (or other context) is still held and outside the block's exception
+    handler, yet no signal can be delivered there: the interpreter checks for signals
+    only on function entry, backward jumps and after calls, and the body's last call
+    is still inside the block while the next check comes after ``__exit__`` returned.
+    An interrupt injected there would be an artifact of tracing, so these events are
+    neither counted nor used."""
+    found = _cache.get(code)
+    if found is None:
+        ins = list(dis.get_instructions(code))
+        found = frozenset(
+            ins[i].offset for i in range(len(ins) - 3)
+            if ins[i].starts_line is not None
+            and all((a.opname, a.argval) == want for a, want in zip(ins[i:i + 3], _WITH_EXIT))
+            and ins[i + 3].opname in ("PRECALL", "CALL"))
+        _cache[code] = found
+    return found
+
+
+def _is_signal_point(frame):
+    """Whether a 'line' event of ``frame`` is a place a real SIGINT could interrupt (all
+    but a ``with`` block's exit: see :func:`_with_exits`)."""
+    return frame.f_lasti not in _with_exits(frame.f_code)
+
+
 class LineCounter:
-    """A ``sys.settrace`` function counting ``(file, line)`` executions in ``files``."""
+    """A ``sys.settrace`` function counting ``(file, line)`` executions in ``files`` (the
+    'line' events a signal could interrupt: :func:`_is_signal_point`)."""
 
     def __init__(self, files):
         self.files = files
@@ -101,7 +134,7 @@ class LineCounter:
         return None
 
     def _local(self, frame, event, arg):
-        if event == "line":
+        if event == "line" and _is_signal_point(frame):
             self.counts[(frame.f_code.co_filename, frame.f_lineno)] += 1
         return self._local
 
@@ -137,7 +170,8 @@ class InterruptAt:
         return self._local
 
     def _local(self, frame, event, arg):
-        if event == "line" and frame.f_lineno == self.line and not self.fired:
+        if event == "line" and frame.f_lineno == self.line and not self.fired \
+                and _is_signal_point(frame):
             self.seen += 1
             if self.seen == self.k:
                 self.fired = True
@@ -159,7 +193,9 @@ def watchdog(seconds: float, what: str):
 
     Uses ``SIGALRM``: its handler runs on the main thread at the next bytecode, and a
     main thread blocked in ``Lock.acquire`` (a deadlock on the store's lock) is woken.
-    Code stuck in C without checking signals cannot be interrupted this way.
+    The alarm repeats every 2 s until the block is left: code under test that catches
+    the first :class:`Hung` (a repair on ``BaseException``) and blocks again gets
+    another. Code stuck in C without checking signals cannot be interrupted this way.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -169,7 +205,7 @@ def watchdog(seconds: float, what: str):
         raise Hung(f"{what} did not finish within {seconds} s")
 
     old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 2.0)
     try:
         yield
     finally:
@@ -221,7 +257,8 @@ def bounded_call(fn, timeout: float, what: str):
         where = _store_stack(thread)
         _async_raise(thread, _Abandoned)
         thread.join(5)
-        left = " (stuck in native code: left running)" if thread.is_alive() else ""
+        left = (" (still running 5 s after being told to stop, blocked in a wait: left "
+                "running)") if thread.is_alive() else ""
         return f"{what} did not return within {timeout} s; it was at {where}{left}"
     if errors:
         e = errors[0]
@@ -328,32 +365,47 @@ def make_offloader(spill_dir, **overrides):
     return ssdtrain.Offloader(ssdtrain.OffloadConfig(**cfg))
 
 
-def baseline(sc: Scenario, off, n_steps=2):
+def baseline(sc: Scenario, make_off, *, runs=3, n_steps=2):
     """``{(file, line): times run}`` in the store modules on this thread while ``n_steps``
-    steps run under ``off`` (closed after)."""
-    counter = LineCounter(store_files())
-    sys.settrace(counter)
-    try:
-        for i in range(n_steps):
-            sc.step(i, off)
-    finally:
-        sys.settrace(None)
-    gc.collect()
-    off.close()
-    return dict(counter.counts)
+    steps run under a fresh Offloader from ``make_off()`` (closed after), ``runs`` times.
+
+    How often a line runs depends on when engine threads complete requests (a read
+    that ends before backward needs it is no miss), so each line gets the fewest runs
+    seen in any replay where it ran: its last run is then likely reached again."""
+    merged = {}
+    for _ in range(runs):
+        counter = LineCounter(store_files())
+        off = make_off()
+        sys.settrace(counter)
+        try:
+            for i in range(n_steps):
+                sc.step(i, off)
+        finally:
+            sys.settrace(None)
+        gc.collect()
+        off.close()
+        for key, n in counter.counts.items():
+            merged[key] = min(n, merged.get(key, n))
+    return merged
 
 
 def targets(counts, full=False):
     """``[(file, line, k, n)]``: interrupt the ``k``-th of the ``n`` runs of each line.
 
     Every line at its first run; lines run more than once also at their last run,
-    and (``full``) at the middle one. Sorted by file and line (deterministic)."""
-    out = []
+    and (``full``) at the middle one. Deterministic order: the files taken in turn
+    (round robin, each in line order), so a sweep cut short after a few failures
+    has still visited every module."""
+    per_file = collections.defaultdict(list)
     for (file, line), n in sorted(counts.items()):
         ks = {1, n}
         if full:
             ks.add((n + 1) // 2)
-        out += [(file, line, k, n) for k in sorted(ks)]
+        per_file[file] += [(file, line, k, n) for k in sorted(ks)]
+    queues = [per_file[f] for f in sorted(per_file)]
+    out = []
+    for i in range(max(map(len, queues), default=0)):
+        out += [q[i] for q in queues if i < len(q)]
     return out
 
 
@@ -476,7 +528,8 @@ def run_case(sc: Scenario, off, target=None, *, armed_steps=2, after_steps=2,
         if injector.fired and not outcome.surfaced:
             kinds = [f"{t.__name__} in {o!r}" for t, _, o in unraisable.seen
                      if t is KeyboardInterrupt]
-            outcome.surfaced = "swallowed" + (f" ({kinds[0]})" if kinds else "")
+            outcome.surfaced = f"swallowed ({kinds[0]})" if kinds else \
+                "absorbed (neither raised to the step loop nor reported as unraisable)"
     err = bounded_call(off.close, close_bound_s, "close()")
     if err:
         fails.append(f"close: {err}")
@@ -512,7 +565,7 @@ class Sweep:
         """Counts (fired, where the interrupt surfaced, quarantine) and the failing lines."""
         fired = [o for o in self.outcomes if o.fired]
         caught = sum(o.surfaced.startswith("step") for o in fired)
-        swallowed = sum(o.surfaced.startswith("swallowed") for o in fired)
+        swallowed = sum(o.surfaced.startswith("swallowed") for o in fired)  # by a finalizer
         quarantined = sum(o.quarantined > 0 for o in self.outcomes)
         lines = sorted({o.where.split(" ")[0] for o in self.failing})
         text = (f"[{self.engine}] {len(self.outcomes)} targets: {len(fired)} fired "
@@ -700,9 +753,100 @@ class _Writer:
         self.f.flush()
 
 
+# Failures after which a case may have left a thread blocked or the old store's lock
+# held: later cases in the same process would not be independent of it.
+_POISON = ("hang on the training thread", "close: close() did not return")
+
+
+def poisoned(outcome) -> bool:
+    """Whether ``outcome``'s case may have left a thread stuck (see :func:`sweep_in_children`)."""
+    return any(f.startswith(p) for f in outcome.failures for p in _POISON)
+
+
+def _digest():
+    """``{module: sha1}`` of the store modules: a sweep's targets are line numbers, valid
+    only while the files stay as they were when the baseline ran."""
+    import hashlib
+
+    out = {}
+    for path in sorted({os.path.abspath(p) for p in store_files()}):
+        with open(path, "rb") as f:
+            out[short(path)] = hashlib.sha1(f.read()).hexdigest()
+    return out
+
+
+def _describe(target):
+    file, line, k, n = target
+    return f"{short(file)}:{line} (occurrence {k} of {n})"
+
+
+def sweep_in_children(engine, select, spill_dir, *, budget_s, max_failing=10,
+                      case_timeout_s=60.0, extra=()):
+    """:func:`sweep` at the targets ``select`` picks (``first``, ``last`` or ``full``: see
+    :func:`targets`), in child processes. Returns ``(Sweep, baseline)``: ``baseline`` is
+    the first child's report (``lines`` traced, ``targets``, ``files``), or ``None``.
+
+    A child runs the targets in order until the end, or until a case that may have left
+    a thread stuck (:func:`poisoned`): the next child resumes after it, on the same
+    targets (the first child writes them to a file). A child stuck beyond
+    ``case_timeout_s`` in one case dumps its threads' stacks and exits (faulthandler);
+    that case fails with the dump, and the next child resumes after it. Stops after
+    ``max_failing`` failing targets or ``budget_s`` seconds, saying so in ``stopped``.
+    """
+    result, base = Sweep(engine), None
+    deadline = time.monotonic() + budget_s
+    with tempfile.TemporaryDirectory(prefix="ssdtrain-sweep-") as tmp:
+        tfile, start = os.path.join(tmp, "targets.json"), 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining < 10:
+                result.stopped = f"time budget of {budget_s} s spent"
+                break
+            records, rc, tail = run_child(
+                [__file__, "sweep", "--engine", engine, "--select", select, "--spill",
+                 str(spill_dir), "--targets-file", tfile, "--start", str(start),
+                 "--max-failing", str(max_failing - len(result.failing)),
+                 "--case-timeout-s", str(case_timeout_s), *extra], remaining)
+            ran, finished = 0, False
+            for r in records:
+                kind = r.pop("kind")
+                if kind == "baseline" and base is None:
+                    base = r
+                elif kind == "outcome":
+                    result.outcomes.append(Outcome(**r))
+                    ran += 1
+                elif kind == "done":
+                    finished, result.stopped = True, r["stopped"]
+            if finished:
+                break
+            start += ran
+            if not os.path.exists(tfile):
+                result.stopped = f"the sweep process ended before its baseline (exit {rc}):\n{tail}"
+                break
+            with open(tfile) as f:
+                tgts = [tuple(t) for t in json.load(f)["targets"]]
+            if not (ran and poisoned(result.outcomes[-1])) and start < len(tgts):
+                # The child hung (killed by its faulthandler timer or our timeout) or died
+                # inside the case at ``start``, before reporting it.
+                how = "was stopped by its timeout" if rc is None else f"ended with exit {rc}"
+                result.outcomes.append(Outcome(
+                    _describe(tgts[start]), surfaced="unknown",
+                    failures=[f"the sweep process hung or died in this case: it {how}; its "
+                              f"last output:\n{tail}"]))
+                start += 1
+            if start >= len(tgts):
+                break
+            if len(result.failing) >= max_failing:
+                result.stopped = (f"stopped after {max_failing} failing targets, "
+                                  f"{len(tgts) - start} not run")
+                break
+    return result, base
+
+
 def _main(argv=None):
-    """``sweep --engine E --select first|last|full --spill DIR --out F [--max-failing N]``
-    or ``sigint --engine E --seconds S --seed N --spill DIR --out F``: see the tests."""
+    """``sweep --engine E --select first|last|full --spill DIR --out F --targets-file T
+    [--start I] [--max-failing N]`` or ``sigint --engine E --seconds S --seed N --spill DIR
+    --out F``: the child processes of :func:`sweep_in_children` and of the SIGINT test."""
     import argparse
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
@@ -711,7 +855,12 @@ def _main(argv=None):
     parser.add_argument("--select", choices=("first", "last", "full"), default="first")
     parser.add_argument("--spill", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--targets-file", default=None,
+                        help="targets to run (JSON); written from a baseline if absent")
+    parser.add_argument("--start", type=int, default=0, help="index of the first target")
     parser.add_argument("--max-failing", type=int, default=10)
+    parser.add_argument("--case-timeout-s", type=float, default=60.0,
+                        help="dump every thread's stack and exit if one case runs this long")
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-bound-s", type=float, default=15.0,
@@ -719,7 +868,8 @@ def _main(argv=None):
     parser.add_argument("--close-bound-s", type=float, default=None,
                         help="bound of close(); default io_timeout_s + 5 (diagnostics: lower)")
     parser.add_argument("--hang-s", type=float, default=600.0,
-                        help="dump every thread's stack and exit after this long")
+                        help="dump every thread's stack and exit after this long (setup, "
+                             "baseline, the SIGINT mode)")
     args = parser.parse_args(argv)
     faulthandler.dump_traceback_later(args.hang_s, exit=True)
     write = _Writer(args.out)
@@ -728,16 +878,44 @@ def _main(argv=None):
     gc.collect()
     gc.freeze()  # the full collections of each case must not rescan torch's objects
     if args.mode == "sweep":
-        counts = baseline(sc, make_offloader(args.spill, engine=args.engine))
-        tgts = targets(counts, full=args.select == "full")
-        if args.select != "full":
-            tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]
-        write("baseline", lines=len(counts), targets=len(tgts),
-              files=sorted({short(f) for f, _ in counts}))
-        result = sweep(sc, args.spill, args.engine, tgts, max_failing=args.max_failing,
-                       report=lambda o: write("outcome", **dataclasses.asdict(o)),
-                       step_bound_s=args.step_bound_s, close_bound_s=args.close_bound_s)
-        write("done", stopped=result.stopped)
+        tfile = args.targets_file
+        if tfile and os.path.exists(tfile):
+            with open(tfile) as f:
+                saved = json.load(f)
+            tgts = [tuple(t) for t in saved["targets"]]
+            if saved["digest"] != _digest():
+                write("done", stopped="the store modules changed while the sweep ran (their "
+                                      "line numbers are its targets): run it again")
+                os._exit(0)
+        else:
+            counts = baseline(sc, lambda: make_offloader(args.spill, engine=args.engine))
+            tgts = targets(counts, full=args.select == "full")
+            if args.select != "full":
+                tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]
+            if tfile:
+                with open(tfile + ".tmp", "w") as f:
+                    json.dump(dict(digest=_digest(), targets=tgts), f)
+                os.replace(tfile + ".tmp", tfile)
+            write("baseline", lines=len(counts), targets=len(tgts),
+                  files=sorted({short(f) for f, _ in counts}))
+        failing, stopped = 0, ""
+        for i in range(args.start, len(tgts)):
+            faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
+            outcome = run_case(sc, make_offloader(args.spill, engine=args.engine), tgts[i],
+                               step_bound_s=args.step_bound_s, close_bound_s=args.close_bound_s)
+            write("outcome", **dataclasses.asdict(outcome))
+            failing += bool(outcome.failures)
+            if poisoned(outcome):
+                write("restart")
+                break
+            if failing >= args.max_failing and i + 1 < len(tgts):
+                stopped = (f"stopped after {failing} more failing targets, {len(tgts) - i - 1} "
+                           f"not run")
+                write("done", stopped=stopped)
+                break
+        else:
+            write("done", stopped="")
+        faulthandler.cancel_dump_traceback_later()
     else:
         fails, info = sigint_loop(sc, make_offloader(args.spill, engine=args.engine),
                                   args.seconds, seed=args.seed)

@@ -41,9 +41,10 @@ def _deterministic():
 
 
 def _engines(directory):
+    from ssdtrain._device import GDS_PROBE_MEMORY
     from ssdtrain.io import gds, native
     names = ["posix"] + (["native"] if native.available() else [])
-    if not gds.probe(str(directory)):
+    if not gds.probe(str(directory), GDS_PROBE_MEMORY):
         names.append("kvikio")
     return names
 

@@ -21,6 +21,7 @@ import torch
 import ssdtrain
 from helpers import assert_same, run_step, save_and_unpack
 from models import ALL_MODELS
+from ssdtrain._device import GDS_PROBE_MEMORY
 from ssdtrain.io import gds
 
 
@@ -118,11 +119,50 @@ def test_kvikio_short_read_is_an_integrity_error(fake_kvikio, make_offloader):
 
 
 def test_probe_reports_why_without_kvikio_or_cuda(tmp_path, monkeypatch):
+    memory = GDS_PROBE_MEMORY
     monkeypatch.setitem(sys.modules, "kvikio", None)  # import fails
-    assert "pip install ssdtrain[gds]" in gds._probe(str(tmp_path))
+    assert "pip install ssdtrain[gds]" in gds._probe(str(tmp_path), memory)
     monkeypatch.setitem(sys.modules, "kvikio", types.ModuleType("kvikio"))
     if not torch.cuda.is_available():
-        assert gds._probe(str(tmp_path)) == "no CUDA device is available"
+        assert gds._probe(str(tmp_path), memory) == "no CUDA device is available"
+
+
+def test_probe_without_device_memory_tests_nothing(tmp_path, fake_kvikio):
+    """io/ never touches CUDA itself: with no device memory handed in, kvikio is not
+    usable, and that verdict is not cached for the directory."""
+    assert gds.probe(str(tmp_path), None) != ""
+    assert str(tmp_path) not in gds._probed
+
+
+def test_probe_uses_the_memory_it_is_given(tmp_path, fake_kvikio, monkeypatch):
+    """The probe's test I/O goes through the addresses the memory hands out (host memory
+    here, through the stand-in kvikio) and compares with its ``same``."""
+    import ctypes
+
+    class HostMemory:
+        compared = 0
+
+        def missing(self):
+            return ""
+
+        def buffers(self, nbytes):
+            src = (ctypes.c_char * nbytes).from_buffer_copy(os.urandom(nbytes))
+            dst = (ctypes.c_char * nbytes)()
+
+            def same():
+                HostMemory.compared += 1
+                return bytes(src) == bytes(dst)
+            return ctypes.addressof(src), ctypes.addressof(dst), same
+
+    # The stand-in CuFile takes kvikio's w+ and any path; device buffers are host here.
+    monkeypatch.setattr(_CuFile, "__init__", lambda self, path, flags="r": setattr(
+        self, "fd", os.open(path, os.O_RDWR | os.O_CREAT, 0o600)))
+    monkeypatch.setattr(gds, "_DeviceBuffer", gds._host_buffer)
+    directory = tmp_path / "probed"
+    directory.mkdir()
+    assert gds._probe(str(directory), HostMemory()) == ""
+    assert HostMemory.compared == 1
+    assert os.listdir(directory) == []                # the test file is gone
 
 
 def test_compat_mode_as_bool_or_enum():

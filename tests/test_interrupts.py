@@ -27,10 +27,11 @@ every line on both engines (slow). A failure names the file:line, the occurrence
 the check. Only the training thread is traced: engine completions run on engine
 threads, which a SIGINT never interrupts.
 
-Each sweep runs in a child process (``tests/inject.py``) with a timeout: a store left
-with its lock held blocks an engine thread forever, and a process with such a thread
-never exits. Inside, each case is bounded too (see inject.py), so one broken line
-fails alone and the others still run.
+Sweeps run in child processes (``inject.sweep_in_children``): a store left with its
+lock held blocks an engine thread forever, and a process with such a thread never
+exits. Every case is bounded, and one that may have left a thread stuck ends its
+child (the next resumes after it), so one broken line fails alone and the others
+still run.
 """
 
 from __future__ import annotations
@@ -46,29 +47,25 @@ ENGINES = ("posix", "native")
 # Default selection per engine: together they interrupt the first and the last run of
 # every line the scenario executes (lines run once: by both).
 SELECT = {"posix": "first", "native": "last"}
-SWEEP_TIMEOUT_S = 240   # a healthy default sweep takes ~20 s; a broken store up to
-                        # max_failing x (15 s step bound + 10 s close bound)
-FULL_TIMEOUT_S = 1800
+SWEEP_BUDGET_S = 240    # a healthy default sweep takes ~20 s; a broken store costs up to
+                        # 15 s (step bound) + 10 s (close bound) per failing target
+FULL_BUDGET_S = 3600
 
 
-def _sweep(spill_dir, engine, select, timeout):
-    records, rc, tail = inject.run_child(
-        [inject.__file__, "sweep", "--engine", engine, "--select", select,
-         "--spill", str(spill_dir), "--hang-s", str(timeout - 15)], timeout)
-    result = inject.Sweep.from_records(engine, records)
-    base = [r for r in records if r["kind"] == "baseline"]
-    done = any(r["kind"] == "done" for r in records)
+def _sweep(spill_dir, engine, select, budget_s):
+    result, base = inject.sweep_in_children(engine, select, spill_dir, budget_s=budget_s)
     print(result.summary())
-    assert base, f"[{engine}] the sweep process reported nothing (exit {rc}):\n{tail}"
-    assert base[0]["lines"] > 100, f"[{engine}] only {base[0]['lines']} store lines traced"
-    assert not result.failing, result.message() + \
-        ("" if done else f"\n(the sweep process did not finish: exit {rc})\n{tail}")
-    assert done, (f"[{engine}] the sweep process did not finish (exit {rc}; "
-                  f"{len(result.outcomes)} of {base[0]['targets']} targets run):\n{tail}")
+    if base is None:
+        pytest.fail(f"[{engine}] the sweep reported no baseline: {result.stopped}",
+                    pytrace=False)
+    assert base["lines"] > 100, f"[{engine}] only {base['lines']} store lines traced"
+    if result.failing or result.stopped:
+        pytest.fail(result.message(), pytrace=False)
+    assert len(result.outcomes) == base["targets"], result.summary()
     fired = sum(o.fired for o in result.outcomes)
     # Not vacuous: most targets are reached again in the replay (the rest depend on
     # when engine threads complete requests).
-    assert fired >= 0.8 * len(result.outcomes), result.summary()
+    assert fired >= 0.5 * len(result.outcomes), result.summary()
 
 
 def test_scenario_exercises_the_store(spill_dir):
@@ -88,7 +85,7 @@ def test_scenario_exercises_the_store(spill_dir):
 def test_interrupt_at_each_store_line(spill_dir, engine):
     """KeyboardInterrupt at every store line the scenario runs on the training thread
     (posix: the first run of each line; native: the last)."""
-    _sweep(spill_dir, engine, SELECT[engine], SWEEP_TIMEOUT_S)
+    _sweep(spill_dir, engine, SELECT[engine], SWEEP_BUDGET_S)
 
 
 @pytest.mark.slow
@@ -96,7 +93,7 @@ def test_interrupt_at_each_store_line(spill_dir, engine):
                                      "run of every line, both engines)")
 @pytest.mark.parametrize("engine", ENGINES)
 def test_interrupt_at_each_store_line_full(spill_dir, engine):
-    _sweep(spill_dir, engine, "full", FULL_TIMEOUT_S)
+    _sweep(spill_dir, engine, "full", FULL_BUDGET_S)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -113,6 +110,7 @@ def test_random_sigint_while_training(spill_dir, engine):
     assert got, f"[{engine}] the SIGINT process reported nothing (exit {rc}):\n{tail}"
     fails, info = got[0]["failures"], got[0]["info"]
     print(f"[{engine}] {info}")
-    assert not fails, f"[{engine}] {info}\n" + "\n".join(fails)
+    if fails:
+        pytest.fail(f"[{engine}] {info}\n" + "\n".join(fails), pytrace=False)
     # Not vacuous: steps were interrupted, and some completed.
     assert info["interrupted"] >= 10 and info["completed"] >= 1, info

@@ -73,40 +73,30 @@ struct Worker {
   std::unique_ptr<Uring> ring;
 };
 
-void pwrite_all(int fd, const char* buf, std::size_t len, std::uint64_t offset,
-                const std::string& path) {
+// Moves all `len` bytes between `buf` and `fd` at `offset` (a pwrite for Op::kWrite, else
+// a pread), call after call: one call may move less than asked.
+void transfer_all(Op op, int fd, char* buf, std::size_t len, std::uint64_t offset,
+                  const std::string& path) {
+  const bool write = op == Op::kWrite;
+  const char* name = write ? "pwrite" : "pread";
   std::size_t done = 0;
   while (done < len) {
-    const ssize_t n = pwrite(fd, buf + done, std::min(len - done, kMaxSyscallBytes),
-                             static_cast<off_t>(offset + done));
+    const std::size_t want = std::min(len - done, kMaxSyscallBytes);
+    const auto at = static_cast<off_t>(offset + done);
+    const ssize_t n = write ? pwrite(fd, buf + done, want, at) : pread(fd, buf + done, want, at);
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw IoError(errno, "pwrite", offset + done, len - done, path);
+      throw IoError(errno, name, offset + done, len - done, path);
     }
     if (n == 0) {
-      throw IoError(EIO, "pwrite", offset + done, len - done, path,
-                    "short write (" + std::to_string(done) + " of " + std::to_string(len) +
-                        " bytes)");
-    }
-    done += static_cast<std::size_t>(n);
-  }
-}
-
-void pread_all(int fd, char* buf, std::size_t len, std::uint64_t offset, const std::string& path) {
-  std::size_t done = 0;
-  while (done < len) {
-    const ssize_t n = pread(fd, buf + done, std::min(len - done, kMaxSyscallBytes),
-                            static_cast<off_t>(offset + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw IoError(errno, "pread", offset + done, len - done, path);
-    }
-    if (n == 0) {
+      const std::string count = std::to_string(done) + " of " + std::to_string(len) + " bytes";
+      if (write) {
+        throw IoError(EIO, name, offset + done, len - done, path, "short write (" + count + ")");
+      }
       // End of file: the spill file is shorter than what was written to it. ENODATA
       // tells the Python side to raise IntegrityError rather than SpillIOError.
-      throw IoError(ENODATA, "pread", offset + done, len - done, path,
-                    "short read (" + std::to_string(done) + " of " + std::to_string(len) +
-                        " bytes): spill data truncated");
+      throw IoError(ENODATA, name, offset + done, len - done, path,
+                    "short read (" + count + "): spill data truncated");
     }
     done += static_cast<std::size_t>(n);
   }
@@ -147,13 +137,7 @@ void plan(const Piece& p, Worker& w, std::size_t max_segment, std::vector<Segmen
 
 void run_threads(const Piece& p, const std::vector<Segment>& segments) {
   const Request& r = *p.request;
-  for (const Segment& s : segments) {
-    if (r.op == Op::kWrite) {
-      pwrite_all(r.fd, s.buf, s.len, s.offset, r.path);
-    } else {
-      pread_all(r.fd, s.buf, s.len, s.offset, r.path);
-    }
-  }
+  for (const Segment& s : segments) transfer_all(r.op, r.fd, s.buf, s.len, s.offset, r.path);
 }
 
 // Keeps up to the ring's capacity of segments in flight; a short transfer is

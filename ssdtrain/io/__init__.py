@@ -21,18 +21,19 @@ _logged_auto = False
 
 
 def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=(),
-                verify: bool = False) -> Engine:
+                verify: bool = False, gds_memory=None) -> Engine:
     """The engine called ``name``.
 
     ``"auto"``: ``kvikio`` where GPUDirect Storage passes :func:`gds.probe` in every
     directory, else ``native`` where it is built, else ``posix``; the choice and the
     reasons for passing over the others are logged once per process. ``verify``
     (CRC32C of host copies) rules kvikio out: device records never pass through host
-    memory there.
+    memory there. ``gds_memory``: the device memory :func:`gds.probe` tests with
+    (``ssdtrain._device.GDS_PROBE_MEMORY``); without it kvikio is never usable.
     """
     global _logged_auto
     if name == "auto":
-        name, why = _auto(directories, verify)
+        name, why = _auto(directories, verify, gds_memory)
         if not _logged_auto:
             log.info("ssdtrain: engine auto -> %s (%s)", name, why)
         _logged_auto = True
@@ -41,7 +42,8 @@ def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=
             raise ConfigError("ssdtrain: verify=True cannot be used with engine='kvikio': "
                               "GPUDirect Storage moves device records without a host copy to "
                               "checksum. Use engine='native' with verify=True, or verify=False.")
-        return gds.KvikioEngine(io_threads=io_threads, directories=directories)
+        return gds.KvikioEngine(io_threads=io_threads, directories=directories,
+                                memory=gds_memory)
     if name == "native":
         if not native.available():
             raise ConfigError(f"ssdtrain: engine='native' is not available: "
@@ -52,12 +54,12 @@ def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=
     raise AssertionError(f"ssdtrain: unknown engine {name!r} passed validation; please report.")
 
 
-def _auto(directories, verify):
+def _auto(directories, verify, gds_memory):
     """``(engine name, why)`` for ``engine="auto"``."""
     if verify:
         reasons = ["verify=True checksums host copies"]
     else:
-        reasons = [r for r in (gds.probe(d) for d in directories) if r] or \
+        reasons = [r for r in (gds.probe(d, gds_memory) for d in directories) if r] or \
             ([] if directories else ["no spill directory to probe"])
     if not reasons:
         return "kvikio", "GPUDirect Storage works in every spill directory"

@@ -7,7 +7,9 @@ imports on machines where cuFile cannot do any I/O (no GPU driver, no
 "compatibility mode" (POSIX I/O through its own bounce buffers), which is slower
 than the native engine with pinned staging. So :func:`probe` does a real small
 write and read of device memory in the spill directory, with compatibility mode
-refused, and ``engine="auto"`` picks kvikio only where that probe passed.
+refused, and ``engine="auto"`` picks kvikio only where that probe passed. The
+device memory it tests with is handed in (``ssdtrain._device.GDS_PROBE_MEMORY``):
+nothing here touches CUDA through torch.
 
 Install with ``pip install ssdtrain[gds]`` (CUDA 12). Never needed in CI.
 """
@@ -81,46 +83,49 @@ def _compat_mode_reason(kvikio) -> str:
             "POSIX I/O through host bounce buffers, slower than the native engine)") if on else ""
 
 
-def probe(directory: str) -> str:
+def probe(directory: str, memory) -> str:
     """``""`` if GPUDirect Storage works in ``directory``, else why not (cached per directory).
 
     Works means: kvikio imports, a CUDA device is present, kvikio is not in
     compatibility mode, and a 1 MiB write of device memory to a file in
     ``directory`` reads back bit-exact.
+
+    Args:
+        memory: the device memory to test with: ``memory.missing()`` says why there
+            is no device (``""`` if there is one) and ``memory.buffers(nbytes)`` gives
+            ``(source address, destination address, same)``, ``same()`` telling whether
+            the destination equals the source (``ssdtrain._device.GDS_PROBE_MEMORY``).
+            ``None``: no device memory, nothing is tested (and nothing cached).
     """
+    if memory is None:
+        return "no device memory was given to test GPUDirect Storage with"
     with _probe_lock:
         if directory not in _probed:
-            _probed[directory] = _probe(directory)
+            _probed[directory] = _probe(directory, memory)
         return _probed[directory]
 
 
-def _probe(directory: str) -> str:
+def _probe(directory: str, memory) -> str:
     try:
         import kvikio
     except ImportError as e:
         return f"kvikio is not installed ({e}); `pip install ssdtrain[gds]` on a CUDA 12 machine"
-    import torch
-    if not torch.cuda.is_available():
-        return "no CUDA device is available"
-    device = torch.device("cuda", torch.cuda.current_device())  # not a context on GPU 0
-    reason = _compat_mode_reason(kvikio)
+    reason = memory.missing() or _compat_mode_reason(kvikio)
     if reason:
         return reason
     path = os.path.join(directory, f".ssdtrain-gds-probe-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        src = torch.randint(0, 256, (_PROBE_BYTES,), dtype=torch.uint8, device=device)
-        dst = torch.zeros_like(src)
-        torch.cuda.synchronize(device)
+        src, dst, same = memory.buffers(_PROBE_BYTES)
         f = kvikio.CuFile(path, "w+")
         try:
             reason = _file_compat_reason(f)
             if reason:
                 return reason
-            wrote = f.pwrite(_DeviceBuffer(src.data_ptr(), _PROBE_BYTES), _PROBE_BYTES, 0).get()
-            read = f.pread(_DeviceBuffer(dst.data_ptr(), _PROBE_BYTES), _PROBE_BYTES, 0).get()
+            wrote = f.pwrite(_DeviceBuffer(src, _PROBE_BYTES), _PROBE_BYTES, 0).get()
+            read = f.pread(_DeviceBuffer(dst, _PROBE_BYTES), _PROBE_BYTES, 0).get()
         finally:
             f.close()
-        if wrote != _PROBE_BYTES or read != _PROBE_BYTES or not torch.equal(src, dst):
+        if wrote != _PROBE_BYTES or read != _PROBE_BYTES or not same():
             return (f"a GPUDirect Storage test I/O in {directory} returned wrong data "
                     f"(wrote {wrote}, read {read} of {_PROBE_BYTES} bytes)")
     except Exception as e:  # noqa: BLE001 - every failure is a reason not to use it
@@ -150,6 +155,7 @@ class KvikioEngine(Engine):
     Args:
         io_threads: requests in flight at once. Default 4.
         directories: the spill directories; each must pass :func:`probe`.
+        memory: the device memory :func:`probe` tests with.
 
     Raises:
         ConfigError: kvikio or cuFile does not work in one of ``directories``.
@@ -158,9 +164,9 @@ class KvikioEngine(Engine):
     name = "kvikio"
     device_memory = True
 
-    def __init__(self, *, io_threads: int = 4, directories=()):
+    def __init__(self, *, io_threads: int = 4, directories=(), memory=None):
         for d in directories:
-            reason = probe(d)
+            reason = probe(d, memory)
             if reason:
                 raise ConfigError(f"ssdtrain: engine='kvikio' cannot be used for spill_dir {d!r}: "
                                   f"{reason}. Use engine='auto' (it picks the native engine "

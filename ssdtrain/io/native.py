@@ -18,7 +18,7 @@ import weakref
 from concurrent.futures import Future
 
 from .._errors import ConfigError
-from .._spill import BLOCK
+from .._align import BLOCK
 from .base import Engine, abandoned, io_error
 
 try:

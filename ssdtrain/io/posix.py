@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .._errors import SpillIOError
-from .._spill import BLOCK, align_down, align_up
+from .._align import BLOCK, align_down, align_up
 from .base import Engine, abandoned, io_error
 
 __all__ = ["PosixEngine"]
@@ -148,9 +148,19 @@ class PosixEngine(Engine):
         return buf
 
     def _write_piece(self, fd, direct, offset, address, nbytes):
+        self._piece(True, fd, direct, offset, address, nbytes)
+
+    def _read_piece(self, fd, direct, offset, address, nbytes):
+        self._piece(False, fd, direct, offset, address, nbytes)
+
+    def _piece(self, write, fd, direct, offset, address, nbytes):
+        move = _pwrite_all if write else _preadv_all
         if not direct:
-            _pwrite_all(fd, memory_at(address, nbytes), offset)
+            move(fd, memory_at(address, nbytes), offset)
             return
+        # O_DIRECT: the partial first and last blocks pass through the bounce buffer
+        # (a whole block each: the slot owns every block it touches), the aligned
+        # middle moves in place.
         end = address + nbytes
         lo, hi = align_up(address), align_down(end)
         if lo > hi:  # starts and ends inside one block
@@ -159,29 +169,16 @@ class PosixEngine(Engine):
             if edge_start < edge_end:
                 block = align_down(edge_start)
                 bounce = self._bounce()
-                bounce[edge_start - block:edge_end - block] = memory_at(edge_start,
-                                                                        edge_end - edge_start)
-                _pwrite_all(fd, bounce, offset + (block - address))
+                inside = slice(edge_start - block, edge_end - block)
+                memory = memory_at(edge_start, edge_end - edge_start)
+                if write:
+                    bounce[inside] = memory
+                    _pwrite_all(fd, bounce, offset + (block - address))
+                else:
+                    _preadv_all(fd, bounce, offset + (block - address))
+                    memory[:] = bounce[inside]
         if lo < hi:
-            _pwrite_all(fd, memory_at(lo, hi - lo), offset + (lo - address))
-
-    def _read_piece(self, fd, direct, offset, address, nbytes):
-        if not direct:
-            _preadv_all(fd, memory_at(address, nbytes), offset)
-            return
-        end = address + nbytes
-        lo, hi = align_up(address), align_down(end)
-        if lo > hi:
-            lo = hi = end
-        for edge_start, edge_end in ((address, lo), (hi, end)):
-            if edge_start < edge_end:
-                block = align_down(edge_start)
-                bounce = self._bounce()
-                _preadv_all(fd, bounce, offset + (block - address))
-                memory_at(edge_start, edge_end - edge_start)[:] = \
-                    bounce[edge_start - block:edge_end - block]
-        if lo < hi:
-            _preadv_all(fd, memory_at(lo, hi - lo), offset + (lo - address))
+            move(fd, memory_at(lo, hi - lo), offset + (lo - address))
 
 
 def _pwrite_all(fd, view, offset):

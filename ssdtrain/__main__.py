@@ -1,0 +1,35 @@
+"""The ``ssdtrain`` command (console script; also ``python -m ssdtrain``).
+
+Subcommands:
+
+* ``estimate``: what ssdtrain would save, offload and keep for a model, from the model
+  alone (``ssdtrain/estimate.py``, docs/estimate.md).
+"""
+
+import sys
+
+_USAGE = """usage: ssdtrain <command> [options]
+
+commands:
+  estimate   bytes saved, offloaded and kept per micro-batch, SSD bandwidth, largest
+             micro-batch and drive endurance, from a model config (nothing allocated)
+
+`ssdtrain <command> --help` describes a command's options.
+"""
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        (sys.stdout if argv else sys.stderr).write(_USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "estimate":
+        from .estimate import main as estimate_main
+        return estimate_main(rest, prog="ssdtrain estimate")
+    sys.stderr.write(_USAGE + f"\nssdtrain: error: unknown command {command!r} (known: estimate)\n")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

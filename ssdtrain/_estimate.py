@@ -1,0 +1,611 @@
+"""``ssdtrain estimate``: what ssdtrain would save, offload and keep, from the model alone.
+
+The model is built on the meta device and its forward runs on fake tensors
+(``FakeTensorMode``): shapes, dtypes, strides, storages and version counters are
+real, data is not, and nothing is allocated. The saved-tensor hooks installed for
+the forward replay the decisions of ``Store.pack`` (``ssdtrain/_store.py``) on
+them: the same size threshold, the same "offloadable kind" rule
+(``_policy.is_offloadable_kind``), parameters and buffers recognised by storage
+(``_policy.TRACKER``), the same storage identity and record ranges
+(``_identity.storage_key``, ``byte_extent``, ``record_range``), the tail window
+(``keep_tail_bytes``) and the spill budget. docs/estimate.md has the formulas.
+
+NOTE [ Why fake tensors and not plain meta tensors ]
+Meta tensors have storages and ``_cdata`` identity, so the dedup logic works on
+them, but operators that pick a kernel by device pick differently on ``meta``:
+``scaled_dot_product_attention`` on a meta tensor takes the math path and saves the
+(batch, heads, seq, seq) attention probabilities, where the CPU (and CUDA) flash
+kernels save only q, k, v, the output and a logsumexp. A ``FakeTensor`` whose
+device is ``cpu`` runs the meta kernels but dispatches like a CPU tensor, so the
+tensors autograd saves are the ones a real CPU run saves. The model is still built
+under ``torch.device("meta")`` (building directly under ``FakeTensorMode`` breaks
+``module.to(dtype)``, which swaps parameters and refuses fake ones) and converted.
+
+NOTE [ Eager, not tracing ]
+Two libraries treat fake tensors as a sign of graph capture and change what runs;
+the estimate undoes both for the forward it measures, so that it runs what an eager
+training step runs:
+
+* transformers' ``is_tracing`` counts a ``FakeTensor`` as tracing and then
+  materialises the causal mask (and drops SDPA's native GQA) where eager passes
+  ``is_causal=True`` with no mask: the estimate would count a (batch, 1, seq, seq)
+  mask per layer that the real run never saves. ``is_fake_tensor`` is patched to
+  answer ``False`` while the estimate's forward runs. Eager then asks one question of
+  values, whether the position ids pack several sequences into a row
+  (``masking_utils.find_packed_sequence_indices``); the estimate's inputs never do, so
+  it answers "no" (``None``) as eager would.
+* the meta kernel of ``aten._grouped_mm`` (MoE experts) checks the CUDA kernel's
+  dtype rule (bf16 only), while the CPU kernel takes any float dtype; on a non-bf16
+  input the estimate computes the grouped matmul in bf16 and casts the result back.
+  Only the output's shape and dtype matter, and autograd (which decides what is
+  saved) sees the original call.
+
+NOTE [ Data-dependent shapes ]
+An operator whose output shape depends on values (``nonzero``, ``torch.where`` with
+one argument, ``masked_select``, ``unique``; a mixture-of-experts layer that loops over
+the experts its tokens were routed to) cannot run on fake tensors: it raises, and the
+estimate says which operator. Hugging Face MoE layers default to the ``grouped_mm``
+experts implementation, whose shapes do not depend on the routing (every token's
+top-k rows are sorted by expert and multiplied in one grouped matmul), so their
+estimate is exact for every routing; docs/estimate.md bounds the per-expert loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._config import OffloadConfig
+from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
+from ._policy import TRACKER, is_offloadable_kind
+from ._profile import LayerProfiler, default_layers
+from ._spill import BLOCK, align_up
+
+__all__ = ["Measurement", "LayerBytes", "measure", "fakeify", "EstimateError"]
+
+
+class EstimateError(Exception):
+    """The model could not be estimated (the message says why and what to do)."""
+
+
+# --------------------------------------------------------------------------- kinds
+_KIND_CACHE: Dict[tuple, bool] = {}
+
+
+def offloadable_kind(t: torch.Tensor) -> bool:
+    """:func:`ssdtrain._policy.is_offloadable_kind` of the plain tensor a fake one stands for.
+
+    ``is_offloadable_kind`` refuses every tensor subclass, ``FakeTensor`` included; a
+    fake tensor stands for a plain tensor of its device, dtype, layout and conj/neg
+    bits. The rule itself is applied, unchanged, to an empty real tensor with those
+    properties (cached per combination)."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    if not isinstance(t, FakeTensor):
+        return is_offloadable_kind(t)
+    dev = t.device.type
+    key = (t.dtype, dev, t.layout, t.is_conj(), t.is_neg(), t.is_quantized)
+    ok = _KIND_CACHE.get(key)
+    if ok is None:
+        if t.is_quantized or t.layout != torch.strided:
+            ok = False
+        else:
+            with unset_fake_temporarily():
+                # "cuda" and "cpu" are treated alike by the rule; this machine may have no GPU.
+                stand = torch.empty((1,), dtype=t.dtype,
+                                    device="cpu" if dev in ("cpu", "cuda") else "meta")
+                if t.is_conj():
+                    stand = stand.conj()
+                if t.is_neg():
+                    stand = stand._neg_view()
+                ok = is_offloadable_kind(stand)
+        _KIND_CACHE[key] = ok
+    return ok
+
+
+# ------------------------------------------------------------------------ results
+@dataclass
+class LayerBytes:
+    """Bytes of one repeated block (a child of an ``nn.ModuleList``) per micro-batch."""
+
+    name: str
+    packed_bytes: int = 0
+    """Bytes of every tensor saved inside the block, per pack."""
+    unique_bytes: int = 0
+    """Bytes of the records first created inside the block (after dedup)."""
+    offloadable_bytes: int = 0
+    """Bytes of those records ssdtrain writes (not kept in the tail)."""
+    kept_bytes: int = 0
+    """Bytes kept in memory: per pack (small, parameters, other kinds) plus tail records."""
+    activation_bytes: int = 0
+    """Bytes of the storages first saved inside the block that autograd holds at the end of
+    forward (what the block costs without offload), the block's input excluded."""
+    input_bytes: int = 0
+    """Bytes of the distinct storages of the block's tensor inputs (positional and keyword)."""
+
+    def to_json(self):
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Measurement:
+    """What one fake forward saw (per micro-batch of ``batch``)."""
+
+    batch: Optional[int]
+    gradient_checkpointing: bool
+    packed_bytes: int = 0
+    unique_bytes: int = 0
+    deduplicated_bytes: int = 0
+    offloadable_bytes: int = 0
+    kept_bytes: int = 0
+    kept_tail_bytes: int = 0
+    over_budget_bytes: int = 0
+    dropped_bytes: int = 0
+    layers: List[LayerBytes] = field(default_factory=list)
+    outside: LayerBytes = field(default_factory=lambda: LayerBytes("(outside layers)"))
+    # memory terms (bytes held at the end of forward), see docs/estimate.md
+    held_bytes: int = 0            # every storage autograd holds (no offload)
+    outside_held_bytes: int = 0    # storages first saved outside the blocks
+    inputs_held_bytes: int = 0     # union of the blocks' input storages
+    inputs_unseen_bytes: int = 0   # block inputs no hook saw, held by checkpointing (if on)
+    kept_held_bytes: int = 0       # storages a kept handle holds (ssdtrain keeps them)
+    max_layer_bytes: int = 0       # largest block's activation_bytes
+    params: int = 0
+    trainable_params: int = 0
+    param_bytes: int = 0
+    frozen_param_bytes: int = 0
+    kept_state_bytes: int = 0      # per-pack kept bytes of parameters, buffers, leaves
+    buffer_bytes: int = 0
+    flops: Optional[float] = None  # forward FLOPs (FlopCounterMode), None if not counted
+    model_name: str = ""
+
+
+# --------------------------------------------------------------------- fake build
+def fakeify(model: torch.nn.Module, inputs, mode, device="cpu"):
+    """Turn the meta tensors of ``model`` (parameters, buffers, plain tensor attributes)
+    and of ``inputs`` into fake tensors on ``device`` in place; returns the new inputs.
+
+    Tied parameters stay one object; views keep sharing their storage."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    conv = mode.fake_tensor_converter
+    dev = torch.device(device)
+    params = {}
+
+    def fake(t):
+        if isinstance(t, FakeTensor):
+            return t
+        if t.device.type == "meta":
+            return conv.from_meta_and_device(mode, t, dev)
+        return mode.from_tensor(t)
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            new = params.get(id(p))
+            if new is None:
+                new = params[id(p)] = (p, torch.nn.Parameter(fake(p.detach()),
+                                                             requires_grad=p.requires_grad))
+            module._parameters[name] = new[1]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = fake(b)
+        for name, v in list(vars(module).items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                setattr(module, name, fake(v))
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            return fake(obj)
+        if isinstance(obj, tuple):
+            return tuple(walk(o) for o in obj)
+        if isinstance(obj, list):
+            return [walk(o) for o in obj]
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        return obj
+    return walk(inputs)
+
+
+# --------------------------------------------------------------------- the replay
+class _Storage:
+    """A storage some pack saw: its bytes, the block that saved it first, live handles."""
+    __slots__ = ("nbytes", "layer", "live", "kept_live", "ref")
+
+    def __init__(self, nbytes, layer, ref):
+        self.nbytes, self.layer, self.ref = nbytes, layer, ref
+        self.live = 0        # live handles of any kind
+        self.kept_live = 0   # live handles on the "keep in memory" path
+
+
+class _Rec:
+    """Mirror of ``_records.Record`` for the pack decisions: range, version, state."""
+    __slots__ = ("key", "lo", "hi", "nbytes", "version", "span", "layer", "state", "live",
+                 "slot")
+
+    def __init__(self, key, lo, hi, version, span, layer):
+        self.key, self.lo, self.hi, self.nbytes = key, lo, hi, hi - lo
+        self.version, self.span, self.layer = version, span, layer
+        self.state = "pending"   # pending (in the tail) -> written | kept; dead (freed)
+        self.live = 0
+        self.slot = 0
+
+
+class _Handle:
+    """What the pack hook returns; its death is the graph releasing the saved tensor."""
+    __slots__ = ("t", "sim", "st", "rec", "kept")
+
+    def __init__(self, t, sim, st, rec, kept):
+        self.t, self.sim, self.st, self.rec, self.kept = t, sim, st, rec, kept
+
+    def __del__(self):
+        sim = self.sim
+        if sim is not None:
+            sim._inbox.append((self.st, self.rec, self.kept))  # applied at the next pack
+
+
+class _Replay:
+    """The saved-tensor hooks: ``Store.pack``'s decisions on fake tensors.
+
+    Every branch names the line of ``Store.pack`` / ``Store._pack_locked`` /
+    ``WriteBack._trim_tail_locked`` / ``Prefetch._end_pass_locked`` it mirrors."""
+
+    def __init__(self, cfg: OffloadConfig, profiler: Optional[LayerProfiler], m: Measurement):
+        self.cfg = cfg
+        self.min_bytes = max(1, cfg.min_tensor_bytes)
+        self.prof = profiler
+        self.m = m     # the Measurement being filled
+        self.registry: Dict[int, List[_Rec]] = {}
+        self.storages: Dict[int, _Storage] = {}
+        self.tail: "collections.OrderedDict[_Rec, None]" = collections.OrderedDict()
+        self.tail_bytes = 0
+        self.spill_used = 0
+        self._inbox = collections.deque()
+
+    def _layer(self):
+        return None if self.prof is None else self.prof.current_index()
+
+    def _lb(self, i):
+        return self.m.outside if i is None else self.m.layers[i]
+
+    def pack(self, t):
+        self._drain()
+        m = self.m
+        nbytes = t.numel() * t.element_size()
+        layer = self._layer()
+        lb = self._lb(layer)
+        m.packed_bytes += nbytes
+        lb.packed_bytes += nbytes
+        leaf = t.requires_grad and t.grad_fn is None
+        try:
+            storage = t.untyped_storage()
+            key = storage_key(storage)
+        except (RuntimeError, NotImplementedError, TypeError):
+            storage = key = None
+        state = leaf or (key is not None and TRACKER.contains(key))
+        st = None
+        if key is not None and not state:   # an activation: it costs memory without offload
+            st = self.storages.get(key)
+            if st is None:
+                st = self.storages[key] = _Storage(storage.nbytes(), layer,
+                                                   StorageWeakRef(storage))
+            st.live += 1
+        # Store.pack: too small, not a plain strided tensor, a leaf that requires grad,
+        # or a parameter / buffer (TRACKER): kept in memory, counted per pack.
+        if nbytes < self.min_bytes or not offloadable_kind(t) or leaf or \
+                key is None or TRACKER.contains(key):
+            m.kept_bytes += nbytes
+            lb.kept_bytes += nbytes
+            if state:
+                m.kept_state_bytes += nbytes
+            if st is not None:
+                st.kept_live += 1
+            return _Handle(t, self, st, None, True)
+        version = t._version
+        extent = byte_extent(t)
+        span = storage.nbytes()
+        rec = None
+        for r in self.registry.get(key, ()):   # Store._pack_locked: the same record?
+            if r.version == version and r.lo <= extent[0] and extent[1] <= r.hi \
+                    and r.state != "dead" and r.span == span:
+                rec = r
+                break
+        if rec is None:
+            lo, hi = record_range(extent, span)
+            rec = _Rec(key, lo, hi, version, span, layer)
+            self.registry.setdefault(key, []).append(rec)
+            self.tail[rec] = None
+            self.tail_bytes += rec.nbytes
+            m.unique_bytes += rec.nbytes
+            lb.unique_bytes += rec.nbytes
+        else:
+            m.deduplicated_bytes += nbytes
+            if rec.state == "pending":
+                self.tail.move_to_end(rec)
+        rec.live += 1
+        self._trim()
+        return _Handle(t, self, st, rec, False)
+
+    def unpack(self, h):   # never called: the estimate runs no backward
+        return h.t
+
+    def _trim(self):
+        """WriteBack._trim_tail_locked: write the oldest tail records until the tail fits."""
+        cfg = self.cfg
+        while self.tail_bytes > cfg.keep_tail_bytes and self.tail:
+            rec = next(iter(self.tail))
+            self.tail.pop(rec)
+            self.tail_bytes -= rec.nbytes
+            # WriteBack._over_budget_locked; the slot's misalignment is taken as 0 (a fake
+            # tensor has no address), so a slot may be counted one block short.
+            need = max(BLOCK, align_up(rec.nbytes))
+            if cfg.max_spill_bytes is not None and self.spill_used + need > cfg.max_spill_bytes:
+                rec.state = "kept"
+                self.m.kept_bytes += rec.nbytes
+                self.m.over_budget_bytes += rec.nbytes
+                self._lb(rec.layer).kept_bytes += rec.nbytes
+                continue
+            rec.state = "written"
+            rec.slot = need
+            self.spill_used += need
+            self.m.offloadable_bytes += rec.nbytes
+            self._lb(rec.layer).offloadable_bytes += rec.nbytes
+
+    def _drain(self):
+        """Handles the graph released (Store._released_locked / _free_locked)."""
+        inbox = self._inbox
+        while inbox:
+            st, rec, kept = inbox.popleft()
+            if st is not None:
+                st.live -= 1
+                if kept:
+                    st.kept_live -= 1
+            if rec is not None:
+                rec.live -= 1
+                if rec.live == 0 and rec.state != "dead":
+                    if rec.state == "pending":   # freed before its write: never written
+                        self.tail.pop(rec)
+                        self.tail_bytes -= rec.nbytes
+                        self.m.dropped_bytes += rec.nbytes
+                    elif rec.state == "written":
+                        self.spill_used -= rec.slot
+                    rec.state = "dead"
+                    group = self.registry.get(rec.key)
+                    if group is not None and rec in group:
+                        group.remove(rec)
+
+    def end_pass(self):
+        """Prefetch._end_pass_locked: the records still in the tail are kept."""
+        self._drain()
+        for rec in list(self.tail):
+            rec.state = "kept"
+            self.m.kept_bytes += rec.nbytes
+            self.m.kept_tail_bytes += rec.nbytes
+            self._lb(rec.layer).kept_bytes += rec.nbytes
+        self.tail.clear()
+        self.tail_bytes = 0
+
+
+class _InputProbe:
+    """Forward pre-hooks (with keyword arguments) on the blocks: their input storages."""
+
+    def __init__(self, layers):
+        self.inputs: Dict[int, Tuple[int, int]] = {}   # key -> (nbytes, first layer)
+        self.per_layer = [dict() for _ in layers]
+        self._refs = []
+        self.handles = [m.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                        for i, (_, m) in enumerate(layers)]
+
+    def _hook(self, i):
+        def pre(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                return None
+            for t in _tensors((args, kwargs)):
+                if t.requires_grad and t.grad_fn is None:
+                    continue   # a parameter passed in
+                try:
+                    s = t.untyped_storage()
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                key = storage_key(s)
+                if TRACKER.contains(key):
+                    continue
+                self._refs.append(StorageWeakRef(s))
+                self.per_layer[i][key] = s.nbytes()
+                self.inputs.setdefault(key, (s.nbytes(), i))
+            return None
+        return pre
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _eager_hints():
+    """NOTE [ Eager, not tracing ]: transformers must not take fake tensors for tracing."""
+    import sys
+    patches = []
+    iu = sys.modules.get("transformers.utils.import_utils")
+    if getattr(iu, "is_fake_tensor", None) is not None:
+        patches.append((iu, "is_fake_tensor", lambda x: False))
+    mu = sys.modules.get("transformers.masking_utils")
+    if getattr(mu, "find_packed_sequence_indices", None) is not None:
+        # Eager asks the position ids' values whether the rows pack several sequences;
+        # the estimate's inputs never do (one sequence per row, positions 0..seq-1).
+        patches.append((mu, "find_packed_sequence_indices", lambda position_ids: None))
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    try:
+        for mod, name, value in patches:
+            setattr(mod, name, value)
+        with _GroupedMMAnyDtype():
+            yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
+class _GroupedMMAnyDtype(TorchDispatchMode):
+    """NOTE [ Eager, not tracing ]: ``_grouped_mm`` on non-bf16 fake inputs, as the CPU
+    kernel allows."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and len(args) >= 2 and args[0].dtype != torch.bfloat16:
+            dt = args[0].dtype
+            a, b = args[0].to(torch.bfloat16), args[1].to(torch.bfloat16)
+            return func(a, b, *args[2:], **kwargs).to(dt)
+        return func(*args, **kwargs)
+
+
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+    """Each output element of a grouped matmul is one dot product of length K."""
+    n = 1
+    for d in out_shape:
+        n *= d
+    return 2 * n * a_shape[-1]
+
+
+def _extra_flop_formulas():
+    """FLOP formulas ``FlopCounterMode`` lacks: MoE grouped matmuls (torch's, and the
+    fallback transformers registers when it cannot use torch's)."""
+    out = {}
+    if _GROUPED_MM is not None:
+        out[torch.ops.aten._grouped_mm] = _grouped_mm_flops
+    try:
+        out[torch.ops.transformers.grouped_mm_fallback] = _grouped_mm_flops
+    except (AttributeError, RuntimeError):
+        pass
+    return out
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig, *,
+            batch: Optional[int] = None, gradient_checkpointing: bool = False,
+            count_flops: bool = False, layers=None, device: str = "cpu") -> Measurement:
+    """Build the model on the meta device, run one forward on fake tensors with the
+    replayed pack hooks, and return what it saved.
+
+    Args:
+        build: called under ``torch.device("meta")``; returns ``(model, inputs)`` where
+            ``inputs`` is a tuple (positional), a dict (keywords) or one tensor.
+        cfg: the ssdtrain settings whose pack decisions are replayed.
+        batch: recorded in the result only.
+        gradient_checkpointing: recorded in the result only (``build`` applies it).
+        count_flops: count the forward's FLOPs with ``FlopCounterMode``.
+        layers: a callable ``model -> [(name, module), ...]`` naming the repeated blocks;
+            default :func:`ssdtrain._profile.default_layers` (children of ModuleLists).
+        device: the device the fake tensors claim (kernel choice follows it).
+
+    Raises:
+        EstimateError: the forward has data-dependent shapes, or failed on fake tensors.
+    """
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException, FakeTensorMode)
+    from .api import Stats
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.device("meta"):
+        model, inputs = build()
+    if not isinstance(model, torch.nn.Module):
+        raise EstimateError(f"ssdtrain estimate: the factory must return (model, inputs) with "
+                            f"model an nn.Module, got {type(model).__name__}.")
+    inputs = fakeify(model, inputs, mode, device)
+    named = list((layers or default_layers)(model))
+    m = Measurement(batch=batch, gradient_checkpointing=gradient_checkpointing,
+                    layers=[LayerBytes(n) for n, _ in named],
+                    model_name=type(model).__name__)
+    for p in model.parameters():   # each shared parameter once
+        m.params += p.numel()
+        m.param_bytes += p.numel() * p.element_size()
+        if p.requires_grad:
+            m.trainable_params += p.numel()
+        else:
+            m.frozen_param_bytes += p.numel() * p.element_size()
+    m.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    prof = LayerProfiler(named, Stats(), 1) if named else None
+    probe = _InputProbe(named)
+    sim = _Replay(cfg, prof, m)
+    counter = None
+    if count_flops:
+        from torch.utils.flop_counter import FlopCounterMode
+        counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    out = None
+    try:
+        if prof is not None:
+            prof.open_step(timed=False)
+        with mode, _eager_hints(), \
+                (counter if counter is not None else contextlib.nullcontext()):
+            TRACKER.start()
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(sim.pack, sim.unpack):
+                    out = _call(model, inputs)
+            finally:
+                TRACKER.stop()
+        if prof is not None:
+            prof.end_forward()
+        sim.end_pass()
+        _memory_terms(m, sim, probe)
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise EstimateError(
+            f"ssdtrain estimate: the forward of {type(model).__name__} has data-dependent "
+            f"shapes ({e}); fake tensors carry no values, so it cannot be estimated as is. A "
+            f"mixture-of-experts layer that loops over the experts its tokens were routed to "
+            f"does this: use a routing-independent implementation (Hugging Face: "
+            f"experts_implementation='grouped_mm'; see docs/estimate.md for the bound).") from None
+    finally:
+        if prof is not None:
+            prof.remove()
+        probe.remove()
+        del out
+        sim._inbox.clear()
+    if counter is not None:
+        m.flops = float(counter.get_total_flops())
+    return m
+
+
+def _memory_terms(m: Measurement, sim: _Replay, probe: _InputProbe):
+    """Bytes held at the end of forward, for the micro-batch search (docs/estimate.md)."""
+    inputs = probe.inputs
+    live = {k: st for k, st in sim.storages.items() if st.live > 0}
+    m.inputs_held_bytes = sum(n for n, _ in inputs.values())
+    # A block input no pack saw is held by the checkpoint around the block (non-reentrant
+    # checkpointing keeps its inputs itself); without checkpointing nothing holds it.
+    if m.gradient_checkpointing:
+        m.inputs_unseen_bytes = sum(n for k, (n, _) in inputs.items() if k not in live)
+    m.held_bytes = sum(st.nbytes for st in live.values()) + m.inputs_unseen_bytes
+    m.outside_held_bytes = sum(st.nbytes for k, st in live.items()
+                               if st.layer is None and k not in inputs)
+    m.outside.activation_bytes = m.outside_held_bytes
+    m.kept_held_bytes = sum(st.nbytes for st in live.values() if st.kept_live > 0)
+    for k, st in live.items():
+        if st.layer is not None and k not in inputs:
+            m.layers[st.layer].activation_bytes += st.nbytes
+    for i, d in enumerate(probe.per_layer):
+        m.layers[i].input_bytes = sum(d.values())
+    m.max_layer_bytes = max((lb.activation_bytes for lb in m.layers), default=0)

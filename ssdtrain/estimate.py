@@ -1,0 +1,825 @@
+"""Know before you buy or launch: what ssdtrain would save, offload and keep.
+
+``ssdtrain estimate`` (also ``python -m ssdtrain estimate``) builds the model on the
+meta device, runs one forward on fake tensors with ssdtrain's own pack decisions
+(``ssdtrain/_estimate.py``), and reports per micro-batch and per repeated block the
+bytes saved, deduplicated, offloaded and kept; with hardware numbers also the SSD
+bandwidth needed to hide the I/O behind compute, the largest micro-batch that fits
+device memory with no offload, full recompute and ssdtrain, and the drives' write
+volume and endurance. Nothing is allocated: an 8B-parameter model at sequence 4096
+estimates in seconds on a laptop. Formulas: docs/estimate.md.
+
+Example::
+
+    ssdtrain estimate --hf-config examples/configs/llama-8b.json --seq 4096 \\
+        --device-memory 139GiB --tflops 400 --ssd-write-gbps 6 --ssd-read-gbps 7 \\
+        --ssds 4 --ssd-tbw 7000
+
+    from ssdtrain.estimate import estimate, Hardware
+    est = estimate("examples/configs/llama-8b.json", seq=4096,
+                   hardware=Hardware(device_memory="139GiB", tflops=400))
+    print(est.table()); est.to_json()
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from ._config import OffloadConfig, parse_bytes
+from ._errors import ConfigError
+from ._estimate import EstimateError, Measurement, measure
+
+__all__ = ["estimate", "Estimate", "Hardware", "EstimateError", "hf_factory", "load_factory",
+           "main", "DTYPES"]
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+_SEARCH_LIMIT = 1 << 16   # largest micro-batch the search considers
+
+
+@dataclass
+class Hardware:
+    """Hardware numbers, all optional; each output needs only some of them.
+
+    Bandwidths are decimal GB/s (1e9 bytes per second) per drive; ``ssd_tbw`` is the
+    drive's rated endurance in decimal TB written (1e12 bytes)."""
+
+    device_memory: Optional[int] = None
+    """Bytes of accelerator memory one training process may use (``"80GiB"`` accepted)."""
+    ssd_write_gbps: Optional[float] = None
+    ssd_read_gbps: Optional[float] = None
+    step_seconds: Optional[float] = None
+    """Compute time of one micro-batch, forward + backward (no I/O)."""
+    tflops: Optional[float] = None
+    """Sustained TFLOP/s of the device; compute time = the model's FLOPs / this."""
+    ssd_tbw: Optional[float] = None
+    ssds: int = 1
+    """Drives serving this device; ssdtrain stripes over them (``spill_dir`` list)."""
+    bytes_per_param: float = 16.0
+    """Device bytes per trainable parameter: weights, gradients, optimizer state.
+    16 = mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master,
+    m, v). Frozen parameters count their own size only."""
+
+    def __post_init__(self):
+        if self.device_memory is not None:
+            self.device_memory = parse_bytes(self.device_memory, name="device_memory")
+        for name in ("ssd_write_gbps", "ssd_read_gbps", "step_seconds", "tflops", "ssd_tbw",
+                     "bytes_per_param"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v <= 0):
+                raise ConfigError(f"ssdtrain estimate: {name} must be a number > 0, got {v!r}.")
+        if isinstance(self.ssds, bool) or not isinstance(self.ssds, int) or self.ssds < 1:
+            raise ConfigError(f"ssdtrain estimate: ssds must be an int >= 1, got {self.ssds!r}.")
+
+    @property
+    def given(self) -> bool:
+        return any(getattr(self, f.name) is not None for f in dataclasses.fields(self)
+                   if f.name not in ("ssds", "bytes_per_param"))
+
+
+# ------------------------------------------------------------------------ factories
+def load_factory(spec: str) -> Callable:
+    """``"package.module:function"`` -> the function (``ConfigError`` if it is not one)."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ConfigError(f"ssdtrain estimate: --factory must be 'module:function' (e.g. "
+                          f"'mypkg.models:make'), got {spec!r}.")
+    mod_name, fn_name = spec.split(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:   # ImportError, or the module's own error at import
+        raise ConfigError(f"ssdtrain estimate: cannot import module {mod_name!r} of --factory "
+                          f"{spec!r}: {type(e).__name__}: {e}") from None
+    fn = module
+    for part in fn_name.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"ssdtrain estimate: module {mod_name!r} has no attribute "
+                              f"{fn_name!r} (from --factory {spec!r}).")
+    if not callable(fn):
+        raise ConfigError(f"ssdtrain estimate: {spec!r} is not callable.")
+    return fn
+
+
+def _load_hf_config(path):
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("ssdtrain estimate: --hf-config needs transformers "
+                          "(pip install 'ssdtrain[hf]').") from None
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"ssdtrain estimate: --hf-config {path!r}: no such file (give a "
+                          f"Hugging Face config.json, or the directory holding one).")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"ssdtrain estimate: --hf-config {path!r} is not readable JSON: "
+                          f"{e}") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ConfigError(f"ssdtrain estimate: --hf-config {path!r} has no 'model_type'; it "
+                          f"does not look like a Hugging Face config.json.")
+    try:
+        return transformers.AutoConfig.for_model(**raw)
+    except Exception as e:
+        raise ConfigError(f"ssdtrain estimate: --hf-config {path!r}: transformers "
+                          f"{transformers.__version__} cannot build a config from it: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def _hf_class(cfg):
+    import transformers
+    for name in getattr(cfg, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                 "AutoModel"):
+        mapping = getattr(transformers, auto)._model_mapping
+        try:
+            return mapping[type(cfg)]
+        except KeyError:
+            continue
+    raise ConfigError(f"ssdtrain estimate: transformers has no model class for "
+                      f"{type(cfg).__name__}.")
+
+
+def _config_dtype(cfg):
+    d = getattr(cfg, "dtype", None)
+    if d is None:   # older transformers; newer ones warn on reading torch_dtype
+        d = vars(cfg).get("torch_dtype")
+    if isinstance(d, str):
+        d = DTYPES.get(d)
+    return d if isinstance(d, torch.dtype) else None
+
+
+def hf_factory(config) -> Callable:
+    """A factory for a Hugging Face config (a ``config.json`` path or a ``PretrainedConfig``).
+
+    ``factory(batch=1, seq=None, dtype=None, gradient_checkpointing=False)`` returns
+    ``(model, inputs)``: the class named in ``architectures`` (else the causal-LM,
+    seq2seq-LM, masked-LM or base auto class) built with ``from_config`` in train mode,
+    and keyword inputs ``input_ids`` (random ids, ``batch x seq``), ``labels`` (the same
+    ids; one class per row for sequence classification) and ``use_cache=False``. It
+    builds on whatever device is current: the estimate calls it under
+    ``torch.device("meta")``, a test calls it as is for the real run it compares with.
+    """
+    cfg = config if not isinstance(config, (str, os.PathLike)) else _load_hf_config(config)
+    cls = _hf_class(cfg)
+
+    def make(batch: int = 1, seq: Optional[int] = None, dtype=None,
+             gradient_checkpointing: bool = False):
+        dtype = dtype or _config_dtype(cfg) or torch.float32
+        seq = seq or min(2048, _max_positions(cfg) or 2048)
+        model = cls._from_config(cfg, dtype=dtype)
+        model.train()
+        if gradient_checkpointing:
+            _enable_gc(model)
+        vocab = getattr(cfg, "vocab_size", None) or 2
+        ids = torch.randint(0, vocab, (batch, seq))
+        inputs: Dict[str, Any] = {"input_ids": ids}
+        name = cls.__name__
+        if name.endswith("ForSequenceClassification"):
+            inputs["labels"] = torch.randint(0, max(1, getattr(cfg, "num_labels", 2)), (batch,))
+        elif any(name.endswith(s) for s in ("ForCausalLM", "LMHeadModel", "ForMaskedLM",
+                                            "ForConditionalGeneration")):
+            inputs["labels"] = ids
+        params = inspect.signature(model.forward).parameters
+        if "use_cache" in params:
+            inputs["use_cache"] = False
+        return model, inputs
+
+    make.hf_config = cfg
+    make.hf_class = cls
+    return make
+
+
+def _max_positions(cfg):
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _enable_gc(model):
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        fn = getattr(model, name, None)
+        if fn is not None:
+            fn()
+            return
+    raise ConfigError(f"ssdtrain estimate: --gradient-checkpointing: {type(model).__name__} has "
+                      f"no gradient_checkpointing_enable(); make the factory apply checkpointing "
+                      f"(it may take a gradient_checkpointing keyword).")
+
+
+def _factory_builder(factory, *, batch, seq, dtype, gradient_checkpointing):
+    """``build()`` for :func:`ssdtrain._estimate.measure`: the factory called with the
+    keywords it accepts; checkpointing applied here if the factory does not take it."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kw = {}
+    for name, value in (("batch", batch), ("seq", seq), ("dtype", dtype),
+                        ("gradient_checkpointing", gradient_checkpointing)):
+        if value is not None and (name in params or var_kw):
+            kw[name] = value
+    takes_gc = "gradient_checkpointing" in kw
+
+    def build():
+        out = factory(**kw)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise EstimateError(f"ssdtrain estimate: the factory must return (model, inputs), "
+                                f"got {type(out).__name__}.")
+        model, inputs = out
+        if isinstance(model, torch.nn.Module):
+            model.train()
+            if gradient_checkpointing and not takes_gc:
+                _enable_gc(model)
+        return model, inputs
+    return build, ("batch" in kw)
+
+
+# ---------------------------------------------------------------------- the result
+@dataclass
+class Estimate:
+    """The result of :func:`estimate`: per micro-batch bytes, per layer, and hardware math."""
+
+    measurement: Measurement
+    config: OffloadConfig
+    hardware: Hardware
+    batch: Optional[int]
+    seq: Optional[int]
+    dtype: Optional[torch.dtype]
+    model: str
+    times: Optional[Dict[str, float]] = None
+    required_write_gbps: Optional[float] = None
+    required_read_gbps: Optional[float] = None
+    write_ok: Optional[bool] = None
+    read_ok: Optional[bool] = None
+    max_micro_batch: Optional[Dict[str, Optional[int]]] = None
+    memory: Optional[Dict[str, int]] = None
+    tb_written_per_day: Optional[float] = None
+    drive_years: Optional[float] = None
+    notes: tuple = ()
+
+    # the fixed keys
+    @property
+    def unique_bytes(self):
+        return self.measurement.unique_bytes
+
+    @property
+    def offloadable_bytes(self):
+        return self.measurement.offloadable_bytes
+
+    @property
+    def kept_bytes(self):
+        return self.measurement.kept_bytes
+
+    @property
+    def packed_bytes(self):
+        return self.measurement.packed_bytes
+
+    @property
+    def layers(self):
+        return self.measurement.layers
+
+    def to_json(self) -> dict:
+        """The ``--json`` object. Fixed keys: ``unique_bytes``, ``offloadable_bytes``,
+        ``kept_bytes``, ``packed_bytes``, ``layers`` (``name``, ``unique_bytes``,
+        ``offloadable_bytes``, and more per layer); with hardware, those of
+        ``required_write_gbps``, ``required_read_gbps``, ``max_micro_batch`` (``none``,
+        ``recompute``, ``ssdtrain``), ``tb_written_per_day``, ``drive_years`` that the
+        numbers given allow. Other keys add detail (docs/estimate.md)."""
+        m = self.measurement
+        out = {
+            "unique_bytes": m.unique_bytes,
+            "offloadable_bytes": m.offloadable_bytes,
+            "kept_bytes": m.kept_bytes,
+            "packed_bytes": m.packed_bytes,
+            "layers": [lb.to_json() for lb in m.layers],
+            "outside_layers": m.outside.to_json(),
+            "kept_tail_bytes": m.kept_tail_bytes,
+            "deduplicated_bytes": m.deduplicated_bytes,
+            "over_budget_bytes": m.over_budget_bytes,
+            "model": self.model,
+            "parameters": m.params,
+            "trainable_parameters": m.trainable_params,
+            "batch": self.batch,
+            "seq": self.seq,
+            "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
+            "gradient_checkpointing": m.gradient_checkpointing,
+            "forward_flops": m.flops,
+            "settings": {"min_tensor_bytes": self.config.min_tensor_bytes,
+                         "keep_tail_bytes": self.config.keep_tail_bytes,
+                         "prefetch_bytes": self.config.prefetch_bytes,
+                         "write_behind_bytes": self.config.write_behind_bytes,
+                         "max_spill_bytes": self.config.max_spill_bytes},
+        }
+        if self.hardware.given:
+            out["hardware"] = {k: v for k, v in dataclasses.asdict(self.hardware).items()
+                               if v is not None}
+        if self.required_write_gbps is not None:
+            out["required_write_gbps"] = self.required_write_gbps
+            out["required_read_gbps"] = self.required_read_gbps
+            out["seconds"] = self.times
+            if self.write_ok is not None:
+                out["write_ok"] = self.write_ok
+            if self.read_ok is not None:
+                out["read_ok"] = self.read_ok
+        if self.max_micro_batch is not None:
+            out["max_micro_batch"] = dict(self.max_micro_batch)
+            out["memory_bytes"] = dict(self.memory)
+        if self.tb_written_per_day is not None:
+            out["tb_written_per_day"] = self.tb_written_per_day
+        if self.drive_years is not None:   # inf (nothing written) is null: JSON has no inf
+            out["drive_years"] = None if math.isinf(self.drive_years) else self.drive_years
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+    def table(self) -> str:
+        """A readable report (markdown tables)."""
+        m = self.measurement
+        dt = "" if self.dtype is None else str(self.dtype).replace("torch.", "") + ", "
+        shape = ", ".join(x for x in (
+            None if self.batch is None else f"micro-batch {self.batch}",
+            None if self.seq is None else f"seq {self.seq}") if x)
+        name = self.model if m.model_name in self.model else f"{self.model} ({m.model_name})"
+        lines = [f"ssdtrain estimate: {name}, {m.params / 1e9:.2f} B "
+                 f"parameters, {dt}{shape}"
+                 + (", gradient checkpointing" if m.gradient_checkpointing else ""),
+                 f"settings: min_tensor_bytes {_b(self.config.min_tensor_bytes)}, "
+                 f"keep_tail_bytes {_b(self.config.keep_tail_bytes)}, prefetch_bytes "
+                 f"{_b(self.config.prefetch_bytes)}", ""]
+        rows = [("layer", "saved (per pack)", "unique", "offloaded", "kept", "held w/o offload")]
+        for first, last, lb in _runs(m.layers):   # identical consecutive blocks: one row
+            name = lb.name if first == last else \
+                f"{m.layers[first].name} .. {m.layers[last].name} (each)"
+            rows.append((name, _b(lb.packed_bytes), _b(lb.unique_bytes),
+                         _b(lb.offloadable_bytes), _b(lb.kept_bytes), _b(lb.activation_bytes)))
+        o = m.outside
+        rows.append(("(outside layers)", _b(o.packed_bytes), _b(o.unique_bytes),
+                     _b(o.offloadable_bytes), _b(o.kept_bytes), _b(m.outside_held_bytes)))
+        rows.append(("**total per micro-batch**", _b(m.packed_bytes), _b(m.unique_bytes),
+                     _b(m.offloadable_bytes), _b(m.kept_bytes), _b(m.held_bytes)))
+        lines += _md(rows, right=range(1, 6))
+        lines.append("")
+        per_pack = m.kept_bytes - m.kept_tail_bytes - m.over_budget_bytes
+        lines.append(f"kept = {_b(per_pack)} per pack ({_b(m.kept_state_bytes)} of them "
+                     f"parameters, {_b(per_pack - m.kept_state_bytes)} small or other kinds) + "
+                     f"{_b(m.kept_tail_bytes)} tail"
+                     + (f" + {_b(m.over_budget_bytes)} over max_spill_bytes"
+                        if m.over_budget_bytes else "")
+                     + f"; deduplicated {_b(m.deduplicated_bytes)}"
+                     + ("" if m.flops is None else
+                        f"; forward {m.flops / 1e12:.3g} TFLOP per micro-batch"))
+        hw = []
+        if self.required_write_gbps is not None:
+            t = self.times
+            hw.append(("compute per micro-batch", f"{t['forward']:.3f} s forward + "
+                       f"{t['backward']:.3f} s backward"))
+            hw.append(("SSD write needed (full overlap)", _gbps(self.required_write_gbps,
+                                                                 self._provided("w"),
+                                                                 self.write_ok)))
+            hw.append(("SSD read needed (full overlap)", _gbps(self.required_read_gbps,
+                                                                self._provided("r"),
+                                                                self.read_ok)))
+        if self.max_micro_batch is not None:
+            mm = self.max_micro_batch
+            mem = self.memory
+            b = self.batch
+            for mode, label in (("none", "no offload"), ("recompute", "full recompute"),
+                                ("ssdtrain", "ssdtrain")):
+                v = mm.get(mode)
+                hw.append((f"largest micro-batch, {label}",
+                           ("?" if v is None else str(v)) +
+                           (f" ({_b(mem[mode])} at "
+                            f"{'its batch' if b is None else f'micro-batch {b}'})"
+                            if mode in mem else "")))
+        if self.tb_written_per_day is not None:
+            hw.append(("written per day (all drives)", f"{self.tb_written_per_day:.1f} TB"))
+        if self.drive_years is not None:
+            hw.append((f"years to rated endurance ({self.hardware.ssd_tbw:g} TBW x "
+                       f"{self.hardware.ssds})", f"{self.drive_years:.2f}"))
+        if hw:
+            lines.append("")
+            lines += _md([("hardware", "")] + hw, right=())
+        for n in self.notes:
+            lines.append("")
+            lines.append(f"note: {n}")
+        return "\n".join(lines)
+
+    def _provided(self, which):
+        h = self.hardware
+        v = h.ssd_write_gbps if which == "w" else h.ssd_read_gbps
+        return None if v is None else v * h.ssds
+
+
+def _runs(layers):
+    """``(first, last, LayerBytes)`` for each run of consecutive blocks with equal bytes."""
+    out = []
+    for i, lb in enumerate(layers):
+        key = dataclasses.astuple(lb)[1:]
+        if out and out[-1][3] == key:
+            out[-1][1] = i
+        else:
+            out.append([i, i, lb, key])
+    return [(a, b, lb) for a, b, lb, _ in out]
+
+
+def _gbps(need, have, ok):
+    s = f"{need:.2f} GB/s"
+    if have is not None:
+        s += f" (have {have:.2f} GB/s: {'yes' if ok else 'NO'})"
+    return s
+
+
+def _b(n):
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _md(rows, right):
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w)
+                 for i, (c, w) in enumerate(zip(r, widths))]
+        out.append("| " + " | ".join(cells) + " |")
+        if k == 0:
+            out.append("| " + " | ".join(("-" * (w - 1) + ":") if i in right else "-" * w
+                                         for i, w in enumerate(widths)) + " |")
+    return out
+
+
+# -------------------------------------------------------------------- the estimate
+def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, dtype=None,
+             gradient_checkpointing: bool = False, config: Optional[OffloadConfig] = None,
+             hardware: Optional[Hardware] = None, layers=None) -> Estimate:
+    """Estimate what ssdtrain saves, offloads and keeps for one micro-batch of ``model``.
+
+    Args:
+        model: a Hugging Face ``config.json`` path (or directory, or ``PretrainedConfig``),
+            a ``"module:function"`` string, or a factory. A factory is called under
+            ``torch.device("meta")`` with those of ``batch``, ``seq``, ``dtype`` and
+            ``gradient_checkpointing`` its signature takes, and returns ``(model,
+            inputs)``: inputs a tuple (positional), a dict (keywords) or one tensor.
+        batch: the micro-batch size (``None``: the factory's default; 1 for a config).
+        seq: the sequence length (Hugging Face default: ``min(2048, max positions)``).
+        dtype: a ``torch.dtype`` or a name in :data:`DTYPES`.
+        gradient_checkpointing: enable the model's own activation checkpointing.
+        config: the :class:`~ssdtrain.OffloadConfig` whose decisions are replayed
+            (default: the defaults; ``spill_dir`` is not used).
+        hardware: :class:`Hardware` numbers for bandwidth, micro-batch and endurance.
+        layers: a callable ``model -> [(name, module), ...]`` naming the repeated blocks
+            (the model is built inside, so modules cannot be passed); default: the
+            children of every ``nn.ModuleList`` (``ssdtrain._profile.default_layers``).
+
+    Raises:
+        ConfigError: a bad argument (path, dtype, factory string, hardware number).
+        EstimateError: the model cannot run on fake tensors (message says why).
+    """
+    cfg = config if config is not None else OffloadConfig()
+    if not isinstance(cfg, OffloadConfig):
+        raise ConfigError("ssdtrain estimate: config must be an OffloadConfig.")
+    hw = hardware if hardware is not None else Hardware()
+    dtype = _dtype(dtype)
+    for name, v in (("batch", batch), ("seq", seq)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"ssdtrain estimate: {name} must be an int >= 1, got {v!r}.")
+    notes = []
+    if cfg.policy != "static":
+        notes.append("policy='adaptive' decides per layer at run time; the estimate replays "
+                     "the static rules.")
+    label = "factory"
+    if isinstance(model, str) and ":" in model and not os.path.exists(model):
+        label = model
+        factory = load_factory(model)
+    elif isinstance(model, (str, os.PathLike)):
+        label = os.path.basename(os.fspath(model).rstrip("/")) or os.fspath(model)
+        factory = hf_factory(model)
+        batch = batch or 1
+    elif callable(model):
+        label = getattr(model, "__name__", "factory")
+        factory = model
+    else:
+        try:
+            factory = hf_factory(model)   # a PretrainedConfig
+        except Exception:
+            raise ConfigError(f"ssdtrain estimate: model must be a config.json path, "
+                              f"'module:function', a factory or a PretrainedConfig; got "
+                              f"{type(model).__name__}.") from None
+        label = type(model).__name__
+        batch = batch or 1
+    if batch is None:   # the factory's own default, if it declares one
+        try:
+            default = inspect.signature(factory).parameters["batch"].default
+        except (KeyError, TypeError, ValueError):
+            default = None
+        if isinstance(default, int) and not isinstance(default, bool) and default >= 1:
+            batch = default
+    hf_cfg = getattr(factory, "hf_config", None)
+    if hf_cfg is not None:
+        label = f"{label} [{factory.hf_class.__name__}]"
+        if seq is None:
+            seq = min(2048, _max_positions(hf_cfg) or 2048)
+        mp = _max_positions(hf_cfg)
+        if mp is not None and seq > mp:
+            notes.append(f"seq {seq} exceeds the config's {mp} positions.")
+        if dtype is None:
+            dtype = _config_dtype(hf_cfg) or torch.float32
+        if getattr(hf_cfg, "num_local_experts", None) or getattr(hf_cfg, "num_experts", None):
+            impl = getattr(hf_cfg, "_experts_implementation", None)
+            notes.append("mixture of experts: with the grouped_mm experts implementation "
+                         "(the transformers default) saved shapes do not depend on the routing "
+                         "and the estimate is exact; a per-expert loop ('eager') saves a "
+                         "routing-dependent set, bounded in docs/estimate.md"
+                         + (f" (configured: {impl})" if impl else "") + ".")
+
+    cache: Dict[tuple, Measurement] = {}
+
+    def at(b, gc, flops=False):
+        key = (b, gc)
+        if key not in cache:
+            build, _ = _factory_builder(factory, batch=b, seq=seq, dtype=dtype,
+                                        gradient_checkpointing=gc)
+            cache[key] = measure(build, cfg, batch=b, gradient_checkpointing=gc,
+                                 count_flops=flops, layers=layers)
+        return cache[key]
+
+    _, batch_varies = _factory_builder(factory, batch=batch or 1, seq=seq, dtype=dtype,
+                                       gradient_checkpointing=gradient_checkpointing)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for name, value in (("seq", seq), ("dtype", dtype)):
+            if value is not None and name not in params:
+                notes.append(f"the factory takes no '{name}' keyword: {name} {value} is "
+                             f"not applied.")
+    main_m = at(batch, gradient_checkpointing, flops=True)
+    est = Estimate(measurement=main_m, config=cfg, hardware=hw, batch=batch, seq=seq,
+                   dtype=dtype, model=label)
+    _hardware_math(est, main_m, hw, gradient_checkpointing)
+    if hw.device_memory is not None:
+        static = _static_bytes(main_m, hw)
+
+        def mem(b):
+            mb = at(b, gradient_checkpointing)
+            plain = at(b, False) if gradient_checkpointing else mb
+            return _memory(mb, plain, cfg, static)
+        est.memory = mem(batch)
+        if batch is None or not batch_varies:
+            est.max_micro_batch = {k: None for k in ("none", "recompute", "ssdtrain")}
+            notes.append("the factory takes no 'batch' keyword, so the largest micro-batch "
+                         "cannot be searched; memory is shown for its own batch."
+                         if not batch_varies else "pass a batch (--batch) to search the "
+                         "largest micro-batch; memory is shown for the factory's batch.")
+        else:
+            est.max_micro_batch = {k: _largest(lambda b, k=k: mem(b)[k], hw.device_memory,
+                                               batch) for k in ("none", "recompute", "ssdtrain")}
+    est.notes = tuple(notes)
+    return est
+
+
+def _dtype(d):
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    if isinstance(d, str) and d.lower().replace("torch.", "") in DTYPES:
+        return DTYPES[d.lower().replace("torch.", "")]
+    raise ConfigError(f"ssdtrain estimate: unknown dtype {d!r}; use one of "
+                      f"{', '.join(sorted(DTYPES))}.")
+
+
+def _static_bytes(m: Measurement, hw: Hardware) -> int:
+    """Weights, gradients and optimizer state: trainable x bytes_per_param + frozen + buffers."""
+    return int(m.trainable_params * hw.bytes_per_param + m.frozen_param_bytes + m.buffer_bytes)
+
+
+def _memory(m: Measurement, plain: Measurement, cfg: OffloadConfig, static: int) -> Dict[str, int]:
+    """Device bytes at the peak of a step for the three modes (docs/estimate.md).
+
+    ``m``: the model as configured; ``plain``: the same without checkpointing (the size of
+    one block's activations while it is recomputed)."""
+    layer = plain.max_layer_bytes
+    gc_extra = layer if m.gradient_checkpointing else 0
+    none = static + m.held_bytes + gc_extra
+    recompute = static + plain.outside_held_bytes + plain.inputs_held_bytes + layer
+    tail = m.kept_tail_bytes
+    writes = min(cfg.write_behind_bytes, m.offloadable_bytes)
+    window = min(m.unique_bytes, max(cfg.prefetch_bytes, tail))
+    base = static + m.kept_held_bytes + m.inputs_unseen_bytes
+    fwd = base + tail + writes
+    # In use during backward: the block being differentiated (recomputed, with
+    # checkpointing), or the part outside the blocks (head and loss), backward's first.
+    in_use = max(gc_extra if m.gradient_checkpointing else m.max_layer_bytes,
+                 m.outside_held_bytes)
+    bwd = base + window + in_use
+    return {"static": static, "none": none, "recompute": recompute, "ssdtrain": max(fwd, bwd)}
+
+
+def _largest(mem_at: Callable[[int], int], limit: int, b0: int) -> int:
+    """Largest micro-batch ``b`` with ``mem_at(b) <= limit`` (0 if none), assuming memory
+    grows with ``b``: an affine fit through ``b0`` and ``b0 + 1`` proposes it, and
+    direct measurements at the proposal and its neighbour confirm (or a bisection
+    between measured bounds corrects) it."""
+    m0, m1 = mem_at(b0), mem_at(b0 + 1)
+    slope = m1 - m0
+    if slope <= 0:
+        guess = _SEARCH_LIMIT
+    else:
+        guess = b0 + math.floor((limit - m0) / slope)
+    guess = max(1, min(_SEARCH_LIMIT, guess))
+    lo, hi = 0, _SEARCH_LIMIT + 1       # mem(lo) fits (0: trivially), mem(hi) does not
+    for b, v in ((b0, m0), (b0 + 1, m1)):
+        if v <= limit:
+            lo = max(lo, b)
+        else:
+            hi = min(hi, b)
+    for b in (guess, guess + 1):
+        if lo < b < hi:
+            if mem_at(b) <= limit:
+                lo = b
+            else:
+                hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if mem_at(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _hardware_math(est: Estimate, m: Measurement, hw: Hardware, gc: bool):
+    """Compute time, bandwidth for full overlap, write volume and endurance."""
+    passes = 3 + (1 if gc else 0)   # forward, backward = 2 forwards, + 1 recompute
+    if hw.step_seconds is not None:
+        t_f = hw.step_seconds / passes
+    elif hw.tflops is not None and m.flops:
+        t_f = m.flops / (hw.tflops * 1e12)
+    else:
+        return
+    t_b = t_f * (passes - 1)
+    w = m.offloadable_bytes
+    est.times = {"forward": t_f, "backward": t_b}
+    est.required_write_gbps = w / t_f / 1e9
+    est.required_read_gbps = w / t_b / 1e9
+    fwd_io, bwd_io = t_f, t_b
+    if hw.ssd_write_gbps is not None:
+        have = hw.ssd_write_gbps * hw.ssds
+        est.write_ok = have >= est.required_write_gbps
+        fwd_io = max(t_f, w / (have * 1e9))
+    if hw.ssd_read_gbps is not None:
+        have = hw.ssd_read_gbps * hw.ssds
+        est.read_ok = have >= est.required_read_gbps
+        bwd_io = max(t_b, w / (have * 1e9))
+    per_mb = fwd_io + bwd_io
+    est.times["micro_batch"] = per_mb
+    est.tb_written_per_day = w * (86400.0 / per_mb) / 1e12
+    if hw.ssd_tbw is not None:
+        per_drive = est.tb_written_per_day / hw.ssds
+        est.drive_years = math.inf if per_drive == 0 else hw.ssd_tbw / per_drive / 365.0
+
+
+# ---------------------------------------------------------------------------- CLI
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # argparse style: usage, message, exit code 2
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser(prog="ssdtrain estimate"):
+    p = _Parser(prog=prog, description="Estimate what ssdtrain saves, offloads and keeps per "
+                "micro-batch, from the model alone (meta device, fake tensors: nothing is "
+                "allocated). Byte sizes take units (256KiB, 80GiB, 1.5GB); GB/s and TB are "
+                "decimal.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-config", metavar="PATH",
+                     help="a Hugging Face config.json (or its directory); built with "
+                          "from_config on the meta device, nothing downloaded")
+    src.add_argument("--factory", metavar="MODULE:FUNCTION",
+                     help="a function returning (model, inputs); called under "
+                          "torch.device('meta') with those of batch, seq, dtype, "
+                          "gradient_checkpointing it accepts")
+    p.add_argument("--batch", type=int, help="micro-batch size (default 1 for --hf-config)")
+    p.add_argument("--seq", type=int, help="sequence length (default min(2048, max positions))")
+    p.add_argument("--dtype", help=f"one of {', '.join(sorted(DTYPES))} (default: the config's "
+                                   f"dtype, else float32)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="enable the model's activation checkpointing (non-reentrant)")
+    g = p.add_argument_group("ssdtrain settings (OffloadConfig fields)")
+    g.add_argument("--min-tensor-bytes", help="default 256KiB")
+    g.add_argument("--keep-tail-bytes", help="default 128MiB")
+    g.add_argument("--prefetch-bytes", help="default 256MiB (memory model only)")
+    g.add_argument("--write-behind-bytes", help="default 1GiB (memory model only)")
+    g.add_argument("--max-spill-bytes", help="disk budget (default none)")
+    h = p.add_argument_group("hardware (all optional)")
+    h.add_argument("--device-memory", help="accelerator memory for one process, e.g. 80GiB")
+    h.add_argument("--ssd-write-gbps", type=float, help="per drive, GB/s")
+    h.add_argument("--ssd-read-gbps", type=float, help="per drive, GB/s")
+    t = h.add_mutually_exclusive_group()
+    t.add_argument("--step-seconds", type=float,
+                   help="compute time of one micro-batch (forward + backward)")
+    t.add_argument("--tflops", type=float,
+                   help="sustained TFLOP/s; compute time from the model's FLOPs")
+    h.add_argument("--ssd-tbw", type=float, help="drive endurance, TB written")
+    h.add_argument("--ssds", type=int, default=1, help="drives for this device (default 1)")
+    h.add_argument("--bytes-per-param", type=float, default=16.0,
+                   help="device bytes per trainable parameter for weights, gradients and "
+                        "optimizer state (default 16: mixed-precision Adam)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--traceback", action="store_true",
+                   help="show the full traceback when the model fails on fake tensors")
+    return p
+
+
+def main(argv=None, prog="ssdtrain estimate") -> int:
+    """The ``ssdtrain estimate`` command; returns the exit code (2: bad arguments)."""
+    p = _parser(prog)
+    a = p.parse_args(argv)
+    try:
+        overrides = {k: getattr(a, k) for k in ("min_tensor_bytes", "keep_tail_bytes",
+                                                "prefetch_bytes", "write_behind_bytes",
+                                                "max_spill_bytes")
+                     if getattr(a, k) is not None}
+        cfg = OffloadConfig(**overrides)
+        hw = Hardware(device_memory=a.device_memory, ssd_write_gbps=a.ssd_write_gbps,
+                      ssd_read_gbps=a.ssd_read_gbps, step_seconds=a.step_seconds,
+                      tflops=a.tflops, ssd_tbw=a.ssd_tbw, ssds=a.ssds,
+                      bytes_per_param=a.bytes_per_param)
+        dtype = _dtype(a.dtype)
+        if a.factory is not None:
+            model = a.factory
+            load_factory(model)   # a bad string or module is a usage error (exit 2)
+        else:
+            model = a.hf_config
+            if not os.path.exists(model):
+                raise ConfigError(f"ssdtrain estimate: --hf-config {model!r}: no such file "
+                                  f"(give a Hugging Face config.json, or its directory).")
+        est = estimate(model, batch=a.batch, seq=a.seq, dtype=dtype,
+                       gradient_checkpointing=a.gradient_checkpointing, config=cfg, hardware=hw)
+    except ConfigError as e:
+        p.print_usage(sys.stderr)
+        print(f"{p.prog}: error: {_strip(e)}", file=sys.stderr)
+        return 2
+    except EstimateError as e:
+        print(f"{p.prog}: error: {_strip(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:   # the model's own code failed on fake tensors
+        if a.traceback:
+            raise
+        print(f"{p.prog}: error: building or running the model on fake tensors failed: "
+              f"{type(e).__name__}: {e} (--traceback shows where)", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(est.to_json(), indent=2, default=_json_default))
+    else:
+        print(est.table())
+    return 0
+
+
+def _strip(e):
+    s = str(e)
+    for prefix in ("ssdtrain estimate: ", "ssdtrain: "):
+        if s.startswith(prefix):
+            return s[len(prefix):]
+    return s
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isinf(o):
+        return None
+    return str(o)
+
+
+if __name__ == "__main__":   # pragma: no cover
+    sys.exit(main())

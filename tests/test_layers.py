@@ -1,0 +1,248 @@
+"""The import layers of docs/ARCHITECTURE.md ("Layers"), checked by scanning source.
+
+Every module's imports are read with :mod:`ast` (module level and inside functions
+alike), resolved to module names and checked against the diagram:
+
+    api.py, estimate.py, __main__.py, __init__.py     (top)
+      -> store modules (ssdtrain/_*.py)
+      -> io/ (ssdtrain/io/)
+      -> leaves: _errors, _align, _fork, _C            (import nothing from ssdtrain)
+
+plus: only ``ssdtrain/_device.py`` touches ``torch.cuda``; comments and docstrings
+point inside the repository. Each failure lists ``file:line: what``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ssdtrain"
+
+# Modules ssdtrain/io/ may import from the rest of ssdtrain; each imports nothing from
+# ssdtrain itself (checked below). `_C` is the extension module built from csrc/.
+LEAVES = {"ssdtrain._errors", "ssdtrain._align", "ssdtrain._fork", "ssdtrain._C"}
+EXTENSIONS = {"ssdtrain._C"}
+# The top layer: the package, its public modules and the command line. `_estimate` is
+# the estimator behind `estimate.py` (it fills in an `api.Stats`), so it sits up here.
+TOP_PRIVATE = {"ssdtrain.__main__", "ssdtrain._estimate"}
+# The only module that may touch torch.cuda, and those that may import a CUDA library.
+CUDA_MODULE = "ssdtrain._device"
+CUDA_LIBRARIES = {"kvikio", "cupy", "cuda", "pynvml", "cuda_python"}
+CUDA_LIBRARY_MODULES = {"ssdtrain._device", "ssdtrain.io.gds"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "integrations":            # installed as ssdtrain.integrations
+        parts = ["ssdtrain"] + parts
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources(*trees):
+    for tree in trees:
+        for path in sorted((ROOT / tree).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                yield path
+
+
+MODULES = {_module_name(p): p for p in _sources("ssdtrain", "integrations")}
+KNOWN = set(MODULES) | EXTENSIONS
+
+
+def _imports(path: Path):
+    """``(line, module name)`` for every import in the file, relative ones resolved.
+
+    ``from X import name`` counts as an import of ``X.name`` where that is a module of
+    ssdtrain (``from .. import _fork``), else of ``X``.
+    """
+    name = _module_name(path) if path.is_relative_to(PACKAGE) or \
+        path.is_relative_to(ROOT / "integrations") else None
+    package = None
+    if name is not None:
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                assert package is not None, f"{path}:{node.lineno}: relative import outside a package"
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - (node.level - 1)])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                yield node.lineno, sub if sub in KNOWN else target
+
+
+def _ssdtrain_imports(path: Path):
+    """The ssdtrain modules ``path`` imports: sorted ``(line, module)`` pairs, each once."""
+    return sorted({(line, mod) for line, mod in _imports(path)
+                   if mod == "ssdtrain" or mod.startswith("ssdtrain.")})
+
+
+def _where(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+def _report(violations, what):
+    return f"{len(violations)} {what}:\n  " + "\n  ".join(violations)
+
+
+def _is_io(mod: str) -> bool:
+    return mod == "ssdtrain.io" or mod.startswith("ssdtrain.io.")
+
+
+def _is_top(mod: str) -> bool:
+    if mod == "ssdtrain" or mod in TOP_PRIVATE:
+        return True
+    parts = mod.split(".")
+    return len(parts) == 2 and not parts[1].startswith("_") and parts[1] not in ("io",)
+
+
+def test_the_scan_sees_the_modules():
+    """Guards the scan itself: it finds the layers it checks."""
+    for mod in ("ssdtrain", "ssdtrain.api", "ssdtrain._store", "ssdtrain.io",
+                "ssdtrain.io.posix", "ssdtrain.io.gds", "ssdtrain._device",
+                "ssdtrain.integrations.megatron"):
+        assert mod in MODULES, mod
+    base = dict(_ssdtrain_imports(MODULES["ssdtrain.io.base"]))
+    assert "ssdtrain._fork" in base.values() and "ssdtrain._errors" in base.values()
+    assert ("ssdtrain.io.base" in
+            {m for _, m in _ssdtrain_imports(MODULES["ssdtrain._device"])})
+
+
+def test_io_imports_only_io_and_leaves():
+    """(a) ssdtrain/io/ imports nothing of ssdtrain outside io/ but the leaves."""
+    bad = []
+    for mod, path in MODULES.items():
+        if not _is_io(mod):
+            continue
+        for line, dep in _ssdtrain_imports(path):
+            if not _is_io(dep) and dep not in LEAVES:
+                bad.append(f"{_where(path, line)}: {mod} imports {dep}")
+    assert not bad, _report(bad, "imports from ssdtrain/io/ past the leaves "
+                                 f"({', '.join(sorted(LEAVES))})")
+
+
+def test_leaves_import_nothing_from_ssdtrain():
+    bad = []
+    for leaf in sorted(LEAVES - EXTENSIONS):
+        assert leaf in MODULES, f"leaf {leaf} does not exist"
+        path = MODULES[leaf]
+        bad += [f"{_where(path, line)}: leaf {leaf} imports {dep}"
+                for line, dep in _ssdtrain_imports(path)]
+    # The extension module: torch-free C++ that imports no Python module at all.
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.suffix in (".cpp", ".h", ".cc", ".hpp"):
+            for i, text in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"module_?::import\s*\(", text):
+                    bad.append(f"{_where(path, i)}: ssdtrain._C imports a Python module")
+    assert not bad, _report(bad, "imports from leaf modules")
+
+
+def test_store_modules_do_not_import_the_top():
+    """api -> store modules -> io: nothing below the top imports it, and the core never
+    imports the adapters (integrations/)."""
+    bad = []
+    for mod, path in MODULES.items():
+        if mod.startswith("ssdtrain.integrations"):
+            continue
+        for line, dep in _ssdtrain_imports(path):
+            if dep.startswith("ssdtrain.integrations"):
+                bad.append(f"{_where(path, line)}: the core module {mod} imports {dep}")
+            elif _is_top(dep) and not _is_top(mod):
+                bad.append(f"{_where(path, line)}: {mod} (below the top) imports {dep}")
+    assert not bad, _report(bad, "upward imports")
+
+
+def _cuda_uses(path: Path):
+    """``(line, what)`` for each use of torch.cuda and each import of a CUDA library."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "cuda" and \
+                isinstance(node.value, ast.Name) and node.value.id == "torch":
+            yield node.lineno, "torch.cuda"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "torch.cuda" or alias.name.startswith("torch.cuda."):
+                    yield node.lineno, "import torch.cuda"
+                elif alias.name.split(".")[0] in CUDA_LIBRARIES:
+                    yield node.lineno, f"import {alias.name}"
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module == "torch" and any(a.name == "cuda" for a in node.names):
+                yield node.lineno, "from torch import cuda"
+            elif node.module.startswith("torch.cuda"):
+                yield node.lineno, f"from {node.module} import"
+            elif node.module.split(".")[0] in CUDA_LIBRARIES:
+                yield node.lineno, f"from {node.module} import"
+
+
+def test_only_device_touches_cuda():
+    """(b) torch.cuda only in ssdtrain/_device.py; CUDA libraries (kvikio, cupy) only
+    there and in ssdtrain/io/gds.py."""
+    bad = []
+    for mod, path in MODULES.items():
+        if mod.startswith("ssdtrain.integrations"):
+            continue  # adapters are outside the core's layers (distributed needs the device)
+        for line, what in _cuda_uses(path):
+            torch_cuda = "torch" in what
+            if (torch_cuda and mod != CUDA_MODULE) or \
+                    (not torch_cuda and mod not in CUDA_LIBRARY_MODULES):
+                bad.append(f"{_where(path, line)}: {mod} uses {what}")
+    assert not bad, _report(bad, "CUDA uses outside ssdtrain/_device.py")
+    assert list(_cuda_uses(MODULES[CUDA_MODULE])), "the scan no longer sees _device's CUDA"
+
+
+def _private(mod: str) -> bool:
+    return mod.startswith("ssdtrain.") and any(
+        p.startswith("_") for p in mod.split(".")[1:])
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13: public seams not built yet")
+def test_adapters_examples_benchmarks_use_public_names_only():
+    """(c) integrations/, examples/ and benchmarks/ import no private ssdtrain module."""
+    bad = []
+    for path in _sources("integrations", "examples", "benchmarks"):
+        for line, dep in _ssdtrain_imports(path):
+            if _private(dep):
+                bad.append(f"{_where(path, line)}: imports {dep}")
+    assert not bad, _report(bad, "imports of private ssdtrain modules")
+
+
+# References to documents and trackers outside the repository. Comments name NOTE
+# titles or sections of docs/ARCHITECTURE.md instead.
+OUTSIDE = [re.compile(p, re.IGNORECASE) for p in
+           (r"DESIGN\s+invariant", r"\bissue\s+#?\d", r"DESIGN\.md", r"\bshared/")]
+TEXT_SUFFIXES = {".py", ".pyi", ".cpp", ".cc", ".h", ".hpp", ".c", ".md", ".txt", ".sh",
+                 ".toml", ".cfg", ".yaml", ".yml", ".json", ""}
+
+
+def test_comments_point_inside_the_repository():
+    bad = []
+    for tree in ("ssdtrain", "integrations", "csrc", "benchmarks", "examples"):
+        for path in sorted((ROOT / tree).rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts or \
+                    path.suffix not in TEXT_SUFFIXES:
+                continue
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError:
+                continue
+            for pattern in OUTSIDE:  # \s+ also matches a reference broken over two lines
+                for m in pattern.finditer(text):
+                    line = text.count("\n", 0, m.start()) + 1
+                    bad.append(f"{_where(path, line)}: {m.group(0)!r}")
+    assert not bad, _report(bad, "references outside the repository (name a NOTE or a "
+                                 "section of docs/ARCHITECTURE.md instead)")
