@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._config import OffloadConfig
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._policy import TRACKER, is_offloadable_kind
-from ._profile import LayerProfiler, default_layers
+from ._profile import LayerProfiler, _tensors, default_layers
 from ._spill import BLOCK, align_up
 
 __all__ = ["Measurement", "LayerBytes", "measure", "fakeify", "EstimateError"]
@@ -485,17 +485,6 @@ def _extra_flop_formulas():
     except (AttributeError, RuntimeError):
         pass
     return out
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def _call(model, inputs):

@@ -341,13 +341,9 @@ class Store(WriteBack, Prefetch):
             # traceback whose frames hold this handle (see _without_frames).
             fut.exception(timeout=self.cfg.io_timeout_s)
         except FutureTimeout:
-            slot = rec.slot
-            where = "?" if slot is None else f"{slot.file.name} at offset {slot.offset}"
-            raise SpillIOError(
-                f"ssdtrain: reading record {rec!r} from {where} did not finish within "
-                f"io_timeout_s={self.cfg.io_timeout_s} s{_needed_by()}; the device may be hung "
-                f"or overloaded. Check the device (dmesg), or raise io_timeout_s if it is only "
-                f"slow.", filename=None if slot is None else slot.file.directory) from None
+            raise self._timeout_error(rec, "reading", f"{_needed_by()}; the device may be hung "
+                                      f"or overloaded. Check the device (dmesg), or raise "
+                                      f"io_timeout_s if it is only slow.") from None
         finally:
             self.stats.stall_seconds += time.perf_counter() - t0
 
@@ -645,14 +641,17 @@ class Store(WriteBack, Prefetch):
             _, not_done = _wait_futures([f for _, f in pending], timeout=max(0.0, left))
             if not_done:
                 rec = next(r for r, f in pending if f in not_done)
-                slot = rec.slot
-                where = "?" if slot is None else f"{slot.file.name} at offset {slot.offset}"
-                raise SpillIOError(
-                    f"ssdtrain: I/O of record {rec!r} ({where}) did not finish within "
-                    f"io_timeout_s={self.cfg.io_timeout_s} s while waiting for I/O in flight "
-                    f"(wait() or close()); {len(not_done)} request(s) still in flight. The "
-                    f"device may be hung or overloaded.",
-                    filename=None if slot is None else slot.file.directory)
+                raise self._timeout_error(rec, "I/O of", f" while waiting for I/O in flight "
+                                          f"(wait() or close()); {len(not_done)} request(s) still "
+                                          f"in flight. The device may be hung or overloaded.")
+
+    def _timeout_error(self, rec, what, tail):
+        """The ``SpillIOError`` for a request of ``rec`` past ``io_timeout_s``."""
+        slot = rec.slot
+        where = "?" if slot is None else f"{slot.file.name} at offset {slot.offset}"
+        return SpillIOError(f"ssdtrain: {what} record {rec!r} ({where}) did not finish within "
+                            f"io_timeout_s={self.cfg.io_timeout_s} s{tail}",
+                            filename=None if slot is None else slot.file.directory)
 
     def _in_flight_locked(self):
         """``[(record, future)]`` of the requests not done; completes the done ones (their
