@@ -21,10 +21,10 @@ Writes ``--size`` bytes (default 2 GiB) and reads them back, in one run, for:
 The engines are used the way ssdtrain uses them: the data is a list of records
 (``--record-size``, default 64 MiB), each its own ``torch.uint8`` CPU tensor (64-byte
 aligned, i.e. *not* page aligned: NOTE [ Zero-copy O_DIRECT from unaligned tensors ]),
-written into slots of an anonymous spill file from ``ssdtrain._spill.SpillSet``
+written into slots of an anonymous spill file from ``ssdtrain.tools.SpillSet``
 (``O_DIRECT`` where the file system takes it) at offsets congruent to the tensor's
 address, all requests submitted at once; reads land in page-aligned mappings with the
-record's misalignment from ``ssdtrain._readbuf.ReadBuffers``, touched beforehand (as
+record's misalignment from ``ssdtrain.tools.ReadBuffers``, touched beforehand (as
 reused buffers are in steady state; ``--cold-read-buffers`` reads into fresh pages).
 
 Page cache. The engines, ``raw`` and ``deepspeed_aio`` bypass it (``O_DIRECT``;
@@ -89,7 +89,7 @@ ENGINE_CONFIGS = ("native-uring", "native-threads", "posix")
 PEERS = ("torch_save", "deepspeed_aio")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
-BLOCK = 4096  # O_DIRECT alignment used everywhere (ssdtrain._align.BLOCK)
+BLOCK = 4096  # O_DIRECT alignment used everywhere (ssdtrain.tools.BLOCK)
 
 # Targets (benchmarks/README.md; reported, never asserted).
 TARGET_RAW_RATIO = 0.9
@@ -162,7 +162,7 @@ def block_device_of(path):
 
 def filesystem_type(path):
     """The file system type holding ``path`` (``ext4``, ``tmpfs``...; ``""`` if unknown)."""
-    from ssdtrain._spill import filesystem_type as fs_type  # imported late, as elsewhere here
+    from ssdtrain.tools import filesystem_type as fs_type  # imported late, as elsewhere here
     return fs_type(path)
 
 
@@ -214,15 +214,15 @@ class Phase:
 
 # ----------------------------------------------------------------------------- worker side
 def _crc(tensor):
-    """CRC32C (``ssdtrain._C``) of a contiguous CPU tensor's bytes; zlib CRC32 without it."""
+    """CRC32C (``ssdtrain.tools.crc32c``) of a contiguous CPU tensor's bytes; zlib CRC32
+    without the compiled extension."""
+    from ssdtrain import tools
     n = tensor.numel() * tensor.element_size()
-    try:
-        from ssdtrain import _C
-    except ImportError:
+    if not tools.crc32c_available():
         import ctypes
         import zlib
         return zlib.crc32(memoryview((ctypes.c_char * n).from_address(tensor.data_ptr())))
-    return _C.crc32c(tensor.data_ptr(), n)
+    return tools.crc32c(tensor.data_ptr(), n)
 
 
 def _make_records(sizes, seed):
@@ -256,8 +256,7 @@ def _verify(loaded, crcs, sizes, inject):
 
 def _run_engine(config, cfg, sizes, phases, check):
     import torch
-    from ssdtrain._spill import SpillSet
-    from ssdtrain._readbuf import ReadBuffers
+    from ssdtrain.tools import ReadBuffers, SpillSet
     from ssdtrain.io.native import NativeEngine
     from ssdtrain.io.posix import PosixEngine
 
@@ -556,10 +555,9 @@ def probe(cfg, out_path):
         out["native"] = native.available()
         out["native_reason"] = native.unavailable_reason()
         if native.available():
-            from ssdtrain import _C
-            ok, why = _C.uring_probe()
-            out["uring"], out["uring_reason"] = bool(ok), why
-        from ssdtrain._spill import SpillFile
+            from ssdtrain.tools import uring_probe
+            out["uring"], out["uring_reason"] = uring_probe()
+        from ssdtrain.tools import SpillFile
         f = SpillFile(cfg["dir"], "auto")  # whether the file system takes O_DIRECT
         out["direct"] = f.direct
         f.close()

@@ -222,17 +222,17 @@ def _eligible_storages(model, idx, targets, min_bytes):
 
 
 def _inspect_records(off):
-    """After forward: the records ssdtrain holds for this step (internals, read-only)."""
-    store = off._store
-    with store._lock:
-        records = [r for group in store._registry.values() for r in group]
-        keys = {r.key for r in records}
-        overlapping = 0
-        for group in store._registry.values():
-            spans = sorted((r.lo, r.hi, r.version) for r in group)
-            for (lo1, hi1, v1), (lo2, hi2, v2) in zip(spans, spans[1:]):
-                overlapping += lo2 < hi1 and v1 == v2
-    return records, len(keys), overlapping
+    """After forward: the records ssdtrain holds for this step (read-only views)."""
+    records = off.records()
+    groups = {}
+    for r in records:
+        groups.setdefault(r.key, []).append((r.lo, r.hi, r.version))
+    overlapping = 0
+    for spans in groups.values():
+        spans.sort()
+        for (lo1, hi1, v1), (lo2, hi2, v2) in zip(spans, spans[1:]):
+            overlapping += lo2 < hi1 and v1 == v2
+    return records, len(groups), overlapping
 
 
 def worker(mode, cfg, out_path):

@@ -35,14 +35,14 @@ TINY = dict(d_model=64, n_layers=2, n_heads=2, seq_len=64, batch_size=2, vocab=2
 
 
 def crc_throughput(nbytes, repeats=5):
-    """GB/s of ``ssdtrain._C.crc32c`` over an ``nbytes`` buffer (best of ``repeats``)."""
+    """GB/s of ``ssdtrain.tools.crc32c`` over an ``nbytes`` buffer (best of ``repeats``)."""
     import torch
-    from ssdtrain import _checksum
+    from ssdtrain import tools
     buf = torch.ones(nbytes, dtype=torch.uint8)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        _checksum.crc32c(buf.data_ptr(), nbytes)
+        tools.crc32c(buf.data_ptr(), nbytes)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
@@ -69,9 +69,10 @@ def main(argv=None):
     sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
     from gpt import GPT, GPTConfig, make_batch
     import ssdtrain
-    from ssdtrain import _checksum
-    if not _checksum.available():
-        raise SystemExit("verify_overhead: needs ssdtrain._C (pip install -e .)")
+    from ssdtrain import tools
+    if not tools.crc32c_available():
+        raise SystemExit("verify_overhead: needs the compiled extension ssdtrain._C "
+                         "(pip install -e .)")
 
     torch.set_num_threads(args.threads)
     shape = TINY if args.tiny else MEDIUM

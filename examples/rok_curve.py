@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The recompute-offload-keep (ROK) curve: plans from keep-all to recompute-all, measured.
 
-For one GPT-like model and micro-batch, each plan of ``ssdtrain._planner.rok_plans``
+For one GPT-like model and micro-batch, each plan of ``ssdtrain.tools.rok_plans``
 (keep all blocks; then offload blocks from the first on, one more each time;
 then recompute blocks from the first on, until all are recomputed) runs in a
 fresh process (examples/step_worker.py, setup ``plan``): the blocks are
@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from step_worker import run_in_child  # noqa: E402
 from microbatch_sweep import DEFAULT_MODEL, TINY_MODEL, _progress  # noqa: E402
-from ssdtrain._planner import rok_plans  # noqa: E402
+from ssdtrain.tools import rok_plans  # noqa: E402
 
 MiB = 1 << 20
 

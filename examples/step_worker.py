@@ -202,13 +202,13 @@ def run(spec):
         result["written_bytes_per_step"] = (st.offloaded_bytes - stats0.offloaded_bytes) / n
         result["stall_s_per_step"] = (st.stall_seconds - stats0.stall_seconds +
                                       st.write_stall_seconds - stats0.write_stall_seconds) / n
-        if off._layers is not None and off._layers.plan is not None:
-            p = off.plan()
+        if off.active_plan is not None:
+            p = off.active_plan
             result["plan"] = {"choices": list(p.choices), "fits": p.fits,
                               "predicted_step_s": p.prediction.step_s,
                               "predicted_stall_s": p.prediction.stall_s,
                               "predicted_peak_bytes": p.prediction.peak_bytes,
-                              "replans": off._layers.replans, "table": p.table()}
+                              "replans": off.replans, "table": p.table()}
         off.close()
     return result
 

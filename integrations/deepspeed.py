@@ -52,7 +52,6 @@ import deepspeed
 from deepspeed.runtime.activation_checkpointing import checkpointing as _ds_checkpointing
 
 import ssdtrain
-from ssdtrain._policy import TRACKER
 
 from .distributed import rank_spill_dir
 
@@ -328,12 +327,10 @@ class _GatheredParams:
         off = self._offloader()
         if off is None or not off.in_forward:
             return
-        for p in module._parameters.values():
-            TRACKER.add(p)
+        ssdtrain.keep_in_memory(*module.parameters(recurse=False))
         external = getattr(module, "_external_params", None)  # register_external_parameter
         if external:
-            for p in external.values():
-                TRACKER.add(p)
+            ssdtrain.keep_in_memory(*external.values())
 
     def remove(self):
         for h in self._handles:
@@ -401,11 +398,11 @@ def _checkpoint_spilling_inputs(ds_function, function, args, kwargs):
     args = tuple(stand_in(a) for a in args)
     kwargs = {k: stand_in(v) for k, v in kwargs.items()}
     out = ds_function(function, *args, **kwargs)
-    store = active.offloader._store
+    offloader = active.offloader
     for s in stand_ins:
-        handle = store.pack(s.detach())
+        handle = offloader.save(s.detach())
         s.data = torch.empty(0, dtype=s.dtype, device=s.device)
-        s.saved_data = _SpilledInput(store, handle)
+        s.saved_data = _SpilledInput(offloader, handle)
     return out
 
 
@@ -419,10 +416,10 @@ class _SpilledInput:
     """``saved_data`` of a stand-in: DeepSpeed's backward calls ``.to(device)`` once,
     which unpacks the record (a prefetch hit, normally) and lets it go."""
 
-    __slots__ = ("_store", "_handle")
+    __slots__ = ("_offloader", "_handle")
 
-    def __init__(self, store, handle):
-        self._store = store
+    def __init__(self, offloader, handle):
+        self._offloader = offloader
         self._handle = handle
 
     def to(self, *args, **kwargs):
@@ -431,4 +428,4 @@ class _SpilledInput:
             raise ssdtrain.SSDTrainError(
                 "ssdtrain: a DeepSpeed checkpoint input was restored twice; DeepSpeed's backward "
                 "restores each once. Please report this with your DeepSpeed version.")
-        return self._store.unpack(handle).to(*args, **kwargs)
+        return self._offloader.restore(handle).to(*args, **kwargs)

@@ -99,7 +99,6 @@ from typing import Dict, Optional
 import torch
 
 from ssdtrain import ConfigError, OffloadConfig, Offloader, SSDTrainError, Stats
-from ssdtrain._config import ENGINES as _ENGINES, SPILL_ERROR_ACTIONS as _SPILL_ERROR_ACTIONS
 
 from .distributed import rank_spill_dir
 
@@ -697,7 +696,7 @@ def add_ssdtrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Last bytes of forward kept in memory (default 128MiB).")
     g.add_argument("--ssdtrain-write-behind-bytes", default=None, metavar="BYTES",
                    help="Most bytes of writes in flight (default 1GiB).")
-    g.add_argument("--ssdtrain-engine", default=None, choices=_ENGINES,
+    g.add_argument("--ssdtrain-engine", default=None, choices=OffloadConfig.ENGINES,
                    help="I/O engine (default auto).")
     g.add_argument("--ssdtrain-io-threads", type=int, default=None, metavar="N",
                    help="I/O worker threads (default 4).")
@@ -706,7 +705,7 @@ def add_ssdtrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--ssdtrain-verify", action=argparse.BooleanOptionalAction, default=None,
                    help="CRC32C-check every record read back (default: on where the native "
                         "engine is built, see OffloadConfig.verify).")
-    g.add_argument("--ssdtrain-on-spill-error", default=None, choices=_SPILL_ERROR_ACTIONS,
+    g.add_argument("--ssdtrain-on-spill-error", default=None, choices=OffloadConfig.SPILL_ERROR_ACTIONS,
                    help="A failed write: raise (default) or keep the tensor in memory.")
     g.add_argument("--ssdtrain-max-spill-bytes", default=None, metavar="BYTES",
                    help="Disk budget over all spill directories (default: none).")

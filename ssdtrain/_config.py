@@ -148,6 +148,13 @@ class OffloadConfig:
         off = ssdtrain.Offloader(cfg)
     """
 
+    # The accepted values of the choice fields (class attributes, not fields).
+    ENGINES = ENGINES                            #: values of ``engine``
+    DIRECT_IO_MODES = DIRECT_IO_MODES            #: values of ``direct_io``
+    SPILL_ERROR_ACTIONS = SPILL_ERROR_ACTIONS    #: values of ``on_spill_error``
+    SPILL_FULL_ACTIONS = SPILL_FULL_ACTIONS      #: values of ``on_spill_full``
+    POLICIES = POLICIES                          #: values of ``policy``
+
     spill_dir: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], None] = None
     """Directory (or list of directories) that receives spilled activations. With
     several directories, records are striped across them (one spill file each): give

@@ -17,7 +17,7 @@ from ._spill import SpillSet, default_spill_dir
 from ._store import Store
 from .io import make_engine
 
-__all__ = ["Offloader", "offload", "Stats"]
+__all__ = ["Offloader", "offload", "Stats", "RecordView", "keep_in_memory"]
 
 log = logging.getLogger("ssdtrain")
 
@@ -302,6 +302,127 @@ class Offloader:
     def closed(self) -> bool:
         return self._store.closed
 
+    def records(self) -> list:
+        """The records the store holds right now, as read-only :class:`RecordView` objects.
+
+        A debug and introspection view for benchmarks and tools: the list is taken
+        under the store's lock; each view reads its record's current values (``state``
+        and ``writes`` change as I/O proceeds) and cannot change it. Records freed
+        since are not listed; a view of one keeps its last values.
+
+        Returns:
+            A new list, one :class:`RecordView` per record (saved storage range).
+
+        Example::
+
+            with off:
+                loss = model(batch)
+            print(sum(r.nbytes for r in off.records()), "bytes saved in", len(off.records()))
+        """
+        self._store.snapshot()  # settles releases that arrived while the store was busy
+        return [RecordView(r) for r in self._store.records()]
+
+    @property
+    def active_plan(self):
+        """The per-layer plan in force (``policy="adaptive"`` or :meth:`set_plan`), or
+        ``None``: no :meth:`track`, or no plan made yet. Unlike :meth:`plan` it never
+        makes one."""
+        return None if self._layers is None else self._layers.plan
+
+    @property
+    def replans(self) -> int:
+        """How many times the adaptive policy re-planned since :meth:`track` (0 untracked)."""
+        return 0 if self._layers is None else self._layers.replans
+
+    # ------------------------------------------------------------ own saves
+    def save(self, tensor: torch.Tensor):
+        """Save ``tensor`` as autograd's pack hook would: the seam for code that keeps
+        tensors for backward itself (DeepSpeed's checkpoint inputs, say).
+
+        The tensor goes through the same path as the tensors autograd saves inside
+        ``with offloader:`` (deduplication, the tail kept in memory, the write to the
+        spill tier); small tensors, parameters and kinds ssdtrain does not offload are
+        kept as they are. The returned handle holds the record: dropping the last
+        reference to it releases the record (its memory and disk slot) as freeing a
+        graph does. Call it inside a forward pass, where the tensors it saves belong
+        to that step.
+
+        Args:
+            tensor: the tensor to save (not modified; modifying it in place before
+                :meth:`restore` makes :meth:`restore` raise).
+
+        Returns:
+            An opaque handle for :meth:`restore`.
+
+        Raises:
+            OffloaderClosedError: the offloader is closed.
+            SSDTrainError: an earlier asynchronous write failed (``on_spill_error="raise"``).
+
+        Example::
+
+            with off:
+                handle = off.save(x)
+            ...
+            x_again = off.restore(handle)   # bit-identical to x
+        """
+        return self._store.pack(tensor)
+
+    def restore(self, handle) -> torch.Tensor:
+        """The tensor saved by :meth:`save`, as autograd's unpack hook gives it back.
+
+        Reads the bytes back if they were spilled (a prefetch hit, normally), verifies
+        them when ``verify`` is on, and checks the version counter as unpacking a saved
+        tensor does. The record stays alive while ``handle`` is referenced.
+
+        Args:
+            handle: what :meth:`save` returned.
+
+        Returns:
+            A tensor equal (bitwise) to the one saved, with its shape, strides and dtype.
+
+        Raises:
+            InplaceModificationError: the saved tensor was modified in place after
+                :meth:`save`.
+            OffloaderClosedError: the offloader was closed and the bytes were on disk.
+            IntegrityError, SpillIOError: reading the bytes back failed.
+        """
+        return self._store.unpack(handle)
+
+    # ------------------------------------------------------------ engine hook
+    def wrap_engine(self, fn):
+        """Replace the I/O engine with ``fn(engine)``: the hook for fault injection and
+        I/O tracing (``ssdtrain.io.faulty.install`` uses it).
+
+        ``fn`` gets the engine in use and returns the one to use from now on, normally
+        a wrapper that delegates to it (same methods and attributes, see
+        ``ssdtrain/io/base.py``); I/O already in flight finishes on the old one. Call
+        it between steps.
+
+        Args:
+            fn: ``engine -> engine``.
+
+        Returns:
+            The new engine.
+
+        Raises:
+            SSDTrainError: called inside a forward pass, or ``fn`` returned ``None``.
+            OffloaderClosedError: the offloader is closed.
+
+        Example::
+
+            calls = off.wrap_engine(lambda engine: CountingEngine(engine))
+        """
+        if self._in_forward or self._hooks is not None:
+            raise SSDTrainError("ssdtrain: wrap_engine() called inside a forward pass; call it "
+                                "between steps.")
+        self._store._check_open()
+        engine = fn(self._store.engine)
+        if engine is None:
+            raise SSDTrainError("ssdtrain: wrap_engine(fn): fn returned None; it must return "
+                                "the engine to use (a wrapper of the one it was given).")
+        self._store.engine = engine
+        return engine
+
     # -------------------------------------------------------------- lifetime
     def wait(self) -> None:
         """Block until every write and read in flight has completed."""
@@ -526,6 +647,51 @@ def _explain(exc):
         exc.add_note("ssdtrain: torch.func transforms (grad, vjp, jacrev, hessian) cannot run "
                      "with saved-tensor hooks, which ssdtrain installs inside `with offloader:`; "
                      "call them outside the block (or outside offloader.intercept()).")
+
+
+class RecordView:
+    """A read-only view of one record (a saved storage range), from
+    :meth:`Offloader.records`. Values are read when asked for."""
+
+    __slots__ = ("_record",)
+
+    def __init__(self, record):
+        self._record = record
+
+    state = property(lambda self: self._record.state.name,
+                     doc="The record state's name (``PENDING``, ``WRITING``, ``ON_DISK``...; "
+                         "docs/ARCHITECTURE.md, \"Record states\").")
+    nbytes = property(lambda self: self._record.nbytes, doc="Bytes of the range.")
+    lo = property(lambda self: self._record.lo, doc="Start of the range in its storage (bytes).")
+    hi = property(lambda self: self._record.hi, doc="End of the range in its storage (bytes).")
+    key = property(lambda self: self._record.key, doc="The storage's identity key.")
+    version = property(lambda self: self._record.version,
+                       doc="The storage's version counter when it was saved.")
+    writes = property(lambda self: self._record.writes,
+                      doc="How many times its bytes were written to the spill tier.")
+
+    def __repr__(self):
+        return f"<ssdtrain.RecordView {self.state} {self.nbytes} B [{self.lo}, {self.hi})>"
+
+
+def keep_in_memory(*tensors: torch.Tensor) -> None:
+    """Mark the storages of ``tensors`` as model state: no offloader ever offloads them.
+
+    ssdtrain already recognises the parameters and buffers of modules that run; this
+    is for model state it cannot see, such as parameters gathered into new storage
+    by a hook that runs after its own (ZeRO-3). The mark is weak: it lasts as long
+    as the storage does. ``None`` and tensors without storage are ignored.
+
+    Args:
+        *tensors: the tensors whose storages hold model state.
+
+    Example::
+
+        def pre_forward(module, args):
+            ssdtrain.keep_in_memory(*module.parameters(recurse=False))
+    """
+    for t in tensors:
+        TRACKER.add(t)
 
 
 def offload(config: OffloadConfig = None, **overrides) -> Offloader:

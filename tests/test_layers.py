@@ -210,15 +210,49 @@ def _private(mod: str) -> bool:
         p.startswith("_") for p in mod.split(".")[1:])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: public seams not built yet")
+def _private_attributes():
+    """Names of private attributes and methods of ssdtrain's own classes: ``self._x``
+    assigned, ``def _x`` in a class body, ``_x`` in ``__slots__``."""
+    names = set()
+    for path in _sources("ssdtrain"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(item.name)
+                    elif isinstance(item, ast.Assign) and any(
+                            isinstance(t, ast.Name) and t.id == "__slots__" for t in item.targets):
+                        names.update(c.value for c in ast.walk(item.value)
+                                     if isinstance(c, ast.Constant) and isinstance(c.value, str))
+    return {n for n in names if n.startswith("_") and not n.endswith("__")}
+
+
+def _private_attribute_uses(path: Path, private):
+    """``(line, expression)`` for each ``x._name`` where ``_name`` is a private attribute
+    of an ssdtrain class and ``x`` is not ``self``/``cls`` (a class's own attributes)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in private and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            yield node.lineno, f"{ast.unparse(node.value)}.{node.attr}"
+
+
 def test_adapters_examples_benchmarks_use_public_names_only():
-    """(c) integrations/, examples/ and benchmarks/ import no private ssdtrain module."""
+    """(c) integrations/, examples/ and benchmarks/ import no private ssdtrain module and
+    touch no private attribute of an ssdtrain object (``off._store``, ``store._lock``...)."""
+    private = _private_attributes()
+    assert {"_store", "_lock", "_registry", "_layers"} <= private  # guards the scan
     bad = []
     for path in _sources("integrations", "examples", "benchmarks"):
         for line, dep in _ssdtrain_imports(path):
             if _private(dep):
                 bad.append(f"{_where(path, line)}: imports {dep}")
-    assert not bad, _report(bad, "imports of private ssdtrain modules")
+        for line, expr in _private_attribute_uses(path, private):
+            bad.append(f"{_where(path, line)}: uses {expr}")
+    assert not bad, _report(bad, "uses of private ssdtrain names")
 
 
 # References to documents and trackers outside the repository. Comments name NOTE

@@ -171,10 +171,7 @@ def install(offloader, *faults: Fault) -> FaultyEngine:
     Returns:
         The wrapper (its ``calls`` and ``injected`` show what happened).
     """
-    store = offloader._store
-    engine = FaultyEngine(store.engine, faults)
-    store.engine = engine
-    return engine
+    return offloader.wrap_engine(lambda engine: FaultyEngine(engine, faults))
 
 
 def _failed(exc) -> Future:
