@@ -52,6 +52,8 @@ import weakref
 
 import torch
 
+from ._identity import byte_extent
+
 __all__ = ["State", "TRANSITIONS", "RESIDENT", "Record", "Handle", "Token", "Kept", "transition",
            "GEOMETRY_ALIGN"]
 
@@ -110,12 +112,12 @@ class Record:
                  "generation", "used", "error", "prefetched", "pinned", "writes", "owner", "crc",
                  "device", "staging", "ready", "produced", "__weakref__")
 
-    def __init__(self, key, sref, lo, hi, version, source, seq):
+    def __init__(self, key, sref, lo, hi, version, source, seq, storage):
         self.key, self.sref = key, sref
         self.lo, self.hi, self.nbytes = lo, hi, hi - lo
         self.version = version
         self.source = source            # a detached alias: keeps the bytes alive, shares _version
-        self.storage = source.untyped_storage()
+        self.storage = storage          # ``source``'s (the caller has it already)
         self.base = lo                  # byte of ``storage`` where this record's ``lo`` lies
         self.ptr = self.storage.data_ptr()    # to see a resize_ or swap of the storage
         self.span = self.storage.nbytes()
@@ -160,14 +162,13 @@ class Handle:
     """What autograd holds instead of a saved tensor: a record and the view to rebuild.
 
     ``rel`` is the view's first byte relative to the record's ``lo`` (NOTE [ View
-    geometry ]). A dying handle only queues its release (``Store.release``).
+    geometry ]). A dying handle only queues its release (its ``Token``).
     """
 
-    __slots__ = ("store", "record", "token", "dtype", "size", "stride", "rel", "version",
-                 "tensor_ref", "base_ref", "seen", "__weakref__")
+    __slots__ = ("record", "token", "dtype", "size", "stride", "rel", "version",
+                 "tensor_ref", "base_ref", "__weakref__")
 
-    def __init__(self, store, record, t, byte_offset, version, inbox_append):
-        self.store = store
+    def __init__(self, record, t, byte_offset, version, inbox_append):
         self.record = record
         # The record counts its live handles by these weak references. When the handle
         # dies, the weak reference's callback, ``deque.append`` of the store's inbox (C
@@ -179,13 +180,10 @@ class Handle:
         self.stride = t.stride()
         self.rel = byte_offset - record.lo
         self.version = version
-        # Version checks at unpack (NOTE in _inplace_error): the saved tensor is often a
+        # Version checks at unpack (NOTE [ In-place checks ]): the saved tensor is often a
         # temporary view; its base, which shares the version counter, usually lives on.
         self.tensor_ref = weakref.ref(t)
         self.base_ref = None if t._base is None else weakref.ref(t._base)
-        self.seen = -1                  # generation in which this handle was last unpacked
-        self.store = store
-
 
 
 class Token(weakref.ref):
@@ -230,7 +228,7 @@ class Kept:
         s = t.untyped_storage()
         if orig is not None and orig.untyped_storage()._cdata != s._cdata:
             return swapped(orig)
-        if t.numel() and s.nbytes() < (t.storage_offset() + _span(t)) * t.element_size():
+        if t.numel() and s.nbytes() < byte_extent(t)[1]:
             raise swapped_error(t, "its storage was resized (untyped_storage().resize_())")
         return t
 
@@ -243,14 +241,6 @@ def inplace_error(t, now, expected):
         f"version {expected} instead. Autograd does not check this while saved-tensor hooks are "
         f"installed, so ssdtrain does. Hint: avoid the in-place operation, or clone the tensor "
         f"before modifying it.")
-
-
-def _span(t):
-    """Elements of storage ``t`` can reach from its offset (``numel > 0``)."""
-    span = 1
-    for size, stride in zip(t.size(), t.stride()):
-        span += (size - 1) * stride
-    return span
 
 
 def swapped(t):

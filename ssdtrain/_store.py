@@ -68,7 +68,7 @@ from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers
 from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, inplace_error,
                        swapped, swapped_error, transition)
-from ._writeback import _READ, _RELEASE, _WRITTEN, WriteBack, _copy
+from ._writeback import _READ, _WRITTEN, WriteBack, _copy
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -189,7 +189,8 @@ class Store(WriteBack, Prefetch):
                     break
         if rec is None:
             lo, hi = record_range(extent, storage.nbytes())
-            rec = Record(key, StorageWeakRef(storage), lo, hi, version, t.detach(), self._seq)
+            rec = Record(key, StorageWeakRef(storage), lo, hi, version, t.detach(), self._seq,
+                         storage)
             if is_device_tensor(t):
                 rec.device = self._transfers(t.device)
                 rec.produced = rec.device.produced()
@@ -214,7 +215,7 @@ class Store(WriteBack, Prefetch):
         if self._current is not None:
             self._current.records.append(rec)
             rec.owner = self._current
-        handle = Handle(self, rec, t, extent[0], version, self._inbox.append)
+        handle = Handle(rec, t, extent[0], version, self._inbox.append)
         rec.tokens.add(handle.token); rec.unseen.add(handle.token)  # noqa: E702 (NOTE [ Store lock discipline ])
         self._trim_tail_locked()
         return handle
@@ -399,17 +400,13 @@ class Store(WriteBack, Prefetch):
         inbox = self._inbox
         while inbox:
             ev = inbox[0]
-            if type(ev) is Token:  # a handle died (its weak reference's callback)
-                kind, rec, arg = _RELEASE, ev.record, ev
-            else:
-                kind, rec, arg = ev
             try:
-                if kind is _RELEASE:
-                    self._released_locked(rec, arg)
-                elif kind is _WRITTEN:
-                    self._write_done_locked(rec, arg)
+                if type(ev) is Token:  # a handle died (its weak reference's callback)
+                    self._released_locked(ev.record, ev)
+                elif ev[0] is _WRITTEN:
+                    self._write_done_locked(ev[1], ev[2])
                 else:
-                    self._read_done_locked(rec, arg)
+                    self._read_done_locked(ev[1], ev[2])
             except Exception:
                 if inbox and inbox[0] is ev:
                     inbox.popleft()

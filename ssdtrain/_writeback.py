@@ -222,7 +222,6 @@ class WriteBack:
 
 _WRITTEN = "written"
 _READ = "read"
-_RELEASE = "release"
 
 
 def failed_future(exc):
@@ -265,7 +264,6 @@ def _copy(err, note=""):
     exception's traceback holds the frames of forward or backward, and through them the
     graph whose handles keep that very record alive (a cycle through the store, which
     ``gc`` cannot break while the store lives)."""
-    from ._errors import SSDTrainError
     if not isinstance(err, SSDTrainError):  # never raise the stored object (see above)
         new = SSDTrainError(f"ssdtrain: {type(err).__name__}: {err}{note}")
         new.__cause__ = err
