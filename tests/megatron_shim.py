@@ -12,16 +12,27 @@ the local layer spec (``get_gpt_layer_local_spec``) reaches on its training path
 * the global memory buffer (``parallel_state._GLOBAL_MEMORY_BUFFER``) that
   ``DotProductAttention`` takes its ``baddbmm`` destination from allocates on
   ``torch.cuda.current_device()``; here it allocates on the CPU.
+* the pipeline schedules and their point-to-point communication
+  (``megatron.core.pipeline_parallel.schedules`` and ``.p2p_communication``)
+  allocate receive buffers on ``torch.cuda.current_device()``, their token counter
+  with ``device="cuda"``, and call ``torch.cuda.synchronize()`` after batched
+  ``batch_isend_irecv``. Those two modules see :class:`CPUTorch` as ``torch``: the
+  real torch, except that ``torch.cuda.current_device()`` is the CPU,
+  ``torch.cuda.synchronize()`` does nothing (gloo's requests are complete once
+  waited on) and a ``device="cuda"`` argument of a factory function means the
+  CPU. gloo runs ``batch_isend_irecv`` and the plain ``isend``/``irecv`` pairs
+  unchanged, so the schedules themselves (1F1B, interleaved) are megatron-core's.
 
-Everything else is real megatron-core: process groups (gloo, world size 1), layers,
-the loss. Parameters are created on the CPU with ``use_cpu_initialization=True``.
+Everything else is real megatron-core: process groups (gloo; world size 1, or the
+caller's world for pipeline parallelism), layers, the loss. Parameters are created on the CPU with ``use_cpu_initialization=True``.
 
 :func:`megatron_cpu` sets all of it up and undoes it; :data:`PATCHED_NAMES` lists the
 megatron-core names this module replaces, so a canary test can say which one went
 away in a new release.
 
-This is test support, not part of ssdtrain: ``examples/megatron_gpt.py`` imports it
-to run on a CPU-only machine.
+This is test support, not part of ssdtrain: ``tests/run_megatron_example.py`` enters
+:func:`megatron_cpu` and then runs ``examples/megatron_gpt.py`` (which imports nothing
+from tests/) on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ import warnings
 
 import torch
 
-__all__ = ["PATCHED_NAMES", "megatron_cpu", "manual_seed", "missing_names"]
+__all__ = ["PATCHED_NAMES", "CPU_TORCH_MODULES", "CPUTorch", "megatron_cpu", "manual_seed",
+           "missing_names"]
 
 # (module, attribute) pairs this shim reads or replaces in megatron-core.
 PATCHED_NAMES = (
@@ -51,7 +63,15 @@ PATCHED_NAMES = (
     ("megatron.core.parallel_state", "destroy_model_parallel"),
     ("megatron.core.parallel_state", "model_parallel_is_initialized"),
     ("megatron.core.utils", "GlobalMemoryBuffer"),
+    ("megatron.core.pipeline_parallel.schedules", "torch"),
+    ("megatron.core.pipeline_parallel.schedules", "get_forward_backward_func"),
+    ("megatron.core.pipeline_parallel.p2p_communication", "torch"),
+    ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator"),
 )
+
+# Modules whose ``torch`` is replaced by a CPUTorch while megatron_cpu() is active.
+CPU_TORCH_MODULES = ("megatron.core.pipeline_parallel.schedules",
+                     "megatron.core.pipeline_parallel.p2p_communication")
 
 
 def missing_names(names=PATCHED_NAMES):
@@ -117,6 +137,54 @@ def _cpu_buffer_class():
     return CPUGlobalMemoryBuffer
 
 
+class _CPUCuda:
+    """The ``torch.cuda`` that :class:`CPUTorch` shows: the current device is the CPU."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def current_device(self):
+        return torch.device("cpu")
+
+    def synchronize(self, device=None):
+        pass  # CPU tensors and completed gloo requests: nothing is in flight
+
+    def is_available(self):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class CPUTorch:
+    """``torch`` for a megatron-core module that allocates on CUDA: everything is the
+    real torch, except ``cuda.current_device()`` (the CPU), ``cuda.synchronize()`` (a
+    no-op) and the tensor factories, where ``device="cuda"`` (or ``"cuda:N"``, or a
+    CUDA ``torch.device``) means the CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like",
+                  "ones_like", "empty_like")
+
+    def __init__(self):
+        self.cuda = _CPUCuda(torch.cuda)
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in self._FACTORIES:
+            return _on_cpu(value)
+        return value
+
+
+def _on_cpu(factory):
+    def call(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+    call.__name__ = getattr(factory, "__name__", "factory")
+    return call
+
+
 def manual_seed(seed: int) -> None:
     """Seed the CPU generator and Megatron's RNG tracker the way
     ``model_parallel_cuda_manual_seed`` does on a GPU (tensor-parallel rank 0)."""
@@ -131,13 +199,20 @@ def manual_seed(seed: int) -> None:
 
 
 @contextlib.contextmanager
-def megatron_cpu(seed: int = 1234):
-    """Set up megatron-core on the CPU for a world of one rank; undo it all on exit.
+def megatron_cpu(seed: int = 1234, *, pipeline_model_parallel_size: int = 1,
+                 virtual_pipeline_model_parallel_size=None):
+    """Set up megatron-core on the CPU; undo it all on exit.
 
-    Initializes ``torch.distributed`` (gloo, a ``file://`` rendezvous in a fresh temp
-    directory) unless it is already initialized, Megatron's model-parallel groups
-    (tensor and pipeline size 1), the CPU RNG tracker and memory buffer. On exit,
-    restores every replaced name and destroys what it created (and only that).
+    Initializes ``torch.distributed`` (gloo, world size 1, a ``file://`` rendezvous
+    in a fresh temp directory) unless it is already initialized, Megatron's
+    model-parallel groups (tensor size 1; pipeline size
+    ``pipeline_model_parallel_size``, default 1, which must divide the world size;
+    ``virtual_pipeline_model_parallel_size`` chunks per stage, default ``None``)
+    unless already initialized, the CPU RNG tracker, memory buffer and
+    :class:`CPUTorch` for the pipeline schedules. On exit, restores every replaced
+    name and destroys what it created (and only that).
+
+    For pipeline parallelism, initialize the process group (gloo, every rank) first.
 
     Raises:
         RuntimeError: naming the megatron-core attributes that are missing (see
@@ -162,8 +237,15 @@ def megatron_cpu(seed: int = 1234):
             undo.callback(_rmdir, tmp)
             undo.callback(dist.destroy_process_group)
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)
+            parallel_state.initialize_model_parallel(
+                1, pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
             undo.callback(parallel_state.destroy_model_parallel)
+
+        for name in CPU_TORCH_MODULES:
+            module = importlib.import_module(name)
+            undo.callback(setattr, module, "torch", module.torch)
+            module.torch = CPUTorch()
 
         saved = {name: getattr(random, name) for name in (
             "_get_cuda_rng_state", "_set_cuda_rng_state", "_CUDA_RNG_STATE_TRACKER",
