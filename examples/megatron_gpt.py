@@ -10,12 +10,18 @@ bytes of activations intercepted, written to the SSD (their memory freed once
 written) and the peak it held in memory. ``--compare`` trains the same model
 without ssdtrain first and checks the losses and gradients are bitwise equal.
 
-Runs on a CPU-only machine: ``tests/megatron_shim.py`` stands in for the CUDA parts
-megatron-core assumes (in a Megatron-LM job, its own initialization does that).
+It sets megatron-core up the way a Megatron-LM job's initialization does (process
+group, model-parallel groups, ``model_parallel_cuda_manual_seed``) and trains on the
+GPU. megatron-core's RNG tracker needs CUDA; on a CPU-only machine run it through the
+test suite's shim, which stands in for those parts and then runs this file unchanged:
+
+    python tests/run_megatron_example.py --ssdtrain --compare
+
 The defaults are tiny, so it takes seconds.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -23,18 +29,16 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 
-_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests")
-sys.path.insert(0, os.path.abspath(_TESTS))
-import megatron_shim  # noqa: E402  (CPU stand-ins for megatron-core's CUDA assumptions)
-
-from ssdtrain.integrations import megatron as ssd_megatron  # noqa: E402
+from ssdtrain.integrations import megatron as ssd_megatron
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
-    from megatron.core.models.gpt import GPTModel  # noqa: E402
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 MiB = 1 << 20
 
@@ -72,19 +76,48 @@ def make_config(args):
                              params_dtype=torch.float32, **recompute)
 
 
+@contextlib.contextmanager
+def megatron_initialized():
+    """One process, tensor and pipeline size 1: what Megatron-LM's ``initialize_megatron``
+    sets up, unless the caller already did (the CPU shim does); undone on exit."""
+    undo = contextlib.ExitStack()
+    with undo:
+        if not dist.is_initialized():
+            if not torch.cuda.is_available():
+                sys.exit("megatron_gpt.py: megatron-core's RNG tracker needs CUDA and this machine "
+                         "has none; run `python tests/run_megatron_example.py ...` instead (the "
+                         "test suite's CPU shim, then this script unchanged).")
+            torch.cuda.set_device(0)
+            tmp = undo.enter_context(tempfile.TemporaryDirectory(prefix="megatron-gpt-"))
+            dist.init_process_group("nccl", init_method="file://" + os.path.join(tmp, "rdzv"),
+                                    rank=0, world_size=1)
+            undo.callback(dist.destroy_process_group)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+            undo.callback(parallel_state.destroy_model_parallel)
+        yield
+
+
+def set_seed(seed):
+    """Megatron-LM's seeding: the default generator, then the model-parallel RNG tracker."""
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
 def train(args, with_ssdtrain):
     config = make_config(args)
     # The flag: with --ssdtrain this enables offloading for models built from `config`.
     handle = ssd_megatron.apply_args(args, config) if with_ssdtrain else None
-    megatron_shim.manual_seed(1234)
+    set_seed(1234)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=args.vocab, max_sequence_length=args.seq)
+                     vocab_size=args.vocab, max_sequence_length=args.seq).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    pos = torch.arange(args.seq).expand(args.batch, args.seq)
-    mask = torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool).triu(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+    labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+    pos = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
+    mask = torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool, device=device).triu(1)
     history, times = [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
@@ -121,7 +154,7 @@ def main():
     if args.ssdtrain and args.ssdtrain_spill_dir is None:
         spill_tmp = tempfile.mkdtemp(prefix="ssdtrain-megatron-")
         args.ssdtrain_spill_dir = [spill_tmp]
-    with megatron_shim.megatron_cpu():   # gloo, world size 1, CPU RNG tracker
+    with megatron_initialized():
         reference = train(args, with_ssdtrain=False) if args.compare else None
         history = train(args, with_ssdtrain=args.ssdtrain)
     if spill_tmp is not None:

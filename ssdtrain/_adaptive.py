@@ -216,7 +216,7 @@ class LayerPolicy:
                                 f"{len(self.profiler.modules)} tracked layers.")
         self._set_wrappers(p.choices)
         self.plan, self.choices = p, tuple(p.choices)
-        self.store.write_behind = p.write_behind_bytes
+        self.store.limit_write_behind(p.write_behind_bytes)
         self._plan_id += 1
 
     def _set_wrappers(self, choices):
@@ -259,4 +259,4 @@ class LayerPolicy:
             self._unwrap(i)
         self.profiler.remove()
         self.plan = self.choices = None
-        self.store.write_behind = self.cfg.write_behind_bytes
+        self.store.limit_write_behind(None)

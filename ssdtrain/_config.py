@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Union
 
 from ._errors import ConfigError
 
-__all__ = ["OffloadConfig", "parse_bytes"]
+__all__ = ["OffloadConfig", "ResolvedConfig", "parse_bytes", "default"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -134,13 +134,15 @@ def _env_number(name, raw, *, integer=False):
     return value
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class OffloadConfig:
     """Settings of an :class:`~ssdtrain.Offloader`.
 
     Every field is validated on construction; an invalid value raises
     :class:`~ssdtrain.ConfigError` naming the field. Byte fields accept an int
-    or a string such as ``"256MiB"``.
+    or a string such as ``"256MiB"``. A config is frozen: :meth:`replace` makes a
+    changed copy. What an :class:`~ssdtrain.Offloader` runs with is
+    :meth:`resolve`'s :class:`ResolvedConfig` (NOTE [ One resolved config ]).
 
     Example::
 
@@ -277,14 +279,14 @@ class OffloadConfig:
     Default 0.05."""
 
     def __post_init__(self):
-        self.spill_dir = _normalize_dirs(self.spill_dir)
+        _set(self, "spill_dir", _normalize_dirs(self.spill_dir))
         for name in ("min_tensor_bytes", "prefetch_bytes", "keep_tail_bytes", "io_chunk_bytes",
                      "write_behind_bytes"):
-            setattr(self, name, parse_bytes(getattr(self, name), name=name))
+            _set(self, name, parse_bytes(getattr(self, name), name=name))
         if self.io_chunk_bytes < 4 * KiB:
             raise ConfigError(f"ssdtrain: io_chunk_bytes must be at least 4096, got "
                               f"{self.io_chunk_bytes}; the default is {16 * MiB}.")
-        self.io_chunk_bytes -= self.io_chunk_bytes % (4 * KiB)
+        _set(self, "io_chunk_bytes", self.io_chunk_bytes - self.io_chunk_bytes % (4 * KiB))
         if self.engine not in ENGINES:
             raise ConfigError(f"ssdtrain: engine must be one of {ENGINES}, got {self.engine!r}.")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) \
@@ -292,7 +294,7 @@ class OffloadConfig:
             raise ConfigError(f"ssdtrain: io_threads must be an int in [1, 256], got "
                               f"{_show(self.io_threads)}.")
         if isinstance(self.direct_io, bool):
-            self.direct_io = "on" if self.direct_io else "off"
+            _set(self, "direct_io", "on" if self.direct_io else "off")
         if self.direct_io not in DIRECT_IO_MODES:
             raise ConfigError(f"ssdtrain: direct_io must be one of {DIRECT_IO_MODES} (or a bool), "
                               f"got {self.direct_io!r}.")
@@ -306,12 +308,12 @@ class OffloadConfig:
                           what=f"a number of seconds > 0 and at most {threading.TIMEOUT_MAX:.0f} "
                                f"(threading.TIMEOUT_MAX)")
         if type(self.io_timeout_s) is not int:
-            self.io_timeout_s = timeout
+            _set(self, "io_timeout_s", timeout)
         if self.on_spill_error not in SPILL_ERROR_ACTIONS:
             raise ConfigError(f"ssdtrain: on_spill_error must be one of {SPILL_ERROR_ACTIONS}, "
                               f"got {self.on_spill_error!r}.")
         if self.max_spill_bytes is not None:
-            self.max_spill_bytes = parse_bytes(self.max_spill_bytes, name="max_spill_bytes")
+            _set(self, "max_spill_bytes", parse_bytes(self.max_spill_bytes, name="max_spill_bytes"))
         if self.on_spill_full not in SPILL_FULL_ACTIONS:
             raise ConfigError(f"ssdtrain: on_spill_full must be one of {SPILL_FULL_ACTIONS}, "
                               f"got {self.on_spill_full!r}.")
@@ -321,8 +323,8 @@ class OffloadConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"ssdtrain: policy must be one of {POLICIES}, got {self.policy!r}.")
         if self.memory_budget_bytes is not None:
-            self.memory_budget_bytes = parse_bytes(self.memory_budget_bytes,
-                                                   name="memory_budget_bytes")
+            _set(self, "memory_budget_bytes", parse_bytes(self.memory_budget_bytes,
+                                                          name="memory_budget_bytes"))
         elif self.policy == "adaptive":
             raise ConfigError("ssdtrain: policy='adaptive' needs memory_budget_bytes (the most "
                               "bytes of activations the plan may keep in memory), e.g. "
@@ -335,7 +337,7 @@ class OffloadConfig:
                     maximum=sys.float_info.max, allow_inf=True,
                     what="a number > 0 (float('inf'): never re-plan)")
         if type(self.replan_stall_fraction) is not int:
-            self.replan_stall_fraction = f
+            _set(self, "replan_stall_fraction", f)
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -364,12 +366,89 @@ class OffloadConfig:
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    def replace(self, **overrides):
-        """A copy with ``overrides`` applied (validated like the constructor)."""
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+    def replace(self, **overrides) -> "OffloadConfig":
+        """A copy with ``overrides`` applied (validated like the constructor).
+
+        On a :class:`ResolvedConfig` the copy is a plain :class:`OffloadConfig` of
+        its effective values with ``overrides`` applied, resolved again by the
+        :class:`~ssdtrain.Offloader` it is given to.
+        """
+        names = {f.name for f in dataclasses.fields(OffloadConfig)}
+        unknown = set(overrides) - names
         if unknown:
             raise ConfigError(f"ssdtrain: unknown OffloadConfig field(s) {sorted(unknown)}.")
-        return dataclasses.replace(self, **overrides)
+        values = {name: getattr(self, name) for name in names}
+        values.update(overrides)
+        return OffloadConfig(**values)
+
+    def resolve(self) -> "ResolvedConfig":
+        """The settings an :class:`~ssdtrain.Offloader` runs with, every ``"auto"`` and
+        default decided once (NOTE [ One resolved config ]):
+
+        * ``spill_dir``: the configured directories, checked (they exist, are
+          directories, and are private: NOTE [ Spill directory privacy ]); ``None``
+          becomes ``[default spill directory]`` (created 0700);
+        * ``engine``: ``"auto"`` becomes ``"kvikio"``, ``"native"`` or ``"posix"``
+          (why: :attr:`ResolvedConfig.engine_reason`);
+        * ``verify``: ``"auto"`` becomes ``True`` where ``ssdtrain._C`` is built and the
+          engine is not ``kvikio``, else ``False``.
+
+        ``direct_io`` stays as asked: ``O_DIRECT`` is decided per spill file when it is
+        opened (``Stats.engine`` shows the outcome). A resolved config resolves to
+        itself.
+
+        Raises:
+            ConfigError: a spill directory is missing or not private, the named engine is
+                not available, or ``verify=True`` cannot be honoured.
+        """
+        if isinstance(self, ResolvedConfig):
+            return self
+        from . import _checksum, _device, _spill, io  # the store layer resolves (Layers)
+        dirs = self.spill_dir if self.spill_dir is not None else [_spill.default_spill_dir()]
+        for d in dirs:
+            _spill.check_spill_dir(d)
+        if self.verify is True and not _checksum.available():
+            _checksum.crc32c(0, 0)  # raises the ConfigError that says what to do
+        engine, why = io.choose_engine(self.engine, directories=dirs,
+                                       verify=self.verify is True,
+                                       gds_memory=_device.GDS_PROBE_MEMORY)
+        verify = self.verify
+        if verify == "auto":  # on wherever records pass through host memory
+            verify = _checksum.available() and engine != "kvikio"
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(OffloadConfig)}
+        values.update(spill_dir=dirs, engine=engine, verify=verify)
+        return ResolvedConfig(**values, engine_reason=why)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ResolvedConfig(OffloadConfig):
+    """An :class:`OffloadConfig` with every default and ``"auto"`` decided: made by
+    :meth:`OffloadConfig.resolve`, shown as :attr:`Offloader.config
+    <ssdtrain.Offloader.config>`, and the only kind of config the store, the planner
+    and the policies read. ``spill_dir`` is a list of directories, ``engine`` names
+    a concrete engine, ``verify`` is a bool."""
+
+    engine_reason: str = dataclasses.field(default="", compare=False)
+    """Why :attr:`engine` was chosen (the configured name, or what ``"auto"`` saw); not
+    compared: configs with the same settings are equal whatever led to them."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.spill_dir is None or self.engine == "auto" or not isinstance(self.verify, bool):
+            raise ConfigError("ssdtrain: a ResolvedConfig needs spill_dir, a concrete engine and "
+                              "a bool verify; make one with OffloadConfig.resolve().")
+
+
+def default(name: str):
+    """The default of the :class:`OffloadConfig` field ``name``: the one definition of
+    each default, for code that needs it without a config (the planner's
+    ``StepCost``, command-line parsers)."""
+    return OffloadConfig.__dataclass_fields__[name].default
+
+
+def _set(config, name, value):
+    """Store a normalized field value on a frozen config (``__post_init__`` only)."""
+    object.__setattr__(config, name, value)
 
 
 def _from_env_string(name, raw):

@@ -120,6 +120,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from ._config import default
+
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StepCost", "Prediction",
            "Plan", "predict", "plan", "group_layers", "rok_plans", "write_behind_for",
            "throttled_step"]
@@ -172,9 +174,9 @@ class StepCost:
         fwd_other_s: forward time outside the layers. Default 0.
         bwd_head_s: backward time before the last layer's backward starts. Default 0.
         tail_s: time after the first layer's backward until the next forward. Default 0.
-        prefetch_bytes: the prefetch window. Default 256 MiB.
+        prefetch_bytes: the prefetch window. Default: ``OffloadConfig``'s.
         write_behind_bytes: most bytes queued for writing before forward waits.
-            Default 1 GiB.
+            Default: ``OffloadConfig``'s.
         fixed_bytes: activation bytes held whatever the plan. Default 0.
         fwd_s_per_byte: compute time forward loses per byte a layer writes (the CPU
             the I/O takes from compute). Default 0.
@@ -192,8 +194,8 @@ class StepCost:
     fwd_other_s: float = 0.0
     bwd_head_s: float = 0.0
     tail_s: float = 0.0
-    prefetch_bytes: int = 256 * MiB
-    write_behind_bytes: int = 1 << 30
+    prefetch_bytes: int = default("prefetch_bytes")
+    write_behind_bytes: int = default("write_behind_bytes")
     fixed_bytes: int = 0
     fwd_s_per_byte: float = 0.0
     bwd_s_per_byte: float = 0.0

@@ -287,6 +287,13 @@ class SpillSet:
             f.close()
 
 
+def check_spill_dir(directory) -> None:
+    """Raise the :class:`ConfigError` that opening a spill file in ``directory`` would:
+    it must exist, be a directory and pass NOTE [ Spill directory privacy ]."""
+    _check_directory(directory)
+    os.close(_open_private_directory(directory))
+
+
 def _check_directory(directory):
     if not os.path.exists(directory):
         raise ConfigError(f"ssdtrain: spill_dir {directory!r} does not exist; create it "

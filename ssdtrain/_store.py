@@ -59,6 +59,7 @@ from concurrent.futures import wait as _wait_futures
 import torch
 
 from . import _fork
+from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
 from ._device import is_device_tensor
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
@@ -83,6 +84,9 @@ class Store(WriteBack, Prefetch):
     """The records of one offloader, and every transition between their states."""
 
     def __init__(self, config, spill, engine, stats):
+        if not isinstance(config, ResolvedConfig):  # NOTE [ One resolved config ]
+            raise AssertionError("ssdtrain: the store runs on a ResolvedConfig "
+                                 "(OffloadConfig.resolve()); please report this bug.")
         self.cfg = config
         self.spill = spill
         self.engine = engine
@@ -108,13 +112,19 @@ class Store(WriteBack, Prefetch):
         self._extra_slots = set()              # slots allocated outside records (bandwidth probe)
         self._task = -1                        # the graph task whose end drains (unpack)
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
-        self.write_behind = config.write_behind_bytes  # a plan may lower it to fit its budget
+        self.write_behind = config.write_behind_bytes  # in force; see limit_write_behind
         self.closed = False
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
         self._finalizer = weakref.finalize(self, _release_in_background, engine, spill,
                                            self._devices)
         _fork.register(self, Store._after_fork_in_child)
+
+    def limit_write_behind(self, nbytes=None) -> None:
+        """Put ``nbytes`` in force as the write-behind limit (an applied plan's, lowered
+        to fit its memory budget), or the config's with ``None``. The config itself is
+        never changed (NOTE [ One resolved config ])."""
+        self.write_behind = self.cfg.write_behind_bytes if nbytes is None else nbytes
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):

@@ -8,12 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checksum
 from ._config import OffloadConfig
 from ._device import GDS_PROBE_MEMORY
 from ._errors import ConfigError, SSDTrainError
 from ._policy import TRACKER
-from ._spill import SpillSet, default_spill_dir
+from ._spill import SpillSet
 from ._store import Store
 from .io import make_engine
 
@@ -96,6 +95,9 @@ class Offloader:
     disk slots are reused). Without :meth:`close`, its threads and files are released
     once the offloader and every graph built under it are garbage, or at exit.
 
+    :attr:`config` is the :class:`ResolvedConfig` it runs with
+    (:meth:`OffloadConfig.resolve`): spill directories, engine and ``verify`` decided.
+
     Args:
         config: the settings; ``None`` reads ``SSDTRAIN_*`` environment variables
             (:meth:`OffloadConfig.from_env`).
@@ -124,10 +126,7 @@ class Offloader:
                               f"{type(config).__name__}; pass fields as keywords instead.")
         elif overrides:
             config = config.replace(**overrides)
-        if config.spill_dir is None:
-            config = config.replace(spill_dir=default_spill_dir())
-        if config.verify is True and not _checksum.available():
-            _checksum.crc32c(0, 0)  # raises the ConfigError that says what to do
+        config = config.resolve()  # NOTE [ One resolved config ]
         self.config = config
         self._stats = Stats()
         spill = SpillSet(config.spill_dir, config.direct_io)
@@ -135,20 +134,16 @@ class Offloader:
             engine = make_engine(config.engine, io_threads=config.io_threads,
                                  io_chunk_bytes=config.io_chunk_bytes,
                                  directories=[f.directory for f in spill.files],
-                                 verify=config.verify is True,
-                                 gds_memory=GDS_PROBE_MEMORY)
+                                 verify=config.verify, gds_memory=GDS_PROBE_MEMORY)
         except BaseException:
             spill.close()
             raise
-        if config.verify == "auto":  # on wherever records pass through host memory
-            config = config.replace(verify=_checksum.available() and engine.name != "kvikio")
-            self.config = config
         backend = getattr(engine, "backend", None)
         self._stats.engine = engine.name + (f"({backend})" if backend else "") + \
             ("+O_DIRECT" if all(f.direct for f in spill.files) else "+buffered") + \
             ("+crc32c" if config.verify else "")
-        log.info("ssdtrain: engine %s, %d I/O threads, spill_dir %s", self._stats.engine,
-                 config.io_threads, config.spill_dir)
+        log.info("ssdtrain: engine %s (%s), %d I/O threads, spill_dir %s", self._stats.engine,
+                 config.engine_reason, config.io_threads, config.spill_dir)
         self._store = Store(config, spill, engine, self._stats)
         self._hooks = None
         self._owner = None

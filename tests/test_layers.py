@@ -240,19 +240,54 @@ def _private_attribute_uses(path: Path, private):
             yield node.lineno, f"{ast.unparse(node.value)}.{node.attr}"
 
 
+# Library code that uses an Offloader from outside, as an adapter does: the fault
+# injector installs itself through Offloader.wrap_engine.
+OUTSIDE_USERS = ("ssdtrain/io/faulty.py",)
+
+
 def test_adapters_examples_benchmarks_use_public_names_only():
-    """(c) integrations/, examples/ and benchmarks/ import no private ssdtrain module and
-    touch no private attribute of an ssdtrain object (``off._store``, ``store._lock``...)."""
+    """(c) integrations/, examples/, benchmarks/ and the library's own outside users
+    (``OUTSIDE_USERS``) import no private ssdtrain module and touch no private attribute
+    of an ssdtrain object (``off._store``, ``store._lock``...)."""
     private = _private_attributes()
     assert {"_store", "_lock", "_registry", "_layers"} <= private  # guards the scan
     bad = []
-    for path in _sources("integrations", "examples", "benchmarks"):
+    users = [ROOT / p for p in OUTSIDE_USERS]
+    assert all(p.is_file() for p in users), OUTSIDE_USERS
+    for path in [*_sources("integrations", "examples", "benchmarks"), *users]:
         for line, dep in _ssdtrain_imports(path):
             if _private(dep):
                 bad.append(f"{_where(path, line)}: imports {dep}")
         for line, expr in _private_attribute_uses(path, private):
             bad.append(f"{_where(path, line)}: uses {expr}")
     assert not bad, _report(bad, "uses of private ssdtrain names")
+
+
+TEST_MODULES = {p.stem for p in (ROOT / "tests").glob("*.py")}
+
+
+def _test_imports(path: Path):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        for name in names:
+            top = name.split(".")[0]
+            if top in TEST_MODULES or top == "tests":
+                yield node.lineno, name
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                node.value in ("tests", "../tests"):
+            yield node.lineno, f"path {node.value!r}"
+
+
+def test_examples_and_benchmarks_do_not_use_test_code():
+    """Examples and benchmarks are what users run: none imports the test suite's helpers
+    or shims (``megatron_shim``...) or puts ``tests/`` on ``sys.path``."""
+    assert "megatron_shim" in TEST_MODULES  # guards the scan
+    bad = [f"{_where(path, line)}: {what}"
+           for path in _sources("integrations", "examples", "benchmarks", "ssdtrain")
+           for line, what in _test_imports(path)]
+    assert not bad, _report(bad, "uses of test code")
 
 
 # References to documents and trackers outside the repository. Comments name NOTE

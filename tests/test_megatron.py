@@ -494,7 +494,7 @@ def test_example_runs(spill_dir):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [
         p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "examples" / "megatron_gpt.py"), "--ssdtrain",
+        [sys.executable, str(REPO_ROOT / "tests" / "run_megatron_example.py"), "--ssdtrain",
          "--ssdtrain-spill-dir", str(spill_dir), "--steps", "2", "--compare"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         timeout=120)

@@ -8,21 +8,22 @@ until the future is done. ``posix`` is the pure-Python reference engine.
 """
 
 import logging
+from typing import Tuple
 
 from .._errors import ConfigError
 from . import gds, native
 from .base import Engine
 from .posix import PosixEngine
 
-__all__ = ["Engine", "PosixEngine", "make_engine"]  # gds.KvikioEngine: GPUDirect Storage
+__all__ = ["Engine", "PosixEngine", "choose_engine", "make_engine"]  # gds.KvikioEngine: GPUDirect Storage
 
 log = logging.getLogger("ssdtrain")
 _logged_auto = False
 
 
-def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=(),
-                verify: bool = False, gds_memory=None) -> Engine:
-    """The engine called ``name``.
+def choose_engine(name: str, *, directories=(), verify: bool = False,
+                  gds_memory=None) -> Tuple[str, str]:
+    """``(engine name, why)``: ``name`` itself, or for ``"auto"`` the engine it picks.
 
     ``"auto"``: ``kvikio`` where GPUDirect Storage passes :func:`gds.probe` in every
     directory, else ``native`` where it is built, else ``posix``; the choice and the
@@ -30,6 +31,10 @@ def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=
     (CRC32C of host copies) rules kvikio out: device records never pass through host
     memory there. ``gds_memory``: the device memory :func:`gds.probe` tests with
     (``ssdtrain._device.GDS_PROBE_MEMORY``); without it kvikio is never usable.
+
+    Raises:
+        ConfigError: ``kvikio`` named with ``verify``, or ``native`` named where it is
+            not built.
     """
     global _logged_auto
     if name == "auto":
@@ -37,21 +42,35 @@ def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=
         if not _logged_auto:
             log.info("ssdtrain: engine auto -> %s (%s)", name, why)
         _logged_auto = True
+        return name, why
+    if name == "kvikio" and verify:
+        raise ConfigError("ssdtrain: verify=True cannot be used with engine='kvikio': "
+                          "GPUDirect Storage moves device records without a host copy to "
+                          "checksum. Use engine='native' with verify=True, or verify=False.")
+    if name == "native" and not native.available():
+        raise ConfigError(f"ssdtrain: engine='native' is not available: "
+                          f"{native.unavailable_reason()} Or use engine='posix'.")
+    if name not in ("kvikio", "native", "posix"):
+        raise AssertionError(f"ssdtrain: unknown engine {name!r} passed validation; please "
+                             f"report.")
+    return name, "configured"
+
+
+def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=(),
+                verify: bool = False, gds_memory=None) -> Engine:
+    """The engine :func:`choose_engine` names for ``name``, started.
+
+    Raises:
+        ConfigError: as :func:`choose_engine`; kvikio also when its probe of device
+            memory fails.
+    """
+    name, _ = choose_engine(name, directories=directories, verify=verify, gds_memory=gds_memory)
     if name == "kvikio":
-        if verify:
-            raise ConfigError("ssdtrain: verify=True cannot be used with engine='kvikio': "
-                              "GPUDirect Storage moves device records without a host copy to "
-                              "checksum. Use engine='native' with verify=True, or verify=False.")
         return gds.KvikioEngine(io_threads=io_threads, directories=directories,
                                 memory=gds_memory)
     if name == "native":
-        if not native.available():
-            raise ConfigError(f"ssdtrain: engine='native' is not available: "
-                              f"{native.unavailable_reason()} Or use engine='posix'.")
         return native.NativeEngine(io_threads=io_threads, chunk_bytes=io_chunk_bytes)
-    if name == "posix":
-        return PosixEngine(io_threads=io_threads, chunk_bytes=io_chunk_bytes)
-    raise AssertionError(f"ssdtrain: unknown engine {name!r} passed validation; please report.")
+    return PosixEngine(io_threads=io_threads, chunk_bytes=io_chunk_bytes)
 
 
 def _auto(directories, verify, gds_memory):
