@@ -4,6 +4,7 @@
 #   make demo | make bench | make clean | make distclean
 #   make soak [SOAK_STEPS=500]          500 steps: nothing may grow (tests/test_soak.py)
 #   make asan-test [ASAN_PYTEST_ARGS=...]   native engine under ASan+UBSan (see below)
+#   make zero-infinity                  DeepSpeed's async_io op built, then the recipe's test
 #
 # torch is installed first and only if the venv cannot import it, so a torch
 # you put in .venv yourself (e.g. a CUDA build) is kept. Override the default
@@ -24,7 +25,7 @@ STAMP := $(VENV)/.ssdtrain-installed
 
 .DEFAULT_GOAL := test
 .DELETE_ON_ERROR:
-.PHONY: venv test demo bench soak clean distclean asan-test
+.PHONY: venv test demo bench soak clean distclean asan-test zero-infinity
 
 # The native engine ssdtrain._C (csrc/) is built by the editable install below.
 NATIVE_SRCS := $(wildcard csrc/*.cpp csrc/engine/*.cpp csrc/engine/*.h)
@@ -60,6 +61,17 @@ bench: $(STAMP)
 SOAK_STEPS ?= 500
 soak: $(STAMP)
 	SOAK_STEPS=$(SOAK_STEPS) $(VPY) -m pytest tests/test_soak.py -m slow -q -p no:cacheprovider
+
+# zero-infinity: examples/zero_infinity_nvme.py (ZeRO-3 with parameters and optimizer
+# state on NVMe, plus ssdtrain's activations) needs DeepSpeed's async_io op, which
+# JIT-builds in about 7 minutes and needs libaio (apt-get install libaio-dev). Built once
+# into $(ZI_EXT_DIR) (TORCH_EXTENSIONS_DIR), then tests/test_zero_infinity.py (marked
+# slow; `make test` skips it while the op is not built) runs against it.
+ZI_EXT_DIR ?= $(CURDIR)/build/torch_extensions
+zero-infinity: $(STAMP)
+	@mkdir -p $(ZI_EXT_DIR)
+	TORCH_EXTENSIONS_DIR=$(ZI_EXT_DIR) DS_ACCELERATOR=cpu $(VPY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); assert b.is_compatible(True), 'async_io needs libaio: apt-get install libaio-dev'; b.load()"
+	TORCH_EXTENSIONS_DIR=$(ZI_EXT_DIR) DS_ACCELERATOR=cpu $(VPY) -m pytest tests/test_zero_infinity.py -m slow -q -s -p no:cacheprovider
 
 # asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
 #  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;
