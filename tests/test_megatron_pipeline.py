@@ -3,8 +3,9 @@
 megatron-core 0.16.1, ``pipeline_model_parallel_size=2`` on 2 spawned CPU processes
 (gloo), trained through megatron-core's own schedule
 (``megatron.core.pipeline_parallel.get_forward_backward_func()``): the 1F1B schedule
-with several micro-batches, and the interleaved (virtual-pipeline) schedule with two
-model chunks per stage. The CUDA assumptions of the schedules and their
+with several micro-batches (also with ``deallocate_pipeline_outputs``, Megatron-LM's
+default), and the interleaved (virtual-pipeline) schedule with two model chunks per
+stage. The CUDA assumptions of the schedules and their
 point-to-point communication are covered by ``tests/megatron_shim.py`` (its
 ``CPUTorch``; the canary in tests/test_megatron.py lists the names).
 
@@ -23,7 +24,7 @@ test process asserts:
   the front of the prefetch queue (``Stats.prefetch_hits`` counts the reads it
   started ahead).
 
-Each spawn runs both schedules (the processes' start-up, torch and megatron-core
+One spawn runs every schedule (the processes' start-up, torch and megatron-core
 imports, is most of the time).
 """
 
@@ -49,7 +50,12 @@ STEPS = 3
 # keep_tail_bytes=0: every record is written and read back, so the prefetch counters
 # cover every offloaded record; min_tensor_bytes above the 1 KiB bool mask.
 OPTIONS = dict(keep_tail_bytes=0, write_behind_bytes=0, min_tensor_bytes=2048, engine="posix")
-SCHEDULES = {"1f1b": None, "interleaved": 2}   # name -> virtual_pipeline_model_parallel_size
+# name -> (virtual_pipeline_model_parallel_size, TransformerConfig overrides).
+# deallocate_pipeline_outputs (Megatron-LM's default): a stage's output is emptied once
+# sent, and backward runs through Megatron's custom_backward.
+SCHEDULES = {"1f1b": (None, {}),
+             "1f1b-deallocate": (None, dict(deallocate_pipeline_outputs=True)),
+             "interleaved": (2, {})}
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
               pytest.mark.filterwarnings("ignore::UserWarning:megatron")]
@@ -154,12 +160,12 @@ def _pipeline_rank(rank, port, out_dir, spill_base, prefetch_bytes):
         from ssdtrain.integrations import megatron as ssd_megatron
     _init_rank(rank, port)
     result = {}
-    for name, vpp in SCHEDULES.items():
+    for name, (vpp, overrides) in SCHEDULES.items():
         with warnings.catch_warnings(), megatron_shim.megatron_cpu(
                 pipeline_model_parallel_size=WORLD, virtual_pipeline_model_parallel_size=vpp):
             warnings.simplefilter("ignore")
-            ref = train(build_chunks(make_config(vpp), vpp))
-            config = make_config(vpp)
+            ref = train(build_chunks(make_config(vpp, **overrides), vpp))
+            config = make_config(vpp, **overrides)
             handle = ssd_megatron.enable(config, spill_dir=spill_base,
                                          prefetch_bytes=prefetch_bytes, **OPTIONS)
             try:
@@ -232,7 +238,7 @@ def pipeline_results(tmp_path_factory):
 def test_pipeline_equal_to_megatron_without_ssdtrain(pipeline_results, schedule):
     for rank, r in enumerate(pipeline_results):
         res = r[schedule]
-        assert res["chunks"] == (SCHEDULES[schedule] or 1)
+        assert res["chunks"] == (SCHEDULES[schedule][0] or 1)
         assert_same_history(res["ref"], res["ssdtrain"], f"{schedule} stage {rank}")
     # The last stage saw one loss per micro-batch, the first none.
     assert all(len(losses) == 0 for losses, _, _ in pipeline_results[0][schedule]["ref"])
