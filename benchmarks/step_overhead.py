@@ -11,7 +11,17 @@ autograd saves for backward:
 * ``torch_save``: a naive synchronous ``saved_tensors_hooks`` pair that
   ``torch.save``\\ s each large saved tensor to its own file and ``torch.load``\\ s
   (and deletes) it in backward;
-* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=False)``.
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=False)``;
+* ``ssdtrain_tail0`` (not run unless named, or with ``--compute-threads``): ssdtrain
+  with ``keep_tail_bytes=0``, so everything it may offload is written, the last
+  activations of forward included.
+
+Accelerator analog (``--compute-threads N``): on an accelerator, compute does not
+run on the host cores the I/O threads use. Here every mode also runs with
+``torch.set_num_threads(N)`` (and ``OMP_NUM_THREADS=N``), leaving the other cores to
+ssdtrain's I/O threads (nothing is pinned: the scheduler places threads), and the
+report shows its table beside the all-cores one (``--threads``), each with ratios to
+``none`` at the same thread count. Thread counts alternate within each repeat.
 
 Each (mode, repeat) runs in a fresh process (this script with the hidden
 ``--worker`` flag); modes are interleaved within each repeat so drifts of the
@@ -35,6 +45,8 @@ Example::
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_overhead.py               # defaults, ~9 min
     PYTHONPATH=. .venv/bin/python benchmarks/step_overhead.py --tiny --repeats 1 --steps 1
+    PYTHONPATH=. .venv/bin/python benchmarks/step_overhead.py --compute-threads 1 \\
+        --modes none ssdtrain ssdtrain_tail0      # accelerator analog beside all cores
     PYTHONPATH=. .venv/bin/python benchmarks/step_overhead.py --modes none ssdtrain \\
         --keep-tail-mib 64 --prefetch-mib 128 --spill-dir /nvme/tmp
 """
@@ -63,11 +75,16 @@ from _common import (  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "step_overhead.json")
 MODES = ("none", "ssdtrain", "recompute", "torch_save", "save_on_cpu")
+# Run only when named in --modes (or by default with --compute-threads).
+VARIANT_MODES = ("ssdtrain_tail0",)
+ALL_MODES = MODES + VARIANT_MODES
+COMPUTE_THREADS_MODES = ("none", "ssdtrain", "ssdtrain_tail0")
 MiB = 1 << 20
 
 # Targets (benchmarks/README.md; reported, never asserted).
 TARGET_STEP_RATIO = 1.05
 TARGET_MEMORY_RATIO = 0.5
+TARGET_ANALOG_STEP_RATIO = 1.02  # --compute-threads (accelerator analog)
 
 # Model shape. The default saves ~1.15 GiB per step in fp32 (0.9 GiB of it in distinct
 # storages >= 256 KiB that ssdtrain may offload; none's peak RSS delta is ~1.15 GiB) and
@@ -80,6 +97,7 @@ TINY_OFFLOAD = dict(min_tensor_kib=4, keep_tail_mib=0)
 MODE_NOTES = {
     "none": "reference: no hooks",
     "ssdtrain": "ssdtrain.Offloader around forward",
+    "ssdtrain_tail0": "ssdtrain with keep_tail_bytes=0: everything eligible is written",
     "recompute": "per-block torch.utils.checkpoint: forward runs twice",
     "torch_save": ("synchronous torch.save/torch.load of each saved tensor >= min size, one file "
                    "each (weights and views write their whole storage); written data stays in "
@@ -252,6 +270,8 @@ def worker(mode, cfg, out_path):
     idx, targets = make_batch(model_cfg, cfg["batch_size"], torch.Generator().manual_seed(1))
 
     overrides = {k: v for k, v in cfg["offload"].items() if v is not None}
+    if mode == "ssdtrain_tail0":
+        overrides["keep_tail_bytes"] = 0
     offload_cfg = ssdtrain.OffloadConfig.from_env(spill_dir=cfg["spill_dir"], **overrides)
     min_bytes = offload_cfg.min_tensor_bytes
     result = {"mode": mode, "repeat": cfg["repeat"], "pid": os.getpid(),
@@ -261,7 +281,7 @@ def worker(mode, cfg, out_path):
               "steps": []}
 
     off = saver = scratch = None
-    if mode == "ssdtrain":
+    if mode in ("ssdtrain", "ssdtrain_tail0"):
         off = ssdtrain.Offloader(offload_cfg)
         result["offload_config"] = jsonable_config(off.config)
         result["engine"] = off.stats().engine
@@ -276,7 +296,7 @@ def worker(mode, cfg, out_path):
         import contextlib
         context = contextlib.nullcontext
     else:
-        raise SystemExit(f"step_overhead: unknown mode {mode!r}; choose from {MODES}")
+        raise SystemExit(f"step_overhead: unknown mode {mode!r}; choose from {ALL_MODES}")
 
     try:
         for step in range(1 + cfg["steps"]):
@@ -428,7 +448,7 @@ def summarize(runs, modes, max_other=1.0):
                     mismatched |= {n for n, h in r["digest"]["grads"].items()
                                    if ref["digest"]["grads"].get(n) != h}
             s["mismatched_grads"] = sorted(mismatched)
-        if mode == "ssdtrain":
+        if mode.startswith("ssdtrain"):
             st = [x["stats"] for x in steps]
             s.update(
                 stall_s_median=median([x["stall_seconds"] for x in st]),
@@ -461,25 +481,28 @@ def summarize(runs, modes, max_other=1.0):
     return summary
 
 
-def check_targets(runs, summary, max_other=1.0):
-    """The targets for ssdtrain versus none: (name, value text, met) triples."""
-    s, ref = summary.get("ssdtrain"), summary.get("none")
+def check_targets(runs, summary, max_other=1.0, mode="ssdtrain", step_target=TARGET_STEP_RATIO):
+    """The targets for ``mode`` (an ssdtrain mode) versus none: (name, value text, met)
+    triples. Names carry a ``"{mode}: "`` prefix for modes other than ``ssdtrain``."""
+    s, ref = summary.get(mode), summary.get("none")
     if not s or not ref or s.get("failed") or ref.get("failed"):
         return []
     out = []
     paired = []
+    target_mode = mode
     by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
     for (mode, rep), r in by.items():
-        if mode == "ssdtrain" and ("none", rep) in by:
+        if mode == target_mode and ("none", rep) in by:
             a = median([x["step_s"] for x in _timed(measured(r), max_other)])
             b = median([x["step_s"] for x in _timed(measured(by[("none", rep)]), max_other)])
             paired.append(a / b)
+    mode = target_mode
     reliable = s["timed_steps"] > 0 and ref["timed_steps"] > 0
-    out.append((f"step time <= {TARGET_STEP_RATIO:.2f}x none",
+    out.append((f"step time <= {step_target:.2f}x none",
                 f"{s['step_ratio']:.3f}x (per-repeat ratios "
                 + ", ".join(f"{p:.3f}" for p in sorted(paired)) + ")"
                 + ("" if reliable else "; every step of a mode was contended"),
-                s["step_ratio"] <= TARGET_STEP_RATIO if reliable else None))
+                s["step_ratio"] <= step_target if reliable else None))
     grads = s["param_bytes"]
     act = (s["peak_rss_delta_median"] - grads) / max(1, ref["peak_rss_delta_median"] - grads)
     out.append((f"peak activation memory <= {TARGET_MEMORY_RATIO:.2f}x none",
@@ -499,6 +522,8 @@ def check_targets(runs, summary, max_other=1.0):
                 f"{sorted(eligible)}, max writes per record {s['max_writes_per_record']}, "
                 f"overlapping records {s['overlapping_records']}",
                 once))
+    if mode != "ssdtrain":
+        out = [(f"{mode}: {name}", value, met) for name, value, met in out]
     return out
 
 
@@ -506,7 +531,9 @@ def _notes(mode, s):
     if s.get("failed"):
         return "FAILED (see stderr / JSON)"
     notes = []
-    if mode == "ssdtrain":
+    if mode.startswith("ssdtrain"):
+        if mode != "ssdtrain":
+            notes.append(MODE_NOTES[mode])
         notes.append(f"{s['engine']}; stall {s['stall_s_median']:.2f} s/step; prefetch "
                      f"{s['prefetch_hits_median']:.0f} hits / {s['prefetch_misses_median']:.0f} "
                      f"misses; kept {s['kept_bytes_median'] / MiB:.0f} MiB/step; I/O threads CPU "
@@ -563,10 +590,15 @@ def build_parser():
                    help="measured steps per run, after 1 warm-up step (default 3)")
     r.add_argument("--repeats", type=int, default=3,
                    help="fresh processes per mode, modes interleaved (default 3)")
-    r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                   help="modes to run (default all); 'none' is needed for ratios")
+    r.add_argument("--modes", nargs="+", choices=ALL_MODES,
+                   help=f"modes to run (default {' '.join(MODES)}; with --compute-threads "
+                        f"{' '.join(COMPUTE_THREADS_MODES)}); 'none' is needed for ratios")
     r.add_argument("--threads", type=int, default=2,
                    help="torch.set_num_threads in every mode (default 2)")
+    r.add_argument("--compute-threads", type=int,
+                   help="accelerator analog: also run every mode with torch.set_num_threads(N), "
+                        "the other cores left to the I/O threads; reported beside the "
+                        "--threads (all-cores) runs")
     r.add_argument("--spill-dir",
                    help="directory for ssdtrain and torch_save (default: a fresh directory under "
                         "the system temp dir, removed at the end)")
@@ -579,7 +611,7 @@ def build_parser():
     o = p.add_argument_group("ssdtrain (default: ssdtrain's own defaults / SSDTRAIN_* variables)")
     add_offload_arguments(o, "OffloadConfig.min_tensor_bytes in KiB (also torch_save's "
                              "threshold)")
-    add_worker_arguments(p, MODES)
+    add_worker_arguments(p, ALL_MODES)
     return p
 
 
@@ -596,12 +628,20 @@ def main(argv=None):
     offload = offload_overrides(args)
     spill_dir, own_spill = work_dir(args.spill_dir, "ssdtrain-bench-", "step_overhead",
                                     "--spill-dir")
-    cfg = dict(model, steps=args.steps, threads=args.threads, spill_dir=spill_dir, offload=offload)
-
-    env = worker_env(REPO_ROOT)
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the OS: RSS is meaningful
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(args.threads)
+    if args.compute_threads is not None and not 1 <= args.compute_threads != args.threads:
+        raise SystemExit(f"step_overhead: --compute-threads must be >= 1 and differ from "
+                         f"--threads ({args.threads})")
+    if args.modes is None:
+        args.modes = list(MODES if args.compute_threads is None else COMPUTE_THREADS_MODES)
+    thread_counts = [args.threads] + ([args.compute_threads] if args.compute_threads else [])
+    cfgs, envs = {}, {}
+    for n in thread_counts:
+        cfgs[n] = dict(model, steps=args.steps, threads=n, spill_dir=spill_dir, offload=offload)
+        env = worker_env(REPO_ROOT)
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the OS: RSS is meaningful
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(n)
+        envs[n] = env
 
     command = command_line()
     fstype, device, mount = filesystem_of(spill_dir)
@@ -611,34 +651,59 @@ def main(argv=None):
                "spill_mount": mount}
 
     runs = []
-    total = args.repeats * len(args.modes)
+    total = args.repeats * len(args.modes) * len(thread_counts)
     update, write, close = progress(total)
     try:
         for repeat in range(args.repeats):
-            for mode in args.modes:
-                result = run_worker(__file__, "step_overhead", mode, repeat, cfg, env)
-                runs.append(result)
-                if "error" in result:
-                    write(f"repeat {repeat + 1} {mode}: FAILED ({result['error']})\n"
-                          f"{result['stderr']}")
-                else:
-                    st = [x["step_s"] for x in measured(result)]
-                    pk = [x["peak_rss_delta"] for x in measured(result)]
-                    write(f"repeat {repeat + 1}/{args.repeats} {mode:<11} step "
-                          f"{median(st):.3f} s, peak RSS delta {median(pk) / MiB:.0f} MiB "
-                          f"({result['wall_s']:.0f} s wall)")
-                update(1)
+            # Thread counts alternate (and swap order each repeat), modes interleaved.
+            order = thread_counts if repeat % 2 == 0 else thread_counts[::-1]
+            for n in order:
+                for mode in args.modes:
+                    result = run_worker(__file__, "step_overhead", mode, repeat, cfgs[n], envs[n])
+                    result["compute_threads"] = n
+                    runs.append(result)
+                    if "error" in result:
+                        write(f"repeat {repeat + 1} {mode} ({n} threads): FAILED "
+                              f"({result['error']})\n{result['stderr']}")
+                    else:
+                        st = [x["step_s"] for x in measured(result)]
+                        pk = [x["peak_rss_delta"] for x in measured(result)]
+                        write(f"repeat {repeat + 1}/{args.repeats} {mode:<14} {n} threads: step "
+                              f"{median(st):.3f} s, peak RSS delta {median(pk) / MiB:.0f} MiB "
+                              f"({result['wall_s']:.0f} s wall)")
+                    update(1)
     finally:
         close()
         if own_spill:
             shutil.rmtree(spill_dir, ignore_errors=True)
 
+    all_runs = runs
+    runs = [r for r in all_runs if r["compute_threads"] == args.threads]  # all cores
     ok = [r for r in runs if "error" not in r]
     if ok:
         machine["torch"] = ok[0]["torch"]
         machine["torch_threads"] = ok[0]["threads"]
     summary = summarize(runs, args.modes, args.max_other_cpu)
     targets = check_targets(runs, summary, args.max_other_cpu)
+    for mode in args.modes:
+        if mode.startswith("ssdtrain") and mode != "ssdtrain":
+            targets += check_targets(runs, summary, args.max_other_cpu, mode)
+    analog = None
+    if args.compute_threads:
+        n = args.compute_threads
+        aruns = [r for r in all_runs if r["compute_threads"] == n]
+        asummary = summarize(aruns, args.modes, args.max_other_cpu)
+        atargets = []
+        for mode in args.modes:
+            if mode.startswith("ssdtrain"):
+                atargets += [(f"accelerator analog ({n} compute threads), " + name, value, met)
+                             for name, value, met in
+                             check_targets(aruns, asummary, args.max_other_cpu, mode,
+                                           TARGET_ANALOG_STEP_RATIO)]
+        targets += atargets
+        analog = {"threads": n, "summary": asummary,
+                  "targets": [{"name": a, "value": v, "met": m} for a, v, m in atargets]}
+    hwm_ok = all(r.get("hwm_reset_works") for r in all_runs if "error" not in r)
     hwm_ok = all(r.get("hwm_reset_works") for r in ok)
 
     print(f"## step_overhead: {model['n_layers']} layers, d_model {model['d_model']}, "
@@ -647,6 +712,22 @@ def main(argv=None):
     print()
     print(render_table(summary, args.modes))
     print()
+    if analog is not None:
+        print(f"### accelerator analog: torch.set_num_threads({analog['threads']}), the other "
+              f"{(os.cpu_count() or 1) - analog['threads']} core(s) left to ssdtrain's I/O "
+              f"threads (same steps, modes and repeats)")
+        print()
+        print(render_table(analog["summary"], args.modes))
+        print()
+        print(f"| mode | ratio to none, {args.threads} threads (all cores) | ratio to none, "
+              f"{analog['threads']} compute threads |")
+        print("| --- | ---: | ---: |")
+        for mode in args.modes:
+            a, b = summary.get(mode, {}), analog["summary"].get(mode, {})
+            ra = f"{a['step_ratio']:.3f}" if "step_ratio" in a else "-"
+            rb = f"{b['step_ratio']:.3f}" if "step_ratio" in b else "-"
+            print(f"| {mode} | {ra} | {rb} |")
+        print()
     ref = summary.get("none", {})
     if ref and not ref.get("failed"):
         print(f"Peak RSS delta = VmHWM after forward+backward minus VmRSS before; it includes the "
@@ -670,7 +751,8 @@ def main(argv=None):
     print(f"Command: {command}")
     if targets:
         print()
-        print("Targets (ssdtrain vs none; reported, not asserted):")
+        print("Targets (ssdtrain modes vs none at the same thread count; reported, not "
+              "asserted):")
         for name, value, met in targets:
             verdict = "unknown (contended)" if met is None else "met" if met else "NOT met"
             print(f"- {name}: {value} -> {verdict}")
@@ -680,8 +762,9 @@ def main(argv=None):
                    "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
                    "offload_overrides": offload, "modes": args.modes,
                    "targets": [{"name": n, "value": v, "met": m} for n, v, m in targets],
-                   "summary": summary, "runs": runs},
-                  [f"{r['mode']}#{r['repeat']}" for r in runs if "error" in r])
+                   "summary": summary, "compute_threads": analog, "runs": all_runs},
+                  [f"{r['mode']}#{r['repeat']}@{r['compute_threads']}" for r in all_runs
+                   if "error" in r])
 
 
 if __name__ == "__main__":

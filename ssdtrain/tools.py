@@ -13,16 +13,21 @@ Example::
     spill.close()
 """
 
-from typing import Tuple
+import contextlib
+import time
+from typing import List, Tuple
+
+import torch
 
 from . import _checksum
 from ._align import BLOCK
 from ._planner import rok_plans
 from ._readbuf import ReadBuffers
+from ._errors import SSDTrainError
 from ._spill import SpillFile, SpillSet, filesystem_type
 
 __all__ = ["BLOCK", "SpillFile", "SpillSet", "ReadBuffers", "filesystem_type", "rok_plans",
-           "crc32c", "crc32c_available", "uring_probe"]
+           "crc32c", "crc32c_available", "uring_probe", "HookTimer"]
 
 
 def crc32c_available() -> bool:
@@ -48,3 +53,83 @@ def uring_probe() -> Tuple[bool, str]:
     from . import _C
     ok, why = _C.uring_probe()
     return bool(ok), why
+
+
+# torch's own accessor for the innermost saved-tensor hooks (also used by _attach.py);
+# looked up by capability, not by version.
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+class HookTimer:
+    """Times the saved-tensor hooks in force (an :class:`~ssdtrain.Offloader`'s, say) as
+    autograd calls them, on the thread that calls them.
+
+    Inside ``with offloader:`` (or ``offloader.intercept()``), :meth:`wrap` looks up
+    the innermost pack/unpack pair autograd would call (the offloader's own hooks,
+    whatever they do) and pushes a pair that calls them and records the time of each
+    call (``time.perf_counter_ns`` around it, so the wrapper's own call is not
+    counted). Every tensor saved inside :meth:`wrap` goes through the wrapped pack
+    hook, and its unpack in backward (whenever it runs, inside or outside the block)
+    through the wrapped unpack hook. What the offloader does on other threads (I/O,
+    CRC, completion callbacks) is not timed; it shows only where it holds the GIL
+    while a hook runs.
+
+    Attributes:
+        pack_ns: duration of each pack call in nanoseconds, in call order.
+        pack_bytes: bytes of each packed tensor (``numel * element_size``).
+        unpack_ns: duration of each unpack call in nanoseconds, in call order.
+
+    Example::
+
+        timer = HookTimer()
+        with off, timer.wrap():
+            loss = model(batch)
+        loss.backward()
+        print(sum(timer.pack_ns) / 1e6, "ms in pack,", sum(timer.unpack_ns) / 1e6, "in unpack")
+    """
+
+    def __init__(self):
+        self.pack_ns: List[int] = []
+        self.pack_bytes: List[int] = []
+        self.unpack_ns: List[int] = []
+
+    def clear(self) -> None:
+        """Forget every recorded time."""
+        self.pack_ns.clear()
+        self.pack_bytes.clear()
+        self.unpack_ns.clear()
+
+    @contextlib.contextmanager
+    def wrap(self):
+        """Time the innermost saved-tensor hooks for the duration of the block.
+
+        Raises:
+            SSDTrainError: no saved-tensor hooks are in force (enter the offloader
+                first), or this torch cannot tell which are.
+        """
+        top = _top_hooks(True) if _top_hooks is not None else None
+        if top is None:
+            raise SSDTrainError("ssdtrain: HookTimer.wrap() found no saved-tensor hooks to time"
+                                + ("" if _top_hooks is not None else
+                                   " (this torch has no torch._C._autograd."
+                                   "_top_saved_tensors_default_hooks)")
+                                + "; enter it inside `with offloader:`.")
+        pack, unpack = top
+        clock = time.perf_counter_ns
+        pack_ns, pack_bytes, unpack_ns = self.pack_ns, self.pack_bytes, self.unpack_ns
+
+        def timed_pack(t):
+            t0 = clock()
+            packed = pack(t)
+            pack_ns.append(clock() - t0)
+            pack_bytes.append(t.numel() * t.element_size())
+            return packed
+
+        def timed_unpack(packed):
+            t0 = clock()
+            t = unpack(packed)
+            unpack_ns.append(clock() - t0)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(timed_pack, timed_unpack):
+            yield self

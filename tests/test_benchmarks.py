@@ -59,3 +59,43 @@ def test_step_overhead_tiny(tmp_path, spill_dir):
 
     # The spill directory is left empty (ssdtrain's files are anonymous; torch_save's removed).
     assert list(spill.iterdir()) == []
+
+
+def test_step_overhead_compute_threads_tiny(tmp_path, spill_dir):
+    """The accelerator analog (--compute-threads 1) runs beside the all-cores mode, with the
+    keep_tail_bytes=0 variant, each compared with none at its own thread count."""
+    out = tmp_path / "step_overhead.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
+                                         env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "step_overhead.py"), "--tiny",
+         "--repeats", "1", "--steps", "1", "--threads", "2", "--compute-threads", "1",
+         "--spill-dir", str(spill_dir), "--json", str(out)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "### accelerator analog: torch.set_num_threads(1)" in proc.stdout
+    assert "| ssdtrain_tail0 |" in proc.stdout
+
+    result = json.loads(out.read_text())
+    modes = ["none", "ssdtrain", "ssdtrain_tail0"]  # the default modes with --compute-threads
+    assert result["modes"] == modes
+    analog = result["compute_threads"]
+    assert analog["threads"] == 1
+    for summary in (result["summary"], analog["summary"]):
+        assert set(summary) == set(modes)
+        for mode in modes:
+            assert not summary[mode].get("failed"), (mode, summary[mode])
+            assert summary[mode]["grads_equal"] is True, mode
+            assert summary[mode]["step_ratio"] > 0
+        for mode in ("ssdtrain", "ssdtrain_tail0"):
+            assert summary[mode]["written_bytes_per_step"] > 0, mode
+    # Each worker really ran with its thread count, and every (mode, threads) ran once.
+    seen = sorted((r["mode"], r["compute_threads"], r["threads"]) for r in result["runs"])
+    assert seen == sorted((m, n, n) for m in modes for n in (1, 2)), seen
+    tail0 = [r for r in result["runs"] if r["mode"] == "ssdtrain_tail0"]
+    assert all(r["offload_config"]["keep_tail_bytes"] == 0 for r in tail0)
+    assert any(t["name"].startswith("accelerator analog (1 compute threads), step time <= 1.02x")
+               for t in result["targets"])
+    assert list(spill_dir.iterdir()) == []

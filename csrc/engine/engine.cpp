@@ -1,4 +1,5 @@
 #include "engine/engine.h"
+#include "engine/crc32c.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -21,7 +22,12 @@ namespace ssdtrain {
 namespace {
 
 constexpr std::size_t kMaxSyscallBytes = std::size_t{1} << 30;  // Linux caps one call at ~2 GiB
-constexpr std::size_t kUringSegmentBytes = std::size_t{1} << 20;  // one SQE moves at most this
+// One SQE moves at most this. As large as one system call of the thread pool: with 1 MiB
+// SQEs, writing into a fresh spill file cost twice the CPU per byte of the thread pool
+// (each SQE's non-blocking attempt fails on an extending O_DIRECT write and is redone
+// by an io-wq worker); with whole pieces (<= chunk_bytes) one SQE does the piece and
+// the two back ends cost about the same (see ssdtrain/io/native.py, "auto").
+constexpr std::size_t kUringSegmentBytes = kMaxSyscallBytes;
 constexpr unsigned kRingEntries = 64;  // SQEs in flight per worker
 
 std::uint64_t align_down(std::uint64_t x, std::uint64_t a = kBlock) { return x - x % a; }
@@ -193,15 +199,25 @@ void run_uring(Uring& ring, const Piece& p, std::vector<Segment>& segments) {
   if (failure) throw *failure;
 }
 
-// Buffered files: make written data durable, then drop the record's pages (whole
-// blocks: DONTNEED skips partial pages, and the slot owns every block it touches) so
-// spilled data really leaves RAM. Same steps as the posix engine.
+// Buffered files: write the record's dirty pages out and wait for them, then drop its
+// pages (whole blocks: DONTNEED skips partial pages, and the slot owns every block it
+// touches) so spilled data really leaves RAM. Same steps as the posix engine.
+// NOTE [ Range sync in buffered mode ]: sync_file_range on the record's own blocks,
+// not fdatasync: fdatasync waits for every dirty page of the shared spill file (other
+// records' writes in flight included) and flushes the device cache, once per record.
+// Spill data need not survive a crash (the file is anonymous), only leave the page
+// cache, which needs its pages clean: WAIT_BEFORE | WRITE | WAIT_AFTER starts writeback
+// of the range and waits for it, and reports a writeback error (EIO, ENOSPC) as
+// fdatasync would.
 void finish_buffered(const Request& r) {
-  if (r.op == Op::kWrite && fdatasync(r.fd) != 0) {
-    throw IoError(errno, "fdatasync", r.offset, r.nbytes, r.path);
-  }
   const std::uint64_t start = align_down(r.offset);
   const std::uint64_t len = align_up(r.offset + r.nbytes) - start;
+  if (r.op == Op::kWrite && len > 0 &&
+      sync_file_range(r.fd, static_cast<off64_t>(start), static_cast<off64_t>(len),
+                      SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                          SYNC_FILE_RANGE_WAIT_AFTER) != 0) {
+    throw IoError(errno, "sync_file_range", r.offset, r.nbytes, r.path);
+  }
   const int rc = posix_fadvise(r.fd, static_cast<off_t>(start), static_cast<off_t>(len),
                                POSIX_FADV_DONTNEED);
   if (rc != 0) throw IoError(rc, "posix_fadvise(DONTNEED)", r.offset, r.nbytes, r.path);
@@ -226,6 +242,9 @@ void piece_done(Request& r, int err, const std::string& message) {
     }
   }
   std::unique_ptr<Completion> done = std::move(r.done);
+  if (r.err == 0 && done->want_crc) {
+    done->crc = crc32c(reinterpret_cast<const void*>(r.address), r.nbytes, 0);
+  }
   done->complete(r.err, r.message);
 }
 

@@ -7,8 +7,9 @@
 // to the address modulo kBlock (NOTE [ Zero-copy O_DIRECT from unaligned tensors ] in
 // docs/ARCHITECTURE.md): the aligned middle moves straight between the caller's
 // memory and the disk, and only the partial first and last blocks pass through a
-// per-worker aligned bounce block. On buffered files a write ends with fdatasync and
-// POSIX_FADV_DONTNEED, a read with POSIX_FADV_DONTNEED, as the posix engine does.
+// per-worker aligned bounce block. On buffered files a write ends with sync_file_range
+// on its own blocks and POSIX_FADV_DONTNEED, a read with POSIX_FADV_DONTNEED, as the
+// posix engine does (NOTE [ Range sync in buffered mode ] in engine.cpp).
 #pragma once
 
 #include <atomic>
@@ -32,6 +33,12 @@ class Completion {
  public:
   virtual ~Completion() = default;
   virtual void complete(int err, const std::string& message) = 0;
+
+  // Set by the submitter: when the request succeeds, the worker that finishes it
+  // stores the CRC32C of the request's bytes (written, or read) in `crc` before it
+  // calls complete(), so a checksum costs the caller no thread of its own.
+  bool want_crc = false;
+  std::uint32_t crc = 0;
 };
 
 class Engine {

@@ -5,9 +5,11 @@ is split at address multiples of ``chunk_bytes`` across ``io_threads`` workers; 
 ``O_DIRECT`` files the file offset is congruent to the address modulo ``BLOCK``
 (NOTE [ Zero-copy O_DIRECT from unaligned tensors ]) and only the partial first and
 last blocks pass through an aligned bounce block; on buffered files a write ends with
-``fdatasync`` and ``POSIX_FADV_DONTNEED``, a read with ``POSIX_FADV_DONTNEED``.
-Workers submit through io_uring where the kernel allows it (probed at run time),
-with ``pread``/``pwrite`` otherwise; ``backend`` says which is in use. No call here
+``sync_file_range`` of its own blocks (NOTE [ Range sync in buffered mode ] in
+``csrc/engine/engine.cpp``) and ``POSIX_FADV_DONTNEED``, a read with
+``POSIX_FADV_DONTNEED``. Workers submit with ``pread``/``pwrite`` (the thread pool,
+the default) or through io_uring (``backend="uring"``, where the kernel allows it:
+probed at run time); ``backend`` says which is in use. No call here
 holds the GIL while it waits on I/O (see NOTE [ Completions, the GIL and shutdown ]
 in ``csrc/binding.cpp``).
 """
@@ -34,6 +36,20 @@ __all__ = ["NativeEngine", "available", "unavailable_reason"]
 
 BACKENDS = ("auto", "uring", "threads")
 
+# NOTE [ Which native back end auto picks ]
+# "auto" is the thread pool. Measured on this project's VM (kernel 6.18, ext4 on a
+# virtual disk, 4 workers, 16 MiB chunks, 512 MiB in 64 MiB records, CPU seconds of
+# the whole process per GB, medians of 3 interleaved runs): with io_uring SQEs of
+# 1 MiB, io_uring cost 0.14-0.22 s/GB writing a fresh spill file against the pool's
+# 0.07-0.11 (reads 0.07-0.08 vs 0.06-0.08; benchmarks/io_bandwidth.py: 0.115 vs 0.062);
+# with whole-piece SQEs (csrc/engine/engine.cpp, kUringSegmentBytes) io_uring came to
+# the pool's cost on fresh files (0.076 vs 0.077) and stayed above it on reused slots
+# (0.055 vs 0.049 s/GB), reads equal. io_uring was never cheaper. A probe choosing per
+# spill directory was not built: telling a 10% difference apart on this VM took
+# several hundred MiB per back end (run-to-run spread of the same configuration was up
+# to 1.6x), i.e. seconds of I/O and disk writes at every Offloader creation, for a
+# choice that came out the same each time. backend="uring" still selects io_uring.
+
 
 def available() -> bool:
     """Whether the native engine can be used here (``ssdtrain._C`` imports)."""
@@ -54,9 +70,9 @@ class _Completion:
         self.future, self.verb, self.file = future, verb, file
         self.offset, self.nbytes = offset, nbytes
 
-    def __call__(self, err: int, message: str) -> None:
+    def __call__(self, err: int, message: str, crc=None) -> None:
         if err == 0:
-            self.future.set_result(self.nbytes)
+            self.future.set_result(self.nbytes if crc is None else crc)
             return
         self.future.set_exception(io_error(self.verb, self.file, self.offset, self.nbytes, err,
                                            message))
@@ -70,9 +86,10 @@ class NativeEngine(Engine):
         chunk_bytes: requests are split at addresses that are multiples of this (a
             positive multiple of ``BLOCK``) so several workers share a large request.
             Default 16 MiB.
-        backend: ``"auto"`` (io_uring where the kernel allows it, else the thread
-            pool), ``"uring"`` (fail if io_uring is unusable) or ``"threads"``.
-            Default ``"auto"``.
+        backend: ``"auto"`` (the thread pool: measured no more expensive than io_uring
+            in CPU per byte anywhere here, NOTE [ Which native back end auto picks ]),
+            ``"uring"`` (io_uring; fail if it is unusable) or ``"threads"``
+            (``pread``/``pwrite``). Default ``"auto"``.
 
     Raises:
         ConfigError: the module is not built, an argument is invalid, or
@@ -93,7 +110,7 @@ class NativeEngine(Engine):
                               f"a positive multiple of {BLOCK}; got io_threads={io_threads}, "
                               f"chunk_bytes={chunk_bytes}.")
         try:
-            engine = _C.Engine(io_threads, chunk_bytes, backend)
+            engine = _C.Engine(io_threads, chunk_bytes, "threads" if backend == "auto" else backend)
         except RuntimeError as e:  # backend="uring" where the kernel refuses it
             raise ConfigError(f"ssdtrain: the native engine's {backend!r} back end cannot start: "
                               f"{e}. Use backend='auto' or 'threads'.") from None
@@ -105,11 +122,15 @@ class NativeEngine(Engine):
         self._finalizer = weakref.finalize(self, engine.shutdown)
         self._abandoned = False  # last: abandon() skips an engine not fully made
 
-    def write(self, file, offset, address, nbytes):
-        return self._submit(self._engine.submit_write, "writing", file, offset, address, nbytes)
+    checksums = True
 
-    def read(self, file, offset, address, nbytes):
-        return self._submit(self._engine.submit_read, "reading", file, offset, address, nbytes)
+    def write(self, file, offset, address, nbytes, *, crc=False):
+        return self._submit(self._engine.submit_write, "writing", file, offset, address, nbytes,
+                            crc)
+
+    def read(self, file, offset, address, nbytes, *, crc=False):
+        return self._submit(self._engine.submit_read, "reading", file, offset, address, nbytes,
+                            crc)
 
     def shutdown(self):
         self._finalizer()
@@ -124,7 +145,7 @@ class NativeEngine(Engine):
         self._finalizer.detach()
         self._engine.abandon()
 
-    def _submit(self, submit, verb, file, offset, address, nbytes):
+    def _submit(self, submit, verb, file, offset, address, nbytes, crc):
         if self._abandoned:
             return abandoned(self, verb, file, offset, nbytes)
         if file.direct and offset % BLOCK != address % BLOCK:
@@ -134,5 +155,5 @@ class NativeEngine(Engine):
         future.set_running_or_notify_cancel()
         # A closed SpillFile has fd -1: the system call then fails with EBADF, as in posix.
         submit(file.fd, file.direct, offset, address, nbytes, file.name,
-               _Completion(future, verb, file, offset, nbytes))
+               _Completion(future, verb, file, offset, nbytes), crc)
         return future

@@ -5,9 +5,12 @@ workers overlap with the training thread. On ``O_DIRECT`` files a record's file
 offset is congruent to its address modulo ``BLOCK`` (NOTE [ Zero-copy O_DIRECT
 from unaligned tensors ]): the aligned middle of a buffer moves straight
 between the tensor's memory and the disk, and only the partial first and last
-blocks pass through a small per-thread bounce buffer. On buffered files each
-request ends with ``fdatasync`` and ``POSIX_FADV_DONTNEED`` so written data
-does not stay in the page cache.
+blocks pass through a small per-thread bounce buffer. On buffered files a write
+ends with ``sync_file_range`` of its own blocks and ``POSIX_FADV_DONTNEED`` so
+written data does not stay in the page cache (NOTE [ Range sync in buffered mode ]
+in ``csrc/engine/engine.cpp``: not ``fdatasync``, which waits for the whole shared
+spill file and flushes the device cache per record); a read ends with
+``POSIX_FADV_DONTNEED``.
 """
 
 import ctypes
@@ -201,10 +204,39 @@ def _preadv_all(fd, view, offset):
         done += n
 
 
+# sync_file_range(2) flags (<fcntl.h>): start writeback of the range and wait for it.
+_SYNC_RANGE_FLAGS = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER
+
+
+def _libc_sync_file_range():
+    """libc's ``sync_file_range`` (ctypes releases the GIL around it), or ``None``."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux/glibc: fdatasync below
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def _sync_range(fd, start, nbytes):
+    """Write out the dirty pages of ``[start, start + nbytes)`` and wait for them."""
+    if _sync_file_range is None:
+        os.fdatasync(fd)
+        return
+    if nbytes > 0 and _sync_file_range(fd, start, nbytes, _SYNC_RANGE_FLAGS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+
 def _drop_from_page_cache(req):
-    # Buffered files: make the data durable, then let the kernel drop its pages,
-    # so spilled activations really leave RAM (DONTNEED skips dirty pages).
-    os.fdatasync(req.file.fd)
+    # Buffered files: write the record's own blocks out, then let the kernel drop its
+    # pages, so spilled activations really leave RAM (DONTNEED skips dirty pages).
+    start = align_down(req.offset)
+    _sync_range(req.file.fd, start, align_up(req.offset + req.nbytes) - start)
     _drop_clean_pages(req)
 
 
