@@ -23,6 +23,8 @@ two fresh processes (one per stage); each reports its peak RSS (``VmHWM`` from
 ``/proc/self/status``) over the measured steps, reset through
 ``/proc/self/clear_refs`` after the warm-up step (``hwm_reset_works`` in the JSON
 says whether the reset took; where it does not, the peak covers the whole process).
+The stages run with ``MALLOC_MMAP_THRESHOLD_=65536`` (as step_worker.py's children), so
+freed tensors go back to the OS and RSS follows the bytes held.
 A run *fits* when the peak RSS of every stage is within the per-stage budget. The
 step time is the median wall time of ``--steps`` measured steps on stage 0 (both
 stages start each step after a barrier). Nothing is estimated: every number in the
@@ -207,6 +209,9 @@ def _free_port():
 def run_pipeline(spec, timeout_s=600):
     """Both stages of one (setup, m) run in fresh processes; the run's record."""
     import torch.multiprocessing as mp
+    # Read by each stage's allocator at start-up (spawn starts a fresh interpreter):
+    # freed tensors go back to the OS, so RSS follows what is held.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     with tempfile.TemporaryDirectory(prefix="pipeline_sweep_") as out_dir:
         record = {"setup": spec["setup"], "m": spec["m"]}
         try:
@@ -269,7 +274,8 @@ def render(table, setups, ms, budget, args_line, micro_batch):
     lines = [f"Budget: peak RSS <= {budget / MiB:.0f} MiB per stage ({STAGES} stages, one "
              f"process each; micro-batch {micro_batch}; all m micro-batches in flight). "
              f"Memory: each stage process's VmHWM over the measured steps (reset through "
-             f"/proc/self/clear_refs after warm-up). Step time: median measured wall time. "
+             f"/proc/self/clear_refs after warm-up; MALLOC_MMAP_THRESHOLD_=65536). "
+             f"Step time: median measured wall time. "
              f"Command: `{args_line}`", "",
              "| setup | " + " | ".join(f"m={m}" for m in ms) + " | largest m that fits | "
              "bubble there | step there |",
@@ -288,9 +294,9 @@ def render(table, setups, ms, budget, args_line, micro_batch):
                              + ("" if row["fits"] else " (over)"))
         t = table[setup]
         fit = t["largest_fit"]
-        lines.append(f"| {setup} | " + " | ".join(cells) + " | " + (
-            f"{fit} | {t['bubble_at_largest_fit']:.1%} | {t['step_s_at_largest_fit'] * 1e3:.0f} ms |"
-            if fit else "none | | |"))
+        there = (f"{fit} | {t['bubble_at_largest_fit']:.1%} | "
+                 f"{t['step_s_at_largest_fit'] * 1e3:.0f} ms |") if fit else "none | | |"
+        lines.append(f"| {setup} | " + " | ".join(cells) + " | " + there)
     lines += ["", "Cells: median step time, peak RSS of stage 0/stage 1. Bubble "
                   f"(p - 1)/(m + p - 1) with p = {STAGES}: "
               + ", ".join(f"m={m}: {bubble(m):.1%}" for m in ms) + "."]

@@ -288,14 +288,15 @@ def report(ref_layout, layout, exact_problem, args):
     lines.append(f"accelerator: {layout['accelerator']}  (on 'cpu' the device is host memory)")
     lines.append("")
     lines.append("where the training state lives (with ssdtrain):")
-    lines.append(f"  device   allocated                         {_fmt(layout['device_allocated_bytes'])}")
-    lines.append(f"  host     peak RSS of the process           {_fmt(layout['host_peak_rss_bytes'])}")
+    lines.append(f"  device   allocated{'':25s}{_fmt(layout['device_allocated_bytes'])}")
+    lines.append(f"  host     peak RSS of the process{'':11s}{_fmt(layout['host_peak_rss_bytes'])}")
     for k, v in layout["host_swap_buffers"].items():
         lines.append(f"  host     {k:<33s} {_fmt(v)}")
     for k, v in sorted(layout["nvme_zero_files"].items()):
         lines.append(f"  NVMe     DeepSpeed swap files: {k:<14s}  {_fmt(v)}")
-    lines.append(f"  {where:<8s} ZeRO's share: fp32 parameters {_fmt(layout['fp32_parameter_bytes']).strip()}"
-                 f", Adam moments {_fmt(layout['adam_state_bytes']).strip()}")
+    params, moments = (_fmt(layout[k]).strip() for k in ("fp32_parameter_bytes",
+                                                          "adam_state_bytes"))
+    lines.append(f"  {where:<8s} ZeRO's share: fp32 parameters {params}, Adam moments {moments}")
     act = layout.get("activations", {})
     lines.append(f"  NVMe     ssdtrain activations, per step    "
                  f"{_fmt(act.get('offloaded_bytes_per_step', 0))} written, "

@@ -24,7 +24,8 @@ the local layer spec (``get_gpt_layer_local_spec``) reaches on its training path
   unchanged, so the schedules themselves (1F1B, interleaved) are megatron-core's.
 
 Everything else is real megatron-core: process groups (gloo; world size 1, or the
-caller's world for pipeline parallelism), layers, the loss. Parameters are created on the CPU with ``use_cpu_initialization=True``.
+caller's world for pipeline parallelism), layers, the loss. Parameters are created on
+the CPU with ``use_cpu_initialization=True``.
 
 :func:`megatron_cpu` sets all of it up and undoes it; :data:`PATCHED_NAMES` lists the
 megatron-core names this module replaces, so a canary test can say which one went
