@@ -13,6 +13,14 @@
 // In a forked child the workers do not exist: abandon() (called by ssdtrain.io.native
 // from an os.register_at_fork handler, see ssdtrain/_fork.py) makes shutdown() and the
 // destructor return at once; callbacks of requests queued before the fork are leaked.
+//
+// NOTE [ Submitting with the GIL held ]
+// submit_write/submit_read keep the GIL: Engine::submit never blocks (it takes the
+// queue mutex, which no thread ever holds while it waits for the GIL or for I/O, pushes
+// and notifies). Releasing the GIL there cost the training thread the most: the moment
+// it let go, a worker waiting to run a completion took the GIL, and the pack hook then
+// waited for that whole Python callback before it could return (measured: ~200 us of
+// a 256 KiB record's pack, a p99 of milliseconds; benchmarks/hook_cost.py).
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
@@ -39,7 +47,10 @@ bool interpreter_finalizing() noexcept {
 
 class PyCompletion final : public ssdtrain::Completion {
  public:
-  explicit PyCompletion(py::function fn) : fn_(fn.release().ptr()) {}  // called with the GIL
+  // Called with the GIL. With `want_crc`, the callback gets the CRC as a third argument.
+  PyCompletion(py::function fn, bool want_crc) : fn_(fn.release().ptr()) {
+    this->want_crc = want_crc;
+  }
   ~PyCompletion() override {
     if (fn_ == nullptr || interpreter_finalizing()) return;
     const PyGILState_STATE gil = PyGILState_Ensure();
@@ -58,14 +69,16 @@ class PyCompletion final : public ssdtrain::Completion {
     PyObject* text = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()),
                                           "replace");
     PyObject* result = nullptr;
-    if (code != nullptr && text != nullptr) {
-      result = PyObject_CallFunctionObjArgs(fn, code, text, nullptr);
+    PyObject* crc = want_crc ? PyLong_FromUnsignedLong(this->crc) : nullptr;
+    if (code != nullptr && text != nullptr && (crc != nullptr || !want_crc)) {
+      result = PyObject_CallFunctionObjArgs(fn, code, text, crc, nullptr);
     }
     if (result == nullptr) {
       // A callback must not raise; report it like an exception in a __del__.
       PyErr_WriteUnraisable(fn);
     }
     Py_XDECREF(result);
+    Py_XDECREF(crc);
     Py_XDECREF(text);
     Py_XDECREF(code);
     Py_DECREF(fn);
@@ -104,10 +117,10 @@ class PyEngine {
 
   std::string backend() const { return ssdtrain::Engine::backend_name(engine_->backend()); }
 
+  // Keeps the GIL (NOTE [ Submitting with the GIL held ]).
   void submit(ssdtrain::Op op, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
-              std::size_t nbytes, std::string path, py::function callback) {
-    auto done = std::make_unique<PyCompletion>(std::move(callback));
-    py::gil_scoped_release nogil;
+              std::size_t nbytes, std::string path, py::function callback, bool crc) {
+    auto done = std::make_unique<PyCompletion>(std::move(callback), crc);
     engine_->submit(op, fd, direct, offset, address, nbytes, std::move(path), std::move(done));
   }
 
@@ -128,14 +141,14 @@ class PyEngine {
 // signature is the same.
 template <ssdtrain::Op kOp>
 void submit_op(PyEngine& self, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
-               std::size_t nbytes, std::string path, py::function callback) {
-  self.submit(kOp, fd, direct, offset, address, nbytes, std::move(path), std::move(callback));
+               std::size_t nbytes, std::string path, py::function callback, bool crc) {
+  self.submit(kOp, fd, direct, offset, address, nbytes, std::move(path), std::move(callback), crc);
 }
 
 template <typename Class, typename Fn>
 void def_submit(Class& cls, const char* name, Fn fn, const char* doc) {
   cls.def(name, fn, py::arg("fd"), py::arg("direct"), py::arg("offset"), py::arg("address"),
-          py::arg("nbytes"), py::arg("path"), py::arg("callback"), doc);
+          py::arg("nbytes"), py::arg("path"), py::arg("callback"), py::arg("crc") = false, doc);
 }
 
 // crc32c and crc32c_table: CRC32C of `nbytes` at `address`, without the GIL.
@@ -160,10 +173,12 @@ PYBIND11_MODULE(_C, m) {
                              "The back end in use: 'uring' or 'threads'.");
   def_submit(engine, "submit_write", &submit_op<ssdtrain::Op::kWrite>,
              "Write `nbytes` at `address` to `fd` at `offset`; later, on a worker thread,\n"
-             "callback(errno, message) with errno 0 on success. Keep the memory alive until "
-             "then.");
+             "callback(errno, message) with errno 0 on success; with crc=True,\n"
+             "callback(errno, message, crc32c of the bytes), the CRC taken on the worker\n"
+             "without the GIL. Keep the memory alive until then.");
   def_submit(engine, "submit_read", &submit_op<ssdtrain::Op::kRead>,
-             "Read `nbytes` from `fd` at `offset` into `address`; callback as for submit_write.");
+             "Read `nbytes` from `fd` at `offset` into `address`; callback as for submit_write\n"
+             "(with crc=True, the CRC32C of the bytes read).");
   engine
       .def("shutdown", &PyEngine::shutdown,
            "Finish every queued request (each callback runs), then stop the workers.")

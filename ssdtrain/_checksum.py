@@ -1,9 +1,12 @@
 """CRC32C of records: computed when a write ends, checked when a read ends.
 
-The checksum is taken on the thread that completes the I/O, outside the store's
-lock, by chaining a future behind the engine's (:func:`ssdtrain.io.base.then`): the store sees
-one future per request either way, and a mismatch arrives as that future's
-:class:`~ssdtrain.IntegrityError`, on the same path as an I/O error.
+The checksum is never taken on the training thread. An engine with ``checksums``
+(the native one) takes it on the worker that finishes the request, without the GIL,
+and the request's future completes with it (``write(..., crc=True)``); a read's CRC is
+compared when the store completes the read. Other engines get it chained behind their
+future (:func:`ssdtrain.io.base.then`), on the thread that completes the I/O. Either
+way a mismatch is the record's :class:`~ssdtrain.IntegrityError`, on the same path as
+an I/O error.
 """
 
 from ._errors import ConfigError, IntegrityError

@@ -107,6 +107,11 @@ class Prefetch:
         engine = self.engine
         if dev is not None and dev.direct:
             rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)  # noqa: E501,E702
+        elif dev is None and self.cfg.verify and engine.checksums:
+            # The engine's worker takes the CRC of the bytes read (no GIL); the result is
+            # compared when the read is completed (_read_done_locked).
+            rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, crc=True)  # noqa: E501,E702
+            fut.ssdtrain_crc = rec.crc
         else:
             rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes)  # noqa: E702
             if self.cfg.verify:
@@ -123,6 +128,8 @@ class Prefetch:
             return
         if rec.state is State.LOADING:
             exc = _without_frames(fut.exception())
+            if exc is None and "ssdtrain_crc" in fut.__dict__:
+                exc = _mismatch(rec, fut.ssdtrain_crc, fut.result())
             if exc is not None and not isinstance(exc, Exception):
                 # An interrupt while the read completed inline (its CRC on this thread):
                 # the engine is done with the buffer; drop it, a later unpack reads again.
@@ -153,7 +160,15 @@ class Prefetch:
 
 
 def _verify(rec, expected, slot, address, nbytes):
-    observed = _checksum.crc32c(address, nbytes)
-    if observed != expected:
-        raise _checksum.mismatch(f"record {rec!r}", f"{slot.file.name} at offset {slot.offset}",
-                                 expected, observed)
+    err = _mismatch(rec, expected, _checksum.crc32c(address, nbytes), slot)
+    if err is not None:
+        raise err
+
+
+def _mismatch(rec, expected, observed, slot=None):
+    """The IntegrityError for ``rec`` read back with CRC ``observed``; None if it matches."""
+    if observed == expected:
+        return None
+    slot = slot or rec.slot
+    return _checksum.mismatch(f"record {rec!r}", f"{slot.file.name} at offset {slot.offset}",
+                              expected, observed)

@@ -115,3 +115,49 @@ def test_verify_needs_the_native_module(monkeypatch, spill_dir):
     monkeypatch.setattr(_checksum, "_C", None)
     with pytest.raises(ssdtrain.ConfigError, match="verify"):
         ssdtrain.Offloader(spill_dir=str(spill_dir), verify=True)
+
+
+def test_the_native_engine_takes_checksums_on_its_workers(make_offloader, monkeypatch):
+    """With the native engine no CRC is taken in Python (the training thread or a
+    completion holding the GIL): its workers take them, and they are the same CRCs."""
+    real = _checksum.crc32c
+    calls = []
+    monkeypatch.setattr(_checksum, "crc32c", lambda *a: calls.append(a) or real(*a))
+    off = make_offloader(engine="native", verify=True, **DISK)
+    t = torch.randn(300_001)
+    out, sink, rec = _save_one(off, t)
+    assert rec.crc == real(t.data_ptr(), t.numel() * 4)
+    out.backward()
+    assert torch.equal(sink[0][0], t)
+    assert off.stats().records_read == 1 and calls == []
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_native_requests_return_the_crc_of_their_bytes(tmp_path, direct):
+    """``crc=True`` over requests split into many pieces (chunk 4 KiB, 4 workers): the
+    CRC is of the whole request, written and read."""
+    from ssdtrain.io.native import NativeEngine
+    from ssdtrain.tools import SpillSet
+
+    spill = SpillSet([str(tmp_path)], "auto" if direct else "off")
+    engine = NativeEngine(io_threads=4, chunk_bytes=4096)
+    try:
+        for n in (1, 4095, 4096, 40_000, 1 << 20):
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            slot = spill.alloc(n, src.data_ptr() % 4096)
+            assert engine.write(slot.file, slot.offset, src.data_ptr(), n, crc=True).result() \
+                == real_crc(src)
+            dst = torch.zeros(n + 4096, dtype=torch.uint8)
+            view = dst[(slot.offset - dst.data_ptr()) % 4096:][:n]
+            assert engine.read(slot.file, slot.offset, view.data_ptr(), n, crc=True).result() \
+                == real_crc(src)
+            assert torch.equal(view, src)
+            assert engine.write(slot.file, slot.offset, src.data_ptr(), n).result() == n
+            slot.file.free(slot)
+    finally:
+        engine.shutdown()
+        spill.close()
+
+
+def real_crc(t):
+    return _checksum.crc32c(t.data_ptr(), t.numel() * t.element_size())

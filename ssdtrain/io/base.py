@@ -21,6 +21,12 @@ class Engine(abc.ABC):
     """Whether ``write``/``read`` also take CUDA device addresses (``device=True``):
     GPUDirect Storage. Engines without it see host memory only."""
 
+    checksums: bool = False
+    """Whether ``write``/``read`` take ``crc=True``: the future's result is then the
+    CRC32C of the request's bytes (written, or read) instead of the byte count, taken
+    on the engine's worker without the GIL (the native engine). Without it the store
+    chains the checksum behind the request (:func:`then`)."""
+
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)
         _fork.register(self, Engine.abandon_in_child)
