@@ -16,7 +16,7 @@ Setups, each at every ``m``:
 * ``recompute``: every block checkpointed (``torch.utils.checkpoint``, non-reentrant);
 * ``ssdtrain``: each stage's forward of a micro-batch is one pass of an
   ``ssdtrain.Offloader`` (``--keep-tail-mib`` per pass, so keep it small: ``m`` passes
-  keep their tails).
+  keep their tails; ``--write-behind-mib`` bounds the writes in flight).
 
 Memory is measured as in examples/microbatch_sweep.py: every (setup, ``m``) runs in
 two fresh processes (one per stage); each reports its peak RSS (``VmHWM`` from
@@ -78,6 +78,9 @@ def build_parser():
     p.add_argument("--keep-tail-mib", type=float, default=0,
                    help="kept tail per pass (default 0: every micro-batch's activations go out)")
     p.add_argument("--prefetch-mib", type=float, default=16)
+    p.add_argument("--write-behind-mib", type=float, default=32,
+                   help="most bytes of writes in flight (default 32): memory stays bounded "
+                        "when the disk, or the CPU its I/O threads share, is slower than forward")
     p.add_argument("--min-tensor-kib", type=float, default=64)
     p.add_argument("--model", default=None, help="JSON overriding the model shape, e.g. "
                    "'{\"d_model\": 256, \"micro_batch\": 8}'")
@@ -340,6 +343,7 @@ def main(argv=None):
                     else args.micro_batches))
     budget_m = 1 if args.tiny and args.budget_m == 2 else args.budget_m
     offload = dict(keep_tail_bytes=int(args.keep_tail_mib * MiB),
+                   write_behind_bytes=int(args.write_behind_mib * MiB),
                    prefetch_bytes=int(args.prefetch_mib * MiB),
                    min_tensor_bytes=int((1 if args.tiny else args.min_tensor_kib) * 1024))
     os.makedirs(args.out, exist_ok=True)

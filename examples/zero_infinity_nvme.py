@@ -56,10 +56,13 @@ def build_parser():
                    help="the one spill device (default: the system temporary directory)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
+    # DeepSpeed swaps a parameter partition to NVMe only from 1 MiB up (MIN_AIO_BYTES);
+    # smaller ones stay in host memory. d_model 256 and vocab 1024 make every weight
+    # matrix 1 MiB, so all of them go (biases and norms stay on the host).
+    p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--offload-device", default="nvme", choices=("nvme", "cpu"),
                    help="where ZeRO puts parameters and optimizer state (default nvme; cpu: "
                         "ZeRO-Offload to host memory, no async_io op needed)")
@@ -147,21 +150,22 @@ def ds_config(args, zero_dir, largest_param):
             "stage3_max_live_parameters": 4 * buffer,
             "stage3_prefetch_bucket_size": buffer,
             "offload_param": {"device": "nvme", "nvme_path": zero_dir, "pin_memory": False,
-                              "buffer_count": 5, "buffer_size": buffer, "max_in_cpu": 0},
+                              "buffer_count": 16, "buffer_size": buffer, "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": zero_dir,
                                   "pin_memory": False, "buffer_count": 4},
         },
-        "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
+        "aio": {"block_size": 1 << 18, "queue_depth": 8, "intra_op_parallelism": 1,
                 "single_submit": False, "overlap_events": True},
     }
 
 
 def _dir_bytes(path):
-    """Allocated bytes of the files under ``path``, by first-level subdirectory."""
+    """Allocated bytes of the files under ``path``, by subdirectory (two levels:
+    DeepSpeed's ``zero_stage_3/float32params`` and ``zero_stage_3/optimizer``)."""
     out = {}
     for root, _, files in os.walk(path):
         rel = os.path.relpath(root, path)
-        key = rel.split(os.sep)[0] if rel != "." else "."
+        key = "/".join(rel.split(os.sep)[:2]) if rel != "." else "."
         for name in files:
             st = os.lstat(os.path.join(root, name))
             out[key] = out.get(key, 0) + st.st_blocks * 512
@@ -171,19 +175,27 @@ def _dir_bytes(path):
 def _swap_buffer_bytes(engine):
     """Host bytes of DeepSpeed's NVMe swap buffers, as far as its objects say."""
     out = {}
-    opt = engine.optimizer
-    offload = getattr(opt, "parameter_offload", None)
-    swapper = getattr(offload, "param_swapper", None) if offload is not None else None
-    if swapper is None:
-        swapper = getattr(opt, "param_swapper", None)
-    if swapper is not None and getattr(swapper, "buffers", None) is not None:
+    # ZeRO-3 gives every partitioned parameter its swapper (``param.nvme_swapper``).
+    param = next(iter(engine.module.parameters()), None)
+    swapper = getattr(param, "nvme_swapper", None)
+    if getattr(swapper, "buffers", None) is not None:
         b = swapper.buffers
         out["parameter swap buffers"] = b.numel() * b.element_size()
-    oswap = getattr(opt, "optimizer_swapper", None)
-    pool = getattr(oswap, "swap_buffer_manager", None)
-    if pool is not None and getattr(pool, "buffers", None) is not None:
-        out["optimizer swap buffers"] = sum(t.numel() * t.element_size() for t in pool.buffers)
+    pool = getattr(getattr(engine.optimizer, "optimizer_swapper", None), "swap_buffer_manager",
+                   None)
+    if getattr(pool, "all_buffers", None) is not None:
+        out["optimizer swap buffers"] = sum(t.numel() * t.element_size() for t in pool.all_buffers)
     return out
+
+
+def _reset_peak_rss():
+    """Reset ``VmHWM`` to the current RSS (where the kernel allows it), so each run's
+    peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _peak_rss():
@@ -208,9 +220,19 @@ def run(args, spill, with_ssdtrain, data):
     act_dir = os.path.join(spill, label, "activations")
     os.makedirs(zero_dir)
     os.makedirs(act_dir)
-    model = _model(args)
-    largest = max(p.numel() for p in model.parameters())
+    _reset_peak_rss()
+    largest = max(args.vocab * args.d_model, 4 * args.d_model * args.d_model)
     config = ds_config(args, zero_dir, largest)
+    # Built inside zero.Init, as ZeRO-Infinity is meant to be used: each parameter is
+    # partitioned and swapped out as soon as its module is built, so the full model never
+    # sits in memory. No dtype argument: with the config (no fp16/bf16 section) zero.Init
+    # keeps float32. (DeepSpeed 0.19.8 on the CPU accelerator turns any dtype passed, and
+    # the engine's own conversion of a model built outside zero.Init, into bfloat16
+    # partitions whose parameter swaps then never happen: a 1 MiB float32 weight is
+    # 512 KiB in bfloat16, under MIN_AIO_BYTES.)
+    with deepspeed.zero.Init(remote_device=args.offload_device, config_dict_or_path=config,
+                             pin_memory=False):
+        model = _model(args)
     if with_ssdtrain:
         config["ssdtrain"] = {"spill_dir": act_dir, "keep_tail_bytes": 0,
                               "min_tensor_bytes": 4096}
@@ -230,6 +252,8 @@ def run(args, spill, with_ssdtrain, data):
         history.append((loss.detach().clone(), grads))
     params = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
     n_params = sum(p.ds_numel for p in engine.module.parameters())
+    # Partitions under DeepSpeed's MIN_AIO_BYTES (1 MiB) are not swapped: they stay on the host.
+    small = [p for p in engine.module.parameters() if p.ds_numel * 4 < MiB]
     acc = get_accelerator()
     layout = {
         "accelerator": acc.device_name(),
@@ -239,6 +263,8 @@ def run(args, spill, with_ssdtrain, data):
         "nvme_zero_files": _dir_bytes(zero_dir),
         "parameters": n_params,
         "fp32_parameter_bytes": n_params * 4,
+        "host_small_parameter_bytes": sum(p.ds_numel * 4 for p in small),
+        "host_small_parameters": len(small),
         "adam_state_bytes": n_params * 8,
         "step_s": times,
     }
@@ -290,10 +316,13 @@ def report(ref_layout, layout, exact_problem, args):
     lines.append("where the training state lives (with ssdtrain):")
     lines.append(f"  device   allocated{'':25s}{_fmt(layout['device_allocated_bytes'])}")
     lines.append(f"  host     peak RSS of the process{'':11s}{_fmt(layout['host_peak_rss_bytes'])}")
+    lines.append(f"  host     {layout['host_small_parameters']} parameters under 1 MiB "
+                 f"(not swapped) {_fmt(layout['host_small_parameter_bytes'])}")
     for k, v in layout["host_swap_buffers"].items():
         lines.append(f"  host     {k:<33s} {_fmt(v)}")
     for k, v in sorted(layout["nvme_zero_files"].items()):
-        lines.append(f"  NVMe     DeepSpeed swap files: {k:<14s}  {_fmt(v)}")
+        what = {"zero_stage_3/optimizer": " (fp32 master, Adam moments, gradients)"}.get(k, "")
+        lines.append(f"  NVMe     DeepSpeed swap files {k}{what}: {_fmt(v).strip()}")
     params, moments = (_fmt(layout[k]).strip() for k in ("fp32_parameter_bytes",
                                                           "adam_state_bytes"))
     lines.append(f"  {where:<8s} ZeRO's share: fp32 parameters {params}, Adam moments {moments}")
@@ -310,7 +339,9 @@ def report(ref_layout, layout, exact_problem, args):
                  f"reference {med(ref_layout['step_s']) * 1e3:.1f} ms, with ssdtrain "
                  f"{med(layout['step_s']) * 1e3:.1f} ms")
     lines.append(f"host peak RSS without the ssdtrain section: "
-                 f"{_fmt(ref_layout['host_peak_rss_bytes']).strip()} (same process, run first)")
+                 f"{_fmt(ref_layout['host_peak_rss_bytes']).strip()} (same process, run first; "
+                 f"VmHWM is reset before each run, but the second run's peak also holds what "
+                 f"the first left allocated, so the two peaks do not compare)")
     lines.append("bitwise equal to ZeRO-Infinity without the ssdtrain section: "
                  + ("yes" if exact_problem is None else f"NO ({exact_problem})"))
     return "\n".join(lines)
