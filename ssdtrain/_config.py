@@ -204,8 +204,9 @@ class OffloadConfig:
 
     direct_io: str = "auto"
     """``"on"``: use ``O_DIRECT`` (bypass the page cache), fail if the file system
-    refuses it. ``"off"``: buffered I/O followed by ``fdatasync`` and
-    ``POSIX_FADV_DONTNEED``, so written data still leaves RAM. ``"auto"``: ``O_DIRECT``
+    refuses it. ``"off"``: buffered I/O; each record's own blocks are then synced
+    (``sync_file_range``) and dropped (``POSIX_FADV_DONTNEED``), so written data still
+    leaves RAM. ``"auto"``: ``O_DIRECT``
     where the file system supports it. Default ``"auto"``."""
 
     write_behind_bytes: int = 1 * GiB

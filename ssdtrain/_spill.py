@@ -252,7 +252,7 @@ class SpillSet:
                 log.warning("ssdtrain: spill_dir %s is on %s, which lives in RAM: offloading "
                             "there frees no memory. Point spill_dir at an SSD.", f.directory, kind)
             log.info("ssdtrain: spilling to %s (%s, %s)", f.directory, kind or "unknown fs",
-                     "O_DIRECT" if f.direct else "buffered + fdatasync + DONTNEED")
+                     "O_DIRECT" if f.direct else "buffered + sync_file_range + DONTNEED")
 
     def alloc(self, nbytes: int, misalign: int) -> Slot:
         f = self.files[self._next % len(self.files)]
