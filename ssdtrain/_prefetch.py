@@ -107,7 +107,7 @@ class Prefetch:
         engine = self.engine
         if dev is not None and dev.direct:
             rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)  # noqa: E501,E702
-        elif dev is None and self.cfg.verify and engine.checksums:
+        elif dev is None and self.cfg.verify and getattr(engine, "checksums", False):
             # The engine's worker takes the CRC of the bytes read (no GIL); the result is
             # compared when the read is completed (_read_done_locked).
             rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, crc=True)  # noqa: E501,E702

@@ -60,6 +60,7 @@ given to the child.
 
 import collections
 import mmap
+import threading
 import weakref
 
 import torch
@@ -183,18 +184,23 @@ class ReadBuffers:
             self._give_back(queue[0])  # peek, then pop: an interrupt repeats, never loses
             queue.popleft()
 
-    def trim(self) -> None:
-        """Collect, then unmap every idle mapping and every slab with no block in use."""
+    def trim(self, background: bool = False) -> None:
+        """Collect, then unmap every idle mapping and every slab with no block in use.
+
+        With ``background``, the mappings leave the books here and are unmapped by a
+        thread of their own (NOTE [ Unmapping off the training thread ]).
+        """
         self.collect()
         large, self._large = self._large, {}; self._idle = 0
-        for idle in large.values():
-            for mm in idle:
-                _unmap(mm)
         keep = [s for s in self._slabs if s.nused]
         drop = [s for s in self._slabs if not s.nused]
         self._slabs = keep; self._empty = 0; self._cursor = 0
-        for slab in drop:
-            _unmap(slab.mm)
+        mappings = [mm for idle in large.values() for mm in idle] + [s.mm for s in drop]
+        if background and mappings:
+            threading.Thread(target=_unmap_all, args=(mappings,), name="ssdtrain-unmap",
+                             daemon=True).start()
+        else:
+            _unmap_all(mappings)
 
     def mapped_bytes(self) -> int:
         """Bytes of every mapping the pool holds: slabs, live and idle large mappings."""
@@ -304,6 +310,22 @@ class ReadBuffers:
             return
         self._slabs = rest; self._empty -= 1
         _unmap(slab.mm)
+
+
+# NOTE [ Unmapping off the training thread ]
+# Unmapping is the kernel freeing every page: about 65 ms for 256 MiB on this
+# project's VM, which the store's trim at the start of each forward paid on the
+# training thread (benchmarks/hook_cost.py showed it as most of the time "inside
+# ssdtrain" per step). mmap.close() releases the GIL around munmap, so a short-lived
+# daemon thread does it while forward runs; the mappings have already left the books
+# (an interrupt before the thread starts leaves them to their deallocation, as
+# everywhere in this module). Memory is given back a little later than the trim, in
+# the first milliseconds of forward, not at its peak. close() and the pool's own
+# callers unmap in place.
+
+def _unmap_all(mappings):
+    for mm in mappings:
+        _unmap(mm)
 
 
 def _unmap(mm):

@@ -135,7 +135,9 @@ class Store(WriteBack, Prefetch):
     def _begin_pass_locked(self):
         self._check_open()
         self._sweep_locked()
-        self._buffers.trim()  # idle read buffers would only add to forward's peak
+        # Idle read buffers would only add to forward's peak; unmapped on a thread of
+        # their own (NOTE [ Unmapping off the training thread ] in _readbuf.py).
+        self._buffers.trim(background=True)
         self._current = _Pass()
 
     def end_pass(self):

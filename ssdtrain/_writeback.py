@@ -73,7 +73,7 @@ class WriteBack:
         crc = self.cfg.verify  # the future's result becomes the CRC of what was written
         if rec is None:  # the device waiter thread: the store marked it submitted
             fut = engine.write(slot.file, slot.offset, address, nbytes)
-        elif crc and engine.checksums:  # taken by the engine's worker, without the GIL
+        elif crc and getattr(engine, "checksums", False):  # by the engine, without the GIL
             rec.submitted = True; return engine.write(slot.file, slot.offset, address, nbytes, crc=True)  # noqa: E501,E702
         else:
             rec.submitted = True; fut = engine.write(slot.file, slot.offset, address, nbytes)  # noqa: E702

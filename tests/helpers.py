@@ -117,10 +117,10 @@ class EngineCalls:
         self.engine.read = self._wrap(self._read, self.reads)
 
     def _wrap(self, fn, calls):
-        def counted(file, offset, address, nbytes):
+        def counted(file, offset, address, nbytes, **kw):  # kw: crc=True (Engine.checksums)
             with self._lock:
                 calls.append((address, nbytes))
-            return fn(file, offset, address, nbytes)
+            return fn(file, offset, address, nbytes, **kw)
         return counted
 
     def writes_within(self, storage: torch.UntypedStorage):

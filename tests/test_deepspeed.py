@@ -210,11 +210,11 @@ class ParamWrites:
         engine = offloader._store.engine
         write = engine.write
 
-        def checked_write(file, offset, address, nbytes):
+        def checked_write(file, offset, address, nbytes, **kw):
             self.writes += 1
             self.param_writes += [(address, nbytes) for lo, size in self.ranges
                                   if lo < address + nbytes and address < lo + size]
-            return write(file, offset, address, nbytes)
+            return write(file, offset, address, nbytes, **kw)
 
         engine.write = checked_write
 

@@ -213,11 +213,11 @@ class _SlowWrites:
         self._write, self.delay = engine.write, delay
         engine.write = self.write
 
-    def write(self, file, offset, address, nbytes):
+    def write(self, file, offset, address, nbytes, **kw):
         import concurrent.futures
         import threading
         import time
-        inner = self._write(file, offset, address, nbytes)
+        inner = self._write(file, offset, address, nbytes, **kw)
         outer = concurrent.futures.Future()
 
         def settle():

@@ -21,7 +21,7 @@ def _failing_offloader(spill_dir):
                                                     min_tensor_bytes=4096, keep_tail_bytes=0))
     calls = []
 
-    def write(file, offset, address, nbytes):
+    def write(file, offset, address, nbytes, **kw):
         calls.append(nbytes)
         fut = Future()
         fut.set_exception(ssdtrain.SpillIOError("ssdtrain: injected write failure (EIO)",
