@@ -226,7 +226,9 @@ def _run_once(spill_dir, engine, scenario, mode, size_mib, verify):
             if scenario == "wait":
                 off.wait()
             elif scenario == "read_backward":
-                off.wait()  # every write done: backward must read (prefetch starts at exit)
+                # Every write done (a deadline of its own: the tiny io_timeout_s is for the
+                # reads), so backward must read; prefetch starts at exit.
+                off._store.flush(timeout=CLOSE_GUARD_S)
         if scenario == "read_backward":
             loss.backward()
     except SpillIOError as e:
