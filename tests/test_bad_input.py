@@ -1,4 +1,4 @@
-"""Bad input (issue 6, item 9).
+"""Bad input: invalid configuration values, and tensors ssdtrain cannot spill.
 
 * Every ``OffloadConfig`` field has invalid values, passed as keywords and as
   ``SSDTRAIN_*`` strings, each refused with a ``ConfigError`` naming the field; a new

@@ -1,6 +1,7 @@
-"""Concurrency (issue 6, item 7): several micro-batches in flight in 1F1B order, gradient
-accumulation over them, backward on another thread, and two offloaders used by two
-threads at once. Gradients must equal those of the same schedule without offloading.
+"""Concurrency (INV-THREADS, docs/ARCHITECTURE.md): several micro-batches in flight in
+1F1B order, gradient accumulation over them, backward on another thread, and two
+offloaders used by two threads at once. Gradients must equal those of the same schedule
+without offloading.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The GPU data path (``ssdtrain/_device.py``, NOTE [ Device records ]).
 
 These tests need a CUDA device and are skipped without one (CI has none). They
-check DESIGN invariant 3 where it can actually break:
+check INV-OWNED and INV-EXACT (docs/ARCHITECTURE.md) where they can actually break:
 
 * bitwise gradients of CUDA models, with every record written and read back, over
   every engine usable on the machine (staged through pinned memory, or GPUDirect

@@ -1,4 +1,4 @@
-"""The backbone (DESIGN invariant 1): with offloading, the loss and every gradient are
+"""The backbone (INV-EXACT, docs/ARCHITECTURE.md): with offloading, the loss and every gradient are
 bitwise equal (``torch.equal``) to a run without it.
 
 Every model of ``tests/models.py`` in fp32, bf16 and fp16, under several offloader
@@ -195,7 +195,7 @@ def _record_packs(off):
 def test_checkpoint_inside_offload(use_reentrant, make_offloader):
     """``torch.utils.checkpoint`` around part of a model inside ``with offloader:``.
 
-    Only the innermost ``saved_tensors_hooks`` applies (DESIGN invariant 6):
+    Only the innermost ``saved_tensors_hooks`` applies (INV-INNERMOST):
 
     - ``use_reentrant=False`` installs checkpoint's own hooks around the region, so
       ssdtrain never sees the tensors saved *inside* it (they are dropped and

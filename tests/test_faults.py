@@ -1,7 +1,7 @@
-"""Faults of the spill tier (issue 6, items 1 and 2): every one gives a clear ssdtrain
-error at the latest when the data is needed, or (``on_spill_error="keep"``, a disk
-budget with ``on_spill_full="keep"``) keeps the record in memory with exact gradients;
-never wrong gradients, never a hang, never a leaked record.
+"""Faults of the spill tier (INV-NO-SWALLOW; docs/failure.md): every one gives a clear
+ssdtrain error at the latest when the data is needed, or (``on_spill_error="keep"``, a
+disk budget with ``on_spill_full="keep"``) keeps the record in memory with exact
+gradients; never wrong gradients, never a hang, never a leaked record.
 
 Injected faults come from :mod:`ssdtrain.io.faulty`; real ones from a file size limit
 (``RLIMIT_FSIZE``) in a child process, a full file system (a 1 MiB tmpfs, where this

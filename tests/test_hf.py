@@ -92,7 +92,7 @@ def test_lora_never_writes_parameters(make_offloader):
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_gradient_checkpointing(make_offloader, reentrant):
-    """What reaches ssdtrain under ``gradient_checkpointing_enable()`` (DESIGN invariant 6:
+    """What reaches ssdtrain under ``gradient_checkpointing_enable()`` (INV-INNERMOST:
     the innermost saved-tensor hooks win).
 
     Inside every checkpointed decoder layer the checkpoint's own hooks (non-reentrant,

@@ -1,4 +1,5 @@
-"""Storage identity (DESIGN invariant 2) and in-place detection (invariant 8).
+"""Storage identity (INV-IDENTITY) and in-place detection (INV-INPLACE), as
+docs/ARCHITECTURE.md defines them.
 
 A data pointer is reused as soon as its storage is freed: a record must never serve a
 new tensor that happens to live at an old address. An in-place write between two saves
@@ -141,8 +142,8 @@ def test_inplace_between_saves(when, make_offloader):
     assert sinks[0] == []
 
 
-def test_inplace_after_save_design_example(make_offloader):
-    """DESIGN invariant 8's example, ``y = x*2; z = y.sin(); y.add_(1)``, with a ``y``
+def test_inplace_after_save_basic_example(make_offloader):
+    """The basic case of INV-INPLACE, ``y = x*2; z = y.sin(); y.add_(1)``, with a ``y``
     large enough to be offloaded: backward raises, like autograd without hooks."""
     x = torch.randn(NUMEL, requires_grad=True)
     y = x * 2

@@ -1,4 +1,5 @@
-"""DESIGN invariant 8: in-place modification of a saved tensor is still detected.
+"""INV-INPLACE (docs/ARCHITECTURE.md): in-place modification of a saved tensor is
+still detected.
 
 With saved-tensor hooks installed, autograd stops checking saved tensors'
 version counters (``y = x*2; z = y.sin(); y.add_(1)`` then backward raises

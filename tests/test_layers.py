@@ -9,7 +9,8 @@ alike), resolved to module names and checked against the diagram:
       -> leaves: _errors, _align, _fork, _C            (import nothing from ssdtrain)
 
 plus: only ``ssdtrain/_device.py`` touches ``torch.cuda``; comments and docstrings
-point inside the repository. Each failure lists ``file:line: what``.
+point inside the repository, and every invariant they cite by name is defined in
+docs/ARCHITECTURE.md ("Invariants"). Each failure lists ``file:line: what``.
 """
 
 from __future__ import annotations
@@ -291,27 +292,87 @@ def test_examples_and_benchmarks_do_not_use_test_code():
 
 
 # References to documents and trackers outside the repository. Comments name NOTE
-# titles or sections of docs/ARCHITECTURE.md instead.
+# titles, sections of docs/ARCHITECTURE.md or its invariants (INV-EXACT...) instead;
+# numbered invariants are gone, so a bare numbered one is flagged too. This file is
+# scanned like any other: each pattern is written with regex escapes (`\s`, `\.`,
+# `\(`, `\b` before a letter) where the text it catches has a space, a dot, a
+# parenthesis or a word boundary, so its own source text never matches it.
 OUTSIDE = [re.compile(p, re.IGNORECASE) for p in
-           (r"DESIGN\s+invariant", r"\bissue\s+#?\d", r"DESIGN\.md", r"\bshared/")]
+           (r"DESIGN\s+invariant", r"\bissue\s+#?\d", r"DESIGN\.md", r"\bshared/",
+            r"\(DESIGN\s*:", r"\binvariants?\s+\d")]
 TEXT_SUFFIXES = {".py", ".pyi", ".cpp", ".cc", ".h", ".hpp", ".c", ".md", ".txt", ".sh",
                  ".toml", ".cfg", ".yaml", ".yml", ".json", ""}
+# What the repository says about itself: the source trees, the tests, the docs, and
+# the top-level files that explain or run it.
+TEXT_TREES = ("ssdtrain", "integrations", "csrc", "benchmarks", "examples", "tests",
+              "docs")
+TEXT_FILES = ("README.md", "Makefile")
+
+
+def _texts(trees=TEXT_TREES, files=TEXT_FILES):
+    """``(path, text)`` of every text file of ``trees`` and of the top-level ``files``."""
+    paths = [ROOT / name for name in files if (ROOT / name).is_file()]
+    for tree in trees:
+        paths += [path for path in sorted((ROOT / tree).rglob("*"))
+                  if path.is_file() and "__pycache__" not in path.parts and
+                  path.suffix in TEXT_SUFFIXES]
+    for path in paths:
+        try:
+            yield path, path.read_text()
+        except UnicodeDecodeError:
+            continue
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
 
 
 def test_comments_point_inside_the_repository():
+    scanned = {path.relative_to(ROOT).as_posix() for path, _ in _texts()}
+    assert {"tests/test_layers.py", "docs/ARCHITECTURE.md", "README.md"} <= scanned
     bad = []
-    for tree in ("ssdtrain", "integrations", "csrc", "benchmarks", "examples"):
-        for path in sorted((ROOT / tree).rglob("*")):
-            if not path.is_file() or "__pycache__" in path.parts or \
-                    path.suffix not in TEXT_SUFFIXES:
-                continue
-            try:
-                text = path.read_text()
-            except UnicodeDecodeError:
-                continue
-            for pattern in OUTSIDE:  # \s+ also matches a reference broken over two lines
-                for m in pattern.finditer(text):
-                    line = text.count("\n", 0, m.start()) + 1
-                    bad.append(f"{_where(path, line)}: {m.group(0)!r}")
-    assert not bad, _report(bad, "references outside the repository (name a NOTE or a "
-                                 "section of docs/ARCHITECTURE.md instead)")
+    for path, text in _texts():
+        for pattern in OUTSIDE:  # \s+ also matches a reference broken over two lines
+            for m in pattern.finditer(text):
+                bad.append(f"{_where(path, _line(text, m.start()))}: {m.group(0)!r}")
+    assert not bad, _report(bad, "references outside the repository (name a NOTE, a "
+                                 "section or an INV- invariant of docs/ARCHITECTURE.md "
+                                 "instead)")
+
+
+# The invariants of docs/ARCHITECTURE.md ("Invariants"): comments cite them by name.
+INVARIANT_NAME = re.compile(r"\bINV-[A-Z]+(?:-[A-Z]+)*\b")
+# A definition: a heading or a list entry of that section that starts with the name.
+INVARIANT_DEFINITION = re.compile(
+    r"^(?:#{3,6}[ \t]+|[*-][ \t]+)[`*]*(INV-[A-Z]+(?:-[A-Z]+)*)\b", re.MULTILINE)
+INVARIANTS = {"INV-EXACT", "INV-IDENTITY", "INV-OWNED", "INV-RETAIN", "INV-RELEASE",
+              "INV-INNERMOST", "INV-NO-SWALLOW", "INV-INPLACE", "INV-THREADS",
+              "INV-PRIVATE"}
+
+
+def _invariants_section() -> str:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    m = re.search(r"^## Invariants[ \t]*\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    assert m, "docs/ARCHITECTURE.md has no \"## Invariants\" section"
+    return m.group(1)
+
+
+def test_cited_invariants_are_defined():
+    """Every ``INV-`` name cited anywhere is defined (a heading or a list entry) in the
+    "Invariants" section of docs/ARCHITECTURE.md, once; the section defines at least
+    the invariants the code and the tests rely on."""
+    names = INVARIANT_DEFINITION.findall(_invariants_section())
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    assert not duplicates, f"invariants defined twice: {duplicates}"
+    defined = set(names)
+    assert INVARIANTS <= defined, f"not defined: {sorted(INVARIANTS - defined)}"
+    cited = 0
+    bad = []
+    for path, text in _texts():
+        for m in INVARIANT_NAME.finditer(text):
+            cited += 1
+            if m.group(0) not in defined:
+                bad.append(f"{_where(path, _line(text, m.start()))}: {m.group(0)}")
+    assert cited > len(defined), "the scan found no citations"  # guards the scan
+    assert not bad, _report(bad, "citations of undefined invariants (define them under "
+                                 "\"## Invariants\" in docs/ARCHITECTURE.md)")

@@ -1,9 +1,10 @@
 """Lifetimes: of records, memory, disk slots, files, threads and offloaders.
 
-Covers DESIGN invariants 4 (``retain_graph=True``: a handle is unpacked twice),
-5 (a graph dropped without backward frees everything; nothing grows step to
-step) and 6 (nested hooks: the innermost wins), and the Offloader's own life:
-``with`` exit, ``close()``, re-entry, garbage collection, exceptions in forward.
+Covers INV-RETAIN (``retain_graph=True``: a handle is unpacked twice), INV-RELEASE
+(a graph dropped without backward frees everything; nothing grows step to step) and
+INV-INNERMOST (nested hooks: the innermost wins), all in docs/ARCHITECTURE.md, and
+the Offloader's own life: ``with`` exit, ``close()``, re-entry, garbage collection,
+exceptions in forward.
 
 Every test compares gradients bitwise with a run without ssdtrain and asserts
 on the stats, so none of them would pass with offloading disabled.

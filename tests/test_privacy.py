@@ -1,4 +1,4 @@
-"""Privacy and crash safety of spill data (issue 6, items 3 and 4).
+"""Privacy and crash safety of spill data (INV-PRIVATE, docs/ARCHITECTURE.md).
 
 NOTE [ Spill directory privacy ] in ssdtrain/_spill.py says what is guaranteed:
 anonymous files that can never get a name, 0600 where a name exists for an instant,

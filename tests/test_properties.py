@@ -1,4 +1,5 @@
-"""Property tests (issue 6, item 8), driven by hypothesis.
+"""Property tests of INV-EXACT and INV-INPLACE (docs/ARCHITECTURE.md), driven by
+hypothesis.
 
 1. Random small graphs (views, transposes, expands, shared storages, legal in-place
    ops, mixed dtypes, ``retain_graph``) under random offloader settings: the loss and

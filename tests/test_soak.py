@@ -1,4 +1,5 @@
-"""Soak (issue 6, item 6): 500 training steps of a small GPT under one offloader.
+"""Soak (INV-RELEASE, INV-EXACT in docs/ARCHITECTURE.md): 500 training steps of a
+small GPT under one offloader.
 
 Normal steps, graphs dropped without backward, and ``retain_graph`` double backwards
 are mixed. Nothing may grow: open file descriptors, threads, RSS, spill bytes in use,

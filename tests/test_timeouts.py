@@ -5,9 +5,9 @@ read is really still in flight. ``SpillIOError`` is the right answer; what used 
 follow was not: ``close()`` (or the graph being dropped) released the read buffer or
 the source tensor while the engine, or the CRC on its worker, still used it, and the
 process died of SIGSEGV (or, where the memory had been reused, wrote into another
-tensor). The rule (DESIGN: memory of an I/O request that may still be in flight is
-owned by that request) is checked here by searching for the race, for both engines
-and with ``verify`` on and off:
+tensor). The rule (INV-OWNED in docs/ARCHITECTURE.md: memory of an I/O request that
+may still be in flight is owned by that request) is checked here by searching for the
+race, for both engines and with ``verify`` on and off:
 
 - ``write_forward``: a pack throttled by a small ``write_behind_bytes`` times out
   waiting for a write, so forward raises;

@@ -1,4 +1,4 @@
-"""A failed write is never swallowed (DESIGN invariant 7).
+"""A failed write is never swallowed (INV-NO-SWALLOW, docs/ARCHITECTURE.md).
 
 The engine's ``write`` is replaced by one whose future fails, as a full or failing
 device would. The error must reach the user at the next pack, at the exit of the
