@@ -11,11 +11,14 @@ NOTE [ Applying a plan ]
 
 * ``keep``: the layer's records are created KEPT: never written, served from
   memory in backward (deduplication and version checks as usual).
-* ``offload``: the layer's records are written as soon as they are saved (they
-  skip the ``keep_tail_bytes`` window, which the planner replaced for layers),
-  and forward waits for writes once more than the plan's ``write_behind_bytes``
-  are in flight, so that forward's memory stays within the budget even when the
-  disk is slower than predicted.
+* ``offload``: the layer's records go through the ``keep_tail_bytes`` window as
+  under the static rules (the planner's memory timeline counts that rolling tail,
+  NOTE [ Memory timeline ]), so the all-offload plan runs exactly like the static
+  policy but for the write-behind limit: forward waits for writes once more than
+  the plan's ``write_behind_bytes`` are in flight, so that forward's memory stays
+  within the budget even when the disk is slower than predicted. (Writing them at
+  once, as an earlier version did, wrote and read back the tail static keeps:
+  more I/O than static for the same choices.)
 * ``recompute``: the layer's ``forward`` is replaced, on the instance, by one
   that runs the original through ``torch.utils.checkpoint(use_reentrant=False)``
   while the offloader's forward is open. Checkpointing installs its own

@@ -214,10 +214,8 @@ class Store(WriteBack, Prefetch):
             self.stats.unique_bytes += rec.nbytes
             if self.layers is not None:
                 self.layers.attribute(rec.nbytes)
-            if choice == "keep":
+            if choice == "keep":  # "offload" and no plan: the tail window (NOTE [ Applying a plan ])
                 self._keep_locked(rec)
-            elif choice == "offload" and not self._over_budget_locked(rec):
-                self._start_write_locked(rec)
         else:
             self.stats.deduplicated_bytes += nbytes
             rec.seq = self._seq
