@@ -33,6 +33,12 @@ states, slots and engines), with three extra rules:
    ``record_stream`` for it, so the allocator does not hand the block to the
    prefetch stream again while backward still reads it (pytorch/pytorch#106360).
 
+Writes and prefetch reads are started by the store's I/O thread (NOTE [ The store's
+I/O thread ] in _store.py), whose current device is not the record's: the functions
+it calls (:meth:`DeviceTransfers.stage_out`, :meth:`DeviceTransfers.read_buffer`)
+enter the record's device themselves, and use streams and events they were given,
+never the thread's current stream.
+
 In-place modification is checked when the write ends, after the copy's event: an
 in-place op called before the check bumped the version already (the record fails
 with autograd's message); one called after it runs after the copy on the device.
@@ -136,12 +142,15 @@ class DeviceTransfers:
         if self.direct:
             return storage.data_ptr() + base, None, produced
         src = _bytes_view(storage, base, nbytes, self.device)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.d2h.wait_event(produced)
-        with torch.cuda.stream(self.d2h):
-            host.copy_(src, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)
-        done.record(self.d2h)
+        # The store's I/O thread calls this: its current device is not the record's
+        # (a pinned allocation there would create a context on device 0).
+        with torch.cuda.device(self.device):
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self.d2h.wait_event(produced)
+            with torch.cuda.stream(self.d2h):
+                host.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record(self.d2h)
         return host.data_ptr(), host, done
 
     def after(self, event, submit) -> Future:
@@ -160,8 +169,9 @@ class DeviceTransfers:
         if self.direct:
             with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
                 buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, device=self.device)
-        else:
-            buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=True)
+        else:  # on the store's I/O thread too (see stage_out)
+            with torch.cuda.device(self.device):
+                buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=True)
         # Same offset in a block as the slot: O_DIRECT moves the middle without bouncing,
         # and (direct) the device copy keeps the saved tensor's alignment.
         shift = (misalign - buf.data_ptr()) % BLOCK

@@ -23,6 +23,9 @@ from .io.base import then
 from ._writeback import _READ, _owning, _without_frames, failed_future
 
 
+_NEAR = 2  # records: a window this close to backward's use is refilled by unpack itself
+
+
 class _Pass:
     """One forward under the offloader: the records it saved, for prefetch."""
 
@@ -37,10 +40,12 @@ class Prefetch:
     """Everything between a record's write and its use in backward."""
 
     def _end_pass_locked(self):
-        """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
+        """Forward ended: writes the I/O thread has not started yet start now, the tail
+        stays in memory, and prefetch starts in reverse pack order."""
         p, self._current = self._current, None
         if p is None or self.closed:
             return
+        self._trim_tail_locked()  # what is left is the tail: keep_tail_bytes at most
         for rec in list(self._tail):
             self._keep_locked(rec)
             # The kept tail is what backward uses first: it fills the window, so
@@ -52,10 +57,33 @@ class Prefetch:
         p.queue = collections.deque(sorted(todo.values(), key=lambda r: -r.seq))
         p.records = None
         self._passes = [q for q in self._passes if q.queue] + ([p] if p.queue else [])
+        # The first window's reads start here, once per forward: backward's first unpacks
+        # come at once, and in whatever order its graph takes. The I/O thread starts the
+        # reads as the window slides (NOTE [ The store's I/O thread ] in _store.py).
         self._pump_locked()
 
-    def _pump_locked(self):
+    def _pump_low_locked(self, used):
+        """Unpack's part of prefetch, after it used record ``used``: the I/O thread fills
+        the window as it slides (NOTE [ The store's I/O thread ] in _store.py). When it
+        lags so far that backward would soon miss, this thread starts reads itself: while
+        less than a quarter of ``prefetch_bytes`` is held or being read ahead of use, and
+        when the next record the window would take is one of the next ``_NEAR`` records
+        backward uses (it walks a pass in reverse pack order: the queue's order)."""
+        low = self.cfg.prefetch_bytes >> 2
+        while self._ahead < low and self._pump_locked(1):
+            pass
+        if self._passes and self._ahead < self.cfg.prefetch_bytes:
+            queue = self._passes[-1].queue
+            if queue and 0 < used.seq - queue[0].seq <= _NEAR:
+                self._pump_locked(1)
+
+    def _pump_locked(self, limit=None):
+        """Start reads from the queue of the pass whose backward runs while fewer than
+        ``prefetch_bytes`` are held ahead of use, at most ``limit`` of them (all with
+        None). Returns whether it stopped at ``limit`` with more to do. The store's I/O
+        thread calls it (NOTE [ The store's I/O thread ] in _store.py), and ``flush()``."""
         budget = self.cfg.prefetch_bytes
+        started = 0
         while self._passes and self._ahead < budget:
             p = self._passes[-1]
             if not p.queue:
@@ -68,10 +96,19 @@ class Prefetch:
                     rec.prefetched = True
                     self._ahead += rec.nbytes
                 elif rec.state is State.ON_DISK:
+                    if limit is not None and started >= limit:
+                        return True
                     rec.prefetched = True
                     self._ahead += rec.nbytes
                     self._start_read_locked(rec)
+                    started += 1
             p.queue.popleft()
+        return False
+
+    def _read_due(self):
+        """Whether the prefetch window has room and a queue to fill it from. Read without
+        the lock: a hint for waking the I/O thread."""
+        return bool(self._passes) and self._ahead < self.cfg.prefetch_bytes
 
     def _promote_locked(self, rec):
         """Backward of another pass began (e.g. 1F1B): prefetch for it now."""

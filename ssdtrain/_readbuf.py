@@ -60,14 +60,13 @@ given to the child.
 
 import collections
 import mmap
-import threading
 import weakref
 
 import torch
 
 from ._spill import BLOCK, align_up
 
-__all__ = ["ReadBuffers", "SLAB_BYTES", "SMALL_BYTES"]
+__all__ = ["ReadBuffers", "SLAB_BYTES", "SMALL_BYTES", "unmap_now"]
 
 SLAB_BYTES = 4 << 20    # one mapping shared by many small pieces
 SMALL_BYTES = 256 << 10  # pieces up to this size (whole blocks) come from slabs
@@ -121,10 +120,15 @@ class ReadBuffers:
     Args:
         limit: idle bytes kept mapped for reuse (the store passes
             ``prefetch_bytes``); one spare slab is kept beyond it.
+        unmap: what is done with a mapping that leaves the pool (it has left the books
+            already): by default it is unmapped at once; the store passes its
+            graveyard's ``append``, so its I/O thread unmaps it outside the store's
+            lock (NOTE [ Unmapping off the training thread ]).
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, unmap=None):
         self._limit = int(limit)
+        self._unmap = unmap_now if unmap is None else unmap
         self._queue = collections.deque()  # pieces whose storage died (appended by finalizers)
         self._slabs = []       # every slab mapped
         self._cursor = 0       # the slab to try first (next fit); a hint, any value is valid
@@ -184,23 +188,16 @@ class ReadBuffers:
             self._give_back(queue[0])  # peek, then pop: an interrupt repeats, never loses
             queue.popleft()
 
-    def trim(self, background: bool = False) -> None:
-        """Collect, then unmap every idle mapping and every slab with no block in use.
-
-        With ``background``, the mappings leave the books here and are unmapped by a
-        thread of their own (NOTE [ Unmapping off the training thread ]).
-        """
+    def trim(self) -> None:
+        """Collect, then unmap (as ``unmap`` says) every idle mapping and every slab with
+        no block in use."""
         self.collect()
         large, self._large = self._large, {}; self._idle = 0
         keep = [s for s in self._slabs if s.nused]
         drop = [s for s in self._slabs if not s.nused]
         self._slabs = keep; self._empty = 0; self._cursor = 0
-        mappings = [mm for idle in large.values() for mm in idle] + [s.mm for s in drop]
-        if background and mappings:
-            threading.Thread(target=_unmap_all, args=(mappings,), name="ssdtrain-unmap",
-                             daemon=True).start()
-        else:
-            _unmap_all(mappings)
+        for mm in [mm for idle in large.values() for mm in idle] + [s.mm for s in drop]:
+            self._unmap(mm)
 
     def mapped_bytes(self) -> int:
         """Bytes of every mapping the pool holds: slabs, live and idle large mappings."""
@@ -301,7 +298,7 @@ class ReadBuffers:
             idle += (piece.mm,); self._idle += size; del self._out[piece]; piece.live = False
         else:
             del self._out[piece]; piece.live = False
-            _unmap(piece.mm)
+            self._unmap(piece.mm)
 
     def _drop(self, slab):
         """Unmap ``slab``, which has no block in use, and forget it."""
@@ -309,26 +306,24 @@ class ReadBuffers:
         if len(rest) == len(self._slabs) or slab.nused:
             return
         self._slabs = rest; self._empty -= 1
-        _unmap(slab.mm)
+        self._unmap(slab.mm)
 
 
 # NOTE [ Unmapping off the training thread ]
 # Unmapping is the kernel freeing every page: about 65 ms for 256 MiB on this
-# project's VM, which the store's trim at the start of each forward paid on the
-# training thread (benchmarks/hook_cost.py showed it as most of the time "inside
-# ssdtrain" per step). mmap.close() releases the GIL around munmap, so a short-lived
-# daemon thread does it while forward runs; the mappings have already left the books
-# (an interrupt before the thread starts leaves them to their deallocation, as
-# everywhere in this module). Memory is given back a little later than the trim, in
-# the first milliseconds of forward, not at its peak. close() and the pool's own
-# callers unmap in place.
+# project's VM, and milliseconds for one 64 MiB read buffer. The store's trim at the
+# start of each forward, and give-backs beyond the idle limit during backward, paid
+# that on the training thread (benchmarks/hook_cost.py showed it as most of the time
+# "inside ssdtrain" per step). The store therefore passes ``unmap=`` its graveyard:
+# a mapping that leaves the books is queued there and its I/O thread closes it
+# outside the store's lock (mmap.close() releases the GIL around munmap; NOTE [ The
+# store's I/O thread ] in _store.py). The mappings have already left the books (an
+# interrupt before the queueing leaves them to their deallocation, as everywhere in
+# this module). Memory is given back a little later than the trim, not at forward's
+# peak. A pool made with no ``unmap`` (tests, tools) unmaps in place.
 
-def _unmap_all(mappings):
-    for mm in mappings:
-        _unmap(mm)
-
-
-def _unmap(mm):
+def unmap_now(mm):
+    """Unmap ``mm`` now (``mmap.close()``, which releases the GIL around munmap)."""
     try:
         mm.close()
     except BufferError:  # a dying storage still exports it: its deallocation unmaps it

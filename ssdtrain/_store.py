@@ -22,9 +22,14 @@ NOTE [ Store lock discipline ]
   allocation under the lock therefore only queues work; nothing ever blocks on, or
   takes, the store lock from a finalizer.
 * The inbox is drained at safe points: at the start of every locked region, after
-  each one (``_settle``), by engine threads, and at the end of every backward that
-  unpacked a record (a callback queued on autograd's engine), so a graph's memory is
-  back before the optimizer step. Event handlers are idempotent and clear their
+  each one (``_settle``; after the hooks' by the I/O thread), by engine threads and
+  the I/O thread, and at the end of every backward that unpacked a record (a callback
+  queued on autograd's engine), so a graph's records are released before the
+  optimizer step.
+* Memory is not released under the lock: a tensor whose last reference the store
+  drops, or a read buffer's mapping, goes to ``_graveyard`` and the I/O thread lets
+  go of it outside the lock (freeing a 64 MiB tensor or unmapping a buffer costs
+  milliseconds of the kernel's time). Event handlers are idempotent and clear their
   trigger last (``rec.future = None``; a handle's token leaves a set), so a handler
   cut short by an exception can run again. ``_sweep_locked`` (each step's start,
   ``live_records()``...) also releases tokens whose handle is gone, whatever
@@ -38,6 +43,37 @@ NOTE [ Store lock discipline ]
   short after it is treated as possibly in flight (its memory and, for a write, its
   slot are quarantined: kept, never reused). After it the next steps are exact.
 
+NOTE [ The store's I/O thread ]
+
+pack and unpack run on the thread that, on a GPU machine, launches every kernel. They
+decide and record (the keep/offload decision, identity and dedup, the record and its
+handle) and leave requests to the store's I/O thread ("ssdtrain-store", one per
+store): pack puts a record in the tail window and, when the tail is longer than
+``keep_tail_bytes``, wakes the thread (a ``SimpleQueue.put``), which starts the oldest
+writes (``_trim_tail_locked``); unpack serves a record that is in memory and wakes the
+thread when the prefetch window has room, which starts the next reads (``_pump_locked``).
+The thread also drains what arrives after a hook's locked section and releases the
+graveyard. It takes
+the lock once per request and yields the GIL between requests, so a hook waits for one
+request's submission at most.
+
+Whatever the thread has not done yet is done by whoever needs it done, on its own
+thread: the end of forward (once per pass, not per tensor) starts the tail's overdue
+writes (what stays is the kept tail, ``keep_tail_bytes`` at most) and the first
+window's reads (backward's first unpacks come at once, in whatever order its graph
+takes); the throttle starts overdue writes before it waits (they count against
+``write_behind_bytes``, so memory stays bounded however far the thread lags);
+``flush()`` starts every due write and read before it waits; unpack starts reads
+itself when the thread lags so far that backward would soon miss (less than a quarter
+of ``prefetch_bytes`` held or loading ahead of use, or the next record the window
+would take among the next two backward uses: ``_pump_low_locked``), and reads a record
+that is only on disk at once (a miss).
+
+The thread holds the store only while it works (a weak reference otherwise), ends at
+``close()`` (joined) or when the store is collected, does not exist in a forked child,
+and reports an exception escaping its round (a bug: the round's locked region has
+repaired the store) at the next pack or end of forward.
+
 NOTE [ Memory owned by requests ]
 
 Memory an engine request reads or writes (the saved tensor, a read buffer, pinned
@@ -50,6 +86,8 @@ a warning (``Stats.quarantined_bytes``).
 
 import collections
 import logging
+import mmap
+import queue
 import threading
 import time
 import weakref
@@ -66,7 +104,7 @@ from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._policy import TRACKER, is_offloadable_kind
 from ._spill import BLOCK
 from ._prefetch import Prefetch, _Pass
-from ._readbuf import ReadBuffers
+from ._readbuf import ReadBuffers, unmap_now
 from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, inplace_error,
                        swapped, swapped_error, transition)
 from ._writeback import _READ, _WRITTEN, WriteBack, _copy
@@ -78,6 +116,8 @@ log = logging.getLogger("ssdtrain")
 _DEAD = (State.FAILED, State.FREED)
 _ENGINE = torch.autograd.Variable._execution_engine
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
+_STOP = object()   # tells the store's I/O thread to end
+_JOIN_S = 10.0     # how long close() waits for the I/O thread to end its round
 
 
 class Store(WriteBack, Prefetch):
@@ -105,7 +145,11 @@ class Store(WriteBack, Prefetch):
         self._seq = 0
         self._errors = []
         self._live = 0
-        self._buffers = ReadBuffers(config.prefetch_bytes)
+        # Memory dropped under the lock, released outside it by the I/O thread (NOTE [ The
+        # store's I/O thread ]): tensors whose last reference this was, read buffers'
+        # mappings (NOTE [ Unmapping off the training thread ] in _readbuf.py).
+        self._graveyard = collections.deque()
+        self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
         self._devices = {}                     # torch.device -> DeviceTransfers
         self._warned = set()                   # warnings already logged (once per store)
         self._forked = False
@@ -114,11 +158,18 @@ class Store(WriteBack, Prefetch):
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
         self.write_behind = config.write_behind_bytes  # in force; see limit_write_behind
         self.closed = False
+        self._kicks = queue.SimpleQueue()      # wakes the I/O thread
+        self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._kicks),
+                                        name="ssdtrain-store", daemon=True)
+        self._background = False               # the I/O thread runs (else work is done inline)
+        self._idle = True                      # it waits for a kick (written by it alone)
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
         self._finalizer = weakref.finalize(self, _release_in_background, engine, spill,
-                                           self._devices)
+                                           self._devices, self._kicks, self._worker)
         _fork.register(self, Store._after_fork_in_child)
+        self._worker.start()
+        self._background = True
 
     def limit_write_behind(self, nbytes=None) -> None:
         """Put ``nbytes`` in force as the write-behind limit (an applied plan's, lowered
@@ -135,9 +186,9 @@ class Store(WriteBack, Prefetch):
     def _begin_pass_locked(self):
         self._check_open()
         self._sweep_locked()
-        # Idle read buffers would only add to forward's peak; unmapped on a thread of
-        # their own (NOTE [ Unmapping off the training thread ] in _readbuf.py).
-        self._buffers.trim(background=True)
+        # Idle read buffers would only add to forward's peak; unmapped by the I/O thread
+        # (NOTE [ Unmapping off the training thread ] in _readbuf.py).
+        self._buffers.trim()
         self._current = _Pass()
 
     def end_pass(self):
@@ -179,9 +230,9 @@ class Store(WriteBack, Prefetch):
         choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
         with self._lock:
             handle = self._guarded_locked(self._pack_locked, t, storage, key, version, extent,
-                                          nbytes, choice)
-        self._settle()
-        if self._writing_bytes > self.write_behind:
+                                         nbytes, choice)
+        self._after_hook(self._write_overdue())
+        if self._over_write_behind():
             self._throttle()
         return handle
 
@@ -227,8 +278,7 @@ class Store(WriteBack, Prefetch):
             rec.owner = self._current
         handle = Handle(rec, t, extent[0], version, self._inbox.append)
         rec.tokens.add(handle.token); rec.unseen.add(handle.token)  # noqa: E702 (NOTE [ Store lock discipline ])
-        self._trim_tail_locked()
-        return handle
+        return handle  # a tail beyond keep_tail_bytes: written by the I/O thread
 
     def _transfers(self, device):
         dev = self._devices.get(device)
@@ -263,7 +313,7 @@ class Store(WriteBack, Prefetch):
                                 "replaced (untyped_storage().resize_() or set_)")
         with self._lock:
             view, fut = self._guarded_locked(self._unpack_locked, rec, handle)
-        self._settle()
+        self._after_hook(self._read_due())
         if view is not None:
             return view
         # LOADING and this handle not yet unpacked in this generation: nothing can drop
@@ -271,7 +321,7 @@ class Store(WriteBack, Prefetch):
         self._wait(rec, fut)
         with self._lock:
             view = self._guarded_locked(self._loaded_locked, rec, handle, fut)
-        self._settle()
+        self._after_hook(self._read_due())
         return view
 
     def _loaded_locked(self, rec, handle, fut):
@@ -342,7 +392,7 @@ class Store(WriteBack, Prefetch):
             storage, offset, handle.size, handle.stride)
         if not rec.unseen and rec.state is State.LOADED:
             self._evict_locked(rec)
-        self._pump_locked()
+        self._pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
         return view
 
     def _wait(self, rec, fut):
@@ -375,11 +425,14 @@ class Store(WriteBack, Prefetch):
         return callback
 
     def _settle(self):
-        """Drain the inbox (a safe point: called after every locked section of pack, unpack
-        and the other store operations, and at the end of each backward)."""
+        """Drain the inbox (a safe point: called after every locked section of the store
+        operations but the hooks, and at the end of each backward); memory that dropped
+        goes with the I/O thread."""
         while self._inbox:
             with self._lock:
                 self._guarded_locked(_nothing)
+        if self._graveyard:
+            self._kick()
 
     def _settle_nowait(self):
         """Drain the inbox if the lock is free, never waiting: for engine threads only. A
@@ -392,6 +445,70 @@ class Store(WriteBack, Prefetch):
                 self._guarded_locked(_nothing)
             finally:
                 lock.release()
+        if self._graveyard:
+            self._kick()
+
+    # ----------------------------------------------------------- the I/O thread
+    def _after_hook(self, due):
+        """After a hook's locked section: wake the I/O thread if a request is ``due`` or
+        memory waits for it (events in the inbox wait for the next locked section or the
+        end of backward). Costs a ``SimpleQueue.put`` (C code) at most."""
+        if due or self._graveyard:
+            self._kick()
+
+    def _kick(self):
+        """Wake the I/O thread if it waits (a thread in a round looks again before it
+        waits); with none (not started, stopped), do its round here."""
+        if self._background:
+            if self._idle:
+                self._kicks.put(None)
+        elif not self.closed:
+            self._background_round()
+        elif self._graveyard:
+            self._bury()
+
+    def _background_round(self):
+        """One round of the I/O thread: start what is due one request per lock hold, so
+        that the hooks get the lock between requests, and release the graveyard outside
+        the lock, until nothing is left."""
+        while True:
+            with self._lock:
+                more = self._guarded_locked(self._start_one_locked)
+            self._bury()
+            if not (more or self._inbox):
+                return
+            time.sleep(0)  # hand the GIL to a thread that waits for it (the training thread)
+
+    def _start_one_locked(self):
+        """Start one request that is due: the oldest write the tail window overflowed
+        into, else the next prefetch read. Whether more may be due."""
+        if self.closed:
+            return False
+        return self._trim_tail_locked(1) or self._pump_locked(1)
+
+    def _bury(self):
+        """Release the memory dropped under the lock (never call this with it held)."""
+        grave = self._graveyard
+        while grave:
+            item = grave.popleft()
+            if type(item) is mmap.mmap:
+                unmap_now(item)
+            item = None
+
+    def _background_failed(self, exc):
+        """An exception escaped a round of the I/O thread: a bug (the store has repaired
+        itself). It is raised at the next pack or end of forward, not swallowed."""
+        log.error("ssdtrain: the store's I/O thread failed: %r", exc)
+        err = exc if isinstance(exc, SSDTrainError) else SSDTrainError(
+            f"ssdtrain: the store's I/O thread failed: {type(exc).__name__}: {exc}; please "
+            f"report this bug.")
+        with self._lock:
+            self._errors.append(err)
+
+    def _stop_worker(self):
+        """End the I/O thread (close(), fork): later work is done inline."""
+        self._background = False
+        _stop(self._kicks, self._worker)
 
     def _at_backward_end(self):
         """Queue a drain for the end of the running backward (once per graph task): the
@@ -467,6 +584,8 @@ class Store(WriteBack, Prefetch):
         slot, rec.slot = rec.slot, None
         if slot is not None and not self.closed:
             slot.file.free(slot)
+        if rec.storage is not None:
+            self._graveyard.append((rec.storage, rec.source, rec.staging))
         rec.storage = rec.source = rec.staging = rec.ready = rec.produced = None
         group = self._registry.get(rec.key)
         if group is not None and rec in group:
@@ -486,7 +605,9 @@ class Store(WriteBack, Prefetch):
         locked region short (NOTE [ Store lock discipline ]). Never raises on its own."""
         recs = [r for group in self._registry.values() for r in group]
         for rec in recs:
-            if rec.state in (State.WRITING, State.LOADING):
+            if rec.state in (State.PENDING, State.KEPT):
+                rec.slot = None  # a write cut short before it moved the record: no slot
+            elif rec.state in (State.WRITING, State.LOADING):
                 fut = rec.future
                 if fut is None and not rec.submitted:  # cut short before the engine call
                     self._unsubmit_locked(rec)
@@ -662,7 +783,11 @@ class Store(WriteBack, Prefetch):
 
     def _in_flight_locked(self):
         """``[(record, future)]`` of the requests not done; completes the done ones (their
-        callbacks may still be queued)."""
+        callbacks may still be queued). Starts first what the I/O thread would: the writes
+        and prefetch reads that are due, so that ``wait()`` returns with them done."""
+        if not self.closed:
+            self._trim_tail_locked()
+            self._pump_locked()
         pending = []
         for group in self._registry.values():
             for r in group:
@@ -707,24 +832,70 @@ class Store(WriteBack, Prefetch):
                 self._resident = self._ahead = self._live = 0
                 self._inbox.clear()
                 self._buffers.trim()  # idle read buffers are memory too: not kept until GC
+            self._stop_worker()
+            self._bury()
             if self._finalizer.detach() is not None:
+                args = (self.engine, self.spill, self._devices, self._kicks, self._worker)
                 if in_flight:  # a hung request must not hang close(): release when it ends
-                    _release_in_background(self.engine, self.spill, self._devices, daemon=True)
+                    _release_in_background(*args, daemon=True)
                 else:
-                    _release_resources(self.engine, self.spill, self._devices)
+                    _release_resources(*args)
 
     def _after_fork_in_child(self):
         """In a forked child: this store belongs to the parent. Never touch its engine,
         files or threads; every later call sees a closed store."""
         self._forked = True
         self.closed = True
+        self._background = False  # the I/O thread is the parent's: not in this process
+        self._kicks = queue.SimpleQueue()
         self._finalizer.detach()
         self._lock = threading.Lock()  # another parent thread may have held it at fork
         self._inbox = collections.deque()
 
 
-def _release_resources(engine, spill, devices):
+def _work(ref, kicks):
+    """The store's I/O thread (NOTE [ The store's I/O thread ]): a round of work per wake;
+    holds the store only during a round, so an unreachable store is collected."""
+    while True:
+        item = kicks.get()  # releases the GIL while it waits
+        while item is not _STOP and not kicks.empty():  # one round for the kicks so far
+            item = kicks.get()
+        if item is _STOP:
+            return
+        store = ref()
+        if store is None:
+            return
+        try:
+            try:
+                store._idle = False
+                store._background_round()
+            finally:
+                # A hook that queued work while _idle was False did not kick: look once
+                # more. Work queued after this line finds _idle True and kicks.
+                store._idle = True
+            store._background_round()
+        except BaseException as e:  # noqa: BLE001 - reported at the next pack, not lost
+            try:
+                store._background_failed(e)
+            except BaseException:  # noqa: BLE001 - the thread must keep serving
+                pass
+            e = None  # noqa: F841 - its traceback holds the store
+        store = None
+
+
+def _stop(kicks, worker):
+    """Tell the I/O thread to end and wait for it (not from the thread itself)."""
+    kicks.put(_STOP)
+    if worker is not threading.current_thread() and worker.is_alive():
+        worker.join(_JOIN_S)
+        if worker.is_alive():
+            log.warning("ssdtrain: the store's I/O thread did not end within %.0f s of "
+                        "close(); left running (a daemon thread).", _JOIN_S)
+
+
+def _release_resources(engine, spill, devices, kicks, worker):
     try:
+        _stop(kicks, worker)
         for dev in list(devices.values()):
             dev.close()  # writes waiting for a device copy are submitted first
         engine.shutdown()  # waits for requests still queued: they use the files
@@ -732,7 +903,7 @@ def _release_resources(engine, spill, devices):
         spill.close()
 
 
-def _release_in_background(engine, spill, devices, daemon=False):
+def _release_in_background(engine, spill, devices, kicks, worker, daemon=False):
     # A garbage-collected store must not block whatever thread dropped it (it may even
     # be an engine worker, which cannot join itself).
     if not threading.main_thread().is_alive():
@@ -740,9 +911,9 @@ def _release_in_background(engine, spill, devices, daemon=False):
         # thread): a thread started now would not be waited for, and finalization
         # would end it inside the native engine's join (std::terminate, exit code
         # 134). Release here, in order: nothing else runs any more.
-        _release_resources(engine, spill, devices)
+        _release_resources(engine, spill, devices, kicks, worker)
         return
-    threading.Thread(target=_release_resources, args=(engine, spill, devices),
+    threading.Thread(target=_release_resources, args=(engine, spill, devices, kicks, worker),
                      name="ssdtrain-release", daemon=daemon).start()
 
 

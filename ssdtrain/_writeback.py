@@ -22,12 +22,26 @@ log = logging.getLogger("ssdtrain")
 class WriteBack:
     """Everything between a record's pack and the end of its write."""
 
-    def _trim_tail_locked(self):
-        """Start writing the oldest tail records until the tail fits ``keep_tail_bytes``."""
+    def _trim_tail_locked(self, limit=None):
+        """Start writing the oldest tail records until the tail fits ``keep_tail_bytes``,
+        at most ``limit`` of them (all with None). Returns whether it stopped at
+        ``limit`` with the tail still too long. The store's I/O thread calls it one
+        record at a time; end of forward, ``flush()`` and the throttle call it for all
+        (NOTE [ The store's I/O thread ] in _store.py)."""
+        done = 0
         while self._tail_bytes > self.cfg.keep_tail_bytes and self._tail:
+            if limit is not None and done >= limit:
+                return True
             rec = next(iter(self._tail))
             if not self._over_budget_locked(rec):
                 self._start_write_locked(rec)
+            done += 1
+        return False
+
+    def _write_overdue(self):
+        """Whether the tail holds records beyond ``keep_tail_bytes`` (writes not started
+        yet). Read without the lock: a hint for waking the I/O thread."""
+        return self._tail_bytes > self.cfg.keep_tail_bytes
 
     def _start_write_locked(self, rec):
         """PENDING -> WRITING: allocate a slot and submit the write.
@@ -117,6 +131,8 @@ class WriteBack:
                     rec.source = rec.produced = None
                 else:
                     self._move_locked(rec, State.ON_DISK)
+                    # The memory goes on the I/O thread, outside the lock (the graveyard).
+                    self._graveyard.append((rec.source, rec.storage))
                     rec.storage = rec.source = rec.produced = None
         rec.future = None
         if not rec.tokens:
@@ -126,11 +142,20 @@ class WriteBack:
         """Any state -> FAILED: ``exc`` is raised when backward needs the record."""
         rec.error = exc
         self._move_locked(rec, State.FAILED)
+        self._graveyard.append((rec.source, rec.storage, rec.staging))
         rec.storage = rec.source = rec.staging = rec.produced = None
 
+    def _over_write_behind(self):
+        """Whether more than the write-behind limit in force is written or due to be
+        (writes in flight plus tail records beyond ``keep_tail_bytes`` whose write the I/O
+        thread has not started yet). Read without the lock: :meth:`_throttle` looks again."""
+        return self._writing_bytes + max(0, self._tail_bytes - self.cfg.keep_tail_bytes) \
+            > self.write_behind
+
     def _throttle(self):
-        """Wait until the writes in flight fit in ``write_behind_bytes``: wait for the oldest
-        write's future, never under the lock; ``io_timeout_s`` for each write."""
+        """Wait until the writes in flight fit in ``write_behind_bytes``: start every write
+        that is due (this thread waits anyway), then wait for the oldest write's future,
+        never under the lock; ``io_timeout_s`` for each write."""
         t0 = time.perf_counter()
         try:
             while True:
@@ -159,6 +184,8 @@ class WriteBack:
         None and the throttle looks again."""
         if self._errors:
             raise _copy(self._errors.pop(0))
+        if not self.closed:
+            self._trim_tail_locked()
         if self._writing_bytes <= self.write_behind or self.closed:
             return True, None, None
         oldest = next(iter(self._writing))

@@ -390,8 +390,9 @@ class Offloader:
 
         ``fn`` gets the engine in use and returns the one to use from now on, normally
         a wrapper that delegates to it (same methods and attributes, see
-        ``ssdtrain/io/base.py``); I/O already in flight finishes on the old one. Call
-        it between steps.
+        ``ssdtrain/io/base.py``). It first waits for the I/O in flight (as
+        :meth:`wait`), which therefore finishes on the old engine. Call it between
+        steps.
 
         Args:
             fn: ``engine -> engine``.
@@ -410,12 +411,17 @@ class Offloader:
         if self._in_forward or self._hooks is not None:
             raise SSDTrainError("ssdtrain: wrap_engine() called inside a forward pass; call it "
                                 "between steps.")
-        self._store._check_open()
-        engine = fn(self._store.engine)
+        store = self._store
+        store._check_open()
+        # Everything due is started and done first, so that the store's I/O thread has
+        # nothing to submit to the engine ``fn`` may shut down or wrap.
+        store.flush()
+        engine = fn(store.engine)
         if engine is None:
             raise SSDTrainError("ssdtrain: wrap_engine(fn): fn returned None; it must return "
                                 "the engine to use (a wrapper of the one it was given).")
-        self._store.engine = engine
+        with store._lock:  # between two requests of the I/O thread
+            store.engine = engine
         return engine
 
     # -------------------------------------------------------------- lifetime

@@ -80,3 +80,27 @@ def test_hook_cost_tiny(tmp_path, spill_dir):
     assert any(n.startswith("pack <=") for n in names)
     assert any(n.startswith("training-thread time inside ssdtrain") for n in names)
     assert list(spill_dir.iterdir()) == []
+
+
+def test_hook_cost_accelerator_compute(tmp_path, spill_dir):
+    """``--compute accelerator``: the records are filled before the timed loop and every
+    record of a run is saved in one step; the rows measure the same things."""
+    out = tmp_path / "hook_cost.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
+                                         env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, str(HOOK_COST), "--tiny", "--compute", "accelerator",
+                           "--no-gpt", "--configs", "identity", "posix", "--sizes", "1KiB",
+                           "1MiB", "--spill-dir", str(spill_dir), "--json", str(out)],
+                          cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "compute between saves: accelerator" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["settings"]["compute"] == "accelerator" and result["gpt"] is None
+    rows = {(r["size"], r["config"], r["verify"]): r for r in result["records"]}
+    r = rows[(1 * MiB, "posix", True)]
+    n = r["pack"]["n"] // 2
+    assert r["fate"] == "written" and r["stats"]["on-demand"]["bytes_read"] == n * MiB
+    assert r["stats"]["prefetched"]["prefetch_misses"] == 0
+    assert rows[(1 * KiB, "posix", False)]["fate"] == "kept"

@@ -31,7 +31,10 @@ nothing is left (records, memory, storages, spill files, threads).
 The example sequences are derandomized (fixed seed, no example database); the
 interleaving of the helper thread's backward with this thread's completions is
 not, so the store's internal path may differ between runs, never the outcome the
-model demands. It runs in about 10 s. A hang fails: the store's waits end at
+model demands. The store's I/O thread starts writes and prefetch reads when it
+wakes; before each draw and after each step the test starts whatever is still due
+itself (``_start_due``), so the requests pending never depend on that thread's
+timing. It runs in about 10 s. A hang fails: the store's waits end at
 ``io_timeout_s``, the test's own at ``HANG_S``, and a step stuck for
 ``STEP_LIMIT_S`` (a deadlock) ends the process with every thread's traceback.
 """
@@ -426,7 +429,17 @@ class StoreMachine(RuleBasedStateMachine):
             return base, t.view(torch.uint8)
         return base, t
 
+    def _start_due(self):
+        """Start here every request that is due (what the store's I/O thread would start
+        when it wakes), so that the requests pending, on which the draws and rules
+        depend, do not depend on when that thread runs. The thread may still do part of
+        it first; after this call nothing is left due."""
+        store = getattr(self.off, "_store", None)
+        if store is not None and not store.closed:
+            store._background_round()
+
     def _maybe_complete(self, data):
+        self._start_due()
         pending = self.engine.pending()
         if pending and data.draw(st.integers(0, 3), label="complete now") == 0:
             i = data.draw(st.integers(0, len(pending) - 1), label="request")
@@ -675,6 +688,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         self.steps += 1
         faulthandler.dump_traceback_later(STEP_LIMIT_S, exit=True)  # re-armed every step
+        self._start_due()
         self._sync()
         store = self.off._store
         check = getattr(store, "check_invariants", None)  # the new store's self-check

@@ -1,0 +1,348 @@
+"""The store's I/O thread (NOTE [ The store's I/O thread ] in ssdtrain/_store.py).
+
+The hooks run on the thread that launches every kernel on a GPU machine, so they only
+decide and record: pack never calls the engine (the I/O thread starts the writes of
+the tail's overflow), unpack calls it only for a miss or when the I/O thread lags a
+whole window. What the thread has not done yet is done by whoever needs it: the end
+of forward, the throttle, ``wait()``. The thread ends with ``close()``, with the
+store when it is collected, and does not exist in a forked child; an exception that
+escapes its round is raised at the next pack, never lost.
+
+Each test waits for the thread with a deadline (``_until``) instead of sleeping, so
+that a slow machine makes it slower, not wrong.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+import ssdtrain
+from ssdtrain import SSDTrainError
+
+WAIT_S = 20.0  # how long a test waits for the I/O thread before it fails
+
+
+def _until(cond, what):
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the store's I/O thread did not {what} within {WAIT_S} s")
+        time.sleep(0.001)
+
+
+def _io_threads():
+    return [t for t in threading.enumerate() if t.name == "ssdtrain-store"]
+
+
+class Spy:
+    """Records, per engine call, the calling thread and which hook was running on it."""
+
+    def __init__(self, off):
+        store = off._store
+        self.calls = []  # (op, thread name, hook running on that thread or None)
+        self._hook = threading.local()
+        engine = store.engine
+        for op in ("write", "read"):
+            setattr(engine, op, self._wrap_engine(op, getattr(engine, op)))
+        for hook in ("pack", "unpack"):
+            setattr(store, hook, self._wrap_hook(hook, getattr(store, hook)))
+
+    def _wrap_engine(self, op, fn):
+        def call(*args, **kwargs):
+            self.calls.append((op, threading.current_thread().name,
+                               getattr(self._hook, "name", None)))
+            return fn(*args, **kwargs)
+        return call
+
+    def _wrap_hook(self, name, fn):
+        def hook(arg):
+            self._hook.name = name
+            try:
+                return fn(arg)
+            finally:
+                self._hook.name = None
+        return hook
+
+    def inside(self, hook, op):
+        return [c for c in self.calls if c[0] == op and c[2] == hook]
+
+
+class _Slow(torch.autograd.Function):
+    """Saves ``x``; forward and backward run ``between`` (a stand-in for compute that
+    takes a while) after their work."""
+
+    @staticmethod
+    def forward(ctx, a, x, between):
+        ctx.save_for_backward(x)
+        ctx.between = between
+        between("forward")
+        return a * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        ctx.between("backward")
+        return grad * x.view(-1)[:1].sum().clamp(max=1.0), None, None
+
+
+def _chain(off, xs, between=lambda where: None, settle=False):
+    """Forward of ``xs`` under ``off`` (``between("forward")`` runs in each op, before
+    the op's own tensor is packed, and once more at the end); with ``settle``, every
+    write has ended before forward does (backward then reads every record back)."""
+    a = torch.ones((), requires_grad=True)
+    with off:
+        y = a
+        for x in xs:
+            y = _Slow.apply(y, x, between)
+        between("forward")
+        if settle:
+            off.wait()
+    return a, y
+
+
+def _reference(xs):
+    a = torch.ones((), requires_grad=True)
+    y = a
+    for x in xs:
+        y = _Slow.apply(y, x, lambda where: None)
+    y.backward()
+    return a.grad
+
+
+def _tensors(n, nbytes=256 << 10):
+    g = torch.Generator().manual_seed(n)
+    return [torch.rand(nbytes // 4, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("engine", ["native", "posix"])
+def test_pack_never_calls_the_engine(make_offloader, engine):
+    """Every write of the tail's overflow is submitted by the I/O thread: forward waits
+    (after each save, untimed) until the record has left the tail, and no write is
+    submitted inside a pack, nor on the training thread at all."""
+    off = make_offloader(engine=engine, keep_tail_bytes=0, min_tensor_bytes=4096)
+    spy = Spy(off)
+    xs = _tensors(12)
+
+    def between(where):
+        if where == "forward":
+            _until(lambda: all(r.state != "PENDING" for r in off.records()),
+                   "start the write of the record just saved")
+
+    a, y = _chain(off, xs, between)
+    y.backward()
+    assert torch.equal(a.grad, _reference(xs))
+    writes = [c for c in spy.calls if c[0] == "write"]
+    assert len(writes) == len(xs)
+    assert spy.inside("pack", "write") == []
+    assert {name for _, name, _ in writes} == {"ssdtrain-store"}, writes
+
+
+def test_end_of_forward_starts_what_the_thread_has_not(make_offloader):
+    """With the I/O thread held back, forward still ends with every record beyond
+    ``keep_tail_bytes`` being written (started by the end of forward itself), and the
+    kept tail within ``keep_tail_bytes``."""
+    off = make_offloader(keep_tail_bytes=512 << 10, min_tensor_bytes=4096)
+    store = off._store
+    held = threading.Event()
+    real = store._background_round
+
+    def blocked():
+        held.wait(WAIT_S)
+        real()
+    store._background_round = blocked
+    xs = _tensors(10)
+    try:
+        a, y = _chain(off, xs)
+        states = [r.state for r in off.records()]
+        kept = sum(r.nbytes for r in off.records() if r.state == "KEPT")
+        assert "PENDING" not in states
+        assert kept <= 512 << 10
+        assert states.count("KEPT") == 2 and len(states) == 10
+    finally:
+        held.set()
+    y.backward()
+    assert torch.equal(a.grad, _reference(xs))
+
+
+def test_throttle_starts_overdue_writes(make_offloader):
+    """The writes the I/O thread has not started count against ``write_behind_bytes``:
+    with the thread held back, forward does not pile up records in memory; the
+    throttle starts the writes itself and waits."""
+    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096,
+                         write_behind_bytes=1 << 20)
+    store = off._store
+    held = threading.Event()
+    real = store._background_round
+    peak = [0]
+
+    def blocked():
+        held.wait(WAIT_S)
+        real()
+
+    def between(where):
+        if where == "forward":
+            overdue = store._tail_bytes + store._writing_bytes
+            peak[0] = max(peak[0], overdue)
+    store._background_round = blocked
+    xs = _tensors(24)  # 6 MiB in 256 KiB records
+    try:
+        a, y = _chain(off, xs, between)
+    finally:
+        held.set()
+    # One record over the limit at most (the pack that crosses it waits after it).
+    assert peak[0] <= (1 << 20) + (256 << 10), peak[0]
+    assert off.stats().write_stall_seconds > 0
+    y.backward()
+    assert torch.equal(a.grad, _reference(xs))
+
+
+def test_sliding_window_reads_come_from_the_io_thread(make_offloader):
+    """A window of 4 records over 16: the end of forward starts the first window's reads;
+    as backward consumes, the I/O thread starts the next ones. Backward waits (after
+    each op, untimed) until the thread has refilled the window: no unpack then calls
+    the engine and nothing misses."""
+    nbytes = 256 << 10
+    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096,
+                         prefetch_bytes=4 * nbytes)
+    store = off._store
+    xs = _tensors(16, nbytes)
+
+    def due():  # bytes the window could still take in (racy reads: a test's poll)
+        left = sum(r.nbytes for p in list(store._passes) for r in list(p.queue)
+                   if r.tokens and not r.prefetched and not r.used)
+        return min(4 * nbytes - store._ahead, left)
+
+    def between(where):
+        if where == "backward":
+            _until(lambda: due() <= 0, "refill the prefetch window")
+
+    spy = Spy(off)  # before forward: autograd unpacks with the hooks that packed
+    a, y = _chain(off, xs, between, settle=True)  # each record comes back by a read
+    n_forward = len(spy.calls)
+    y.backward()
+    assert torch.equal(a.grad, _reference(xs))
+    st = off.stats()
+    assert st.prefetch_misses == 0 and st.records_read == len(xs)
+    reads = [c for c in spy.calls[n_forward:] if c[0] == "read"]  # those of backward
+    assert len(reads) == len(xs) - 4  # the first window's were started by forward's end
+    assert spy.inside("unpack", "read") == [], reads
+    assert {name for _, name, _ in reads} == {"ssdtrain-store"}, reads
+
+
+def test_unpack_refills_a_window_the_thread_left_dry(make_offloader):
+    """With the I/O thread held back for the whole backward, unpack starts reads itself
+    while less than a quarter of the window is ahead of use: backward stays exact and
+    never waits for a thread that does not come."""
+    nbytes = 256 << 10
+    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096,
+                         prefetch_bytes=4 * nbytes)
+    store = off._store
+    xs = _tensors(12, nbytes)
+    spy = Spy(off)  # before forward: autograd unpacks with the hooks that packed
+    a, y = _chain(off, xs, settle=True)
+    held = threading.Event()
+    real = store._background_round
+
+    def blocked():
+        held.wait(WAIT_S)
+        real()
+    store._background_round = blocked
+    try:
+        y.backward()
+    finally:
+        held.set()
+    assert torch.equal(a.grad, _reference(xs))
+    assert spy.inside("unpack", "read"), "unpack never refilled the window"
+
+
+def test_memory_is_released_by_the_io_thread(make_offloader):
+    """A written record's memory is let go outside the store's lock, on the I/O thread:
+    the saved tensor's storage dies there, not in a hook."""
+    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096, prefetch_bytes=0)
+    died = []
+    x = torch.rand(1 << 16)
+    weakref.finalize(x.untyped_storage(), lambda: died.append(threading.current_thread().name))
+    a, y = _chain(off, [x])
+    del x
+    _until(lambda: died, "release the written tensor")
+    assert died == ["ssdtrain-store"], died
+    y.backward()
+
+
+def test_thread_ends_with_close_and_with_the_store(spill_dir):
+    def new_thread():
+        before = set(_io_threads())
+        off = ssdtrain.Offloader(spill_dir=str(spill_dir), keep_tail_bytes=0,
+                                 min_tensor_bytes=4096)
+        (thread,) = set(_io_threads()) - before
+        a, y = _chain(off, _tensors(3))
+        y.backward()
+        return off, thread
+
+    off, thread = new_thread()
+    off.close()
+    assert not thread.is_alive()
+    off, thread = new_thread()  # never closed: the thread goes when the store is collected
+    del off
+    gc.collect()
+    _until(lambda: not thread.is_alive(), "end with its collected store")
+
+
+def test_a_failed_round_is_raised_at_the_next_pack(make_offloader, caplog):
+    """An exception escaping a round of the I/O thread (a bug) is repaired, logged and
+    raised by the next pack as an SSDTrainError; the steps after it are exact."""
+    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096)
+    store = off._store
+    real = store._start_one_locked
+    fired = []
+
+    def failing():
+        if not fired:
+            fired.append(True)
+            raise RuntimeError("injected failure of the I/O thread")
+        return real()
+    store._start_one_locked = failing
+    xs = _tensors(4)
+    a, y = _chain(off, xs[:1])
+    _until(lambda: fired and store._errors, "report its failure")
+    with pytest.raises(SSDTrainError, match="I/O thread failed.*injected failure"):
+        _chain(off, xs)
+    y.backward()
+    assert torch.equal(a.grad, _reference(xs[:1]))
+    for _ in range(2):
+        a, y = _chain(off, xs)
+        y.backward()
+        assert torch.equal(a.grad, _reference(xs))
+    store.check_invariants()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_has_no_io_thread_and_offloads_with_its_own(spill_dir):
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), keep_tail_bytes=0, min_tensor_bytes=4096)
+    a, y = _chain(off, _tensors(3))
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code only
+        code = 1
+        try:
+            if not _io_threads() and off.closed:
+                child = ssdtrain.Offloader(spill_dir=str(spill_dir), keep_tail_bytes=0,
+                                           min_tensor_bytes=4096)
+                xs = _tensors(5)
+                b, z = _chain(child, xs)
+                z.backward()
+                ok = torch.equal(b.grad, _reference(xs))
+                child.close()
+                code = 0 if ok and not _io_threads() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    y.backward()
+    off.close()
