@@ -17,8 +17,9 @@ Two measurements, in one run:
    * ``on-demand``: ``prefetch_bytes=0``: after the same wait every record is on
      disk, and each unpack reads its record and waits for it (a miss).
 
-   ``keep_tail_bytes=0``, so every record at or above ``min_tensor_bytes`` starts its
-   write inside its own pack (its "fate" is ``written``); smaller ones are kept in
+   ``keep_tail_bytes=0``, so every record at or above ``min_tensor_bytes`` is written
+   as soon as it is saved (its "fate" is ``written``; the store's I/O thread starts
+   the write right after the pack); smaller ones are kept in
    memory (``kept``), as ssdtrain does by default with records below 256 KiB. A step
    holds at most ``--step-mib`` of records (and at most 256 of them); steps repeat
    until ``--budget-mib`` of records (at least ``--min-iters``, at most
@@ -583,8 +584,9 @@ def main(argv=None):
     print()
     print(render_records(rows))
     print()
-    print("fate: written = the record's write starts in its own pack; kept = below "
-          "min_tensor_bytes, kept in memory. Unpack prefetched: every record in memory when "
+    print("fate: written = the record is written (keep_tail_bytes=0: the store's I/O thread "
+          "starts its write right after its pack); kept = below min_tensor_bytes, kept in "
+          "memory. Unpack prefetched: every record in memory when "
           "backward starts (prefetch hit); on-demand: prefetch_bytes=0, each unpack reads its "
           "record and waits. identity: a hook pair that returns its argument, timed alike.")
     if skipped:

@@ -48,7 +48,9 @@ host thread waits on are created with ``blocking=True`` so the waiter sleeps
 instead of spinning on a core that compute needs.
 
 Not handled: CUDA graph capture (saved tensors of a captured region must stay
-in memory; ssdtrain does not detect capture), and an out-of-memory error while
+in memory; ssdtrain does not detect capture; and the store's I/O thread allocates
+pinned memory and records events whenever a write is due, which a capture in the
+global mode on another thread does not allow), and an out-of-memory error while
 allocating a loaded record's device memory fails that record (its backward
 raises) instead of retrying later.
 """

@@ -98,9 +98,17 @@ class Prefetch:
                 elif rec.state is State.ON_DISK:
                     if limit is not None and started >= limit:
                         return True
+                    try:
+                        self._start_read_locked(rec)  # allocates first, then moves the record
+                    except Exception as e:  # noqa: BLE001 - no memory for a read buffer now
+                        p.queue.popleft()  # read when backward needs it (a miss)
+                        self._warn_once("prefetch-memory", "ssdtrain: a prefetch read could "
+                                        "not get its buffer (%s: %s); records are read when "
+                                        "backward needs them until memory frees up.",
+                                        type(e).__name__, e)
+                        return False
                     rec.prefetched = True
                     self._ahead += rec.nbytes
-                    self._start_read_locked(rec)
                     started += 1
             p.queue.popleft()
         return False

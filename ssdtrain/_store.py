@@ -26,10 +26,11 @@ NOTE [ Store lock discipline ]
   the I/O thread, and at the end of every backward that unpacked a record (a callback
   queued on autograd's engine), so a graph's records are released before the
   optimizer step.
-* Memory is not released under the lock: a tensor whose last reference the store
-  drops, or a read buffer's mapping, goes to ``_graveyard`` and the I/O thread lets
-  go of it outside the lock (freeing a 64 MiB tensor or unmapping a buffer costs
-  milliseconds of the kernel's time). Event handlers are idempotent and clear their
+* Memory is not released under the lock: a host tensor whose last reference the
+  store drops, or a read buffer's mapping, goes to ``_graveyard`` and is let go of
+  outside the lock, by the I/O thread or at the end of backward (freeing a 64 MiB
+  tensor or unmapping a buffer costs milliseconds of the kernel's time). A device
+  record's memory is freed in place (the caching allocator's free costs nothing). Event handlers are idempotent and clear their
   trigger last (``rec.future = None``; a handle's token leaves a set), so a handler
   cut short by an exception can run again. ``_sweep_locked`` (each step's start,
   ``live_records()``...) also releases tokens whose handle is gone, whatever
@@ -52,8 +53,11 @@ store): pack puts a record in the tail window and, when the tail is longer than
 ``keep_tail_bytes``, wakes the thread (a ``SimpleQueue.put``), which starts the oldest
 writes (``_trim_tail_locked``); unpack serves a record that is in memory and wakes the
 thread when the prefetch window has room, which starts the next reads (``_pump_locked``).
-The thread also drains what arrives after a hook's locked section and releases the
-graveyard. It takes
+The thread also drains what arrives after a hook's locked section (and what an
+engine thread could not drain, the lock being busy) and releases the graveyard; the
+end of each backward releases it itself, so that memory is back before the optimizer
+step. Every store operation wakes the thread when its locked section left memory in
+the graveyard. It takes
 the lock once per request and yields the GIL between requests, so a hook waits for one
 request's submission at most.
 
@@ -63,16 +67,22 @@ writes (what stays is the kept tail, ``keep_tail_bytes`` at most) and the first
 window's reads (backward's first unpacks come at once, in whatever order its graph
 takes); the throttle starts overdue writes before it waits (they count against
 ``write_behind_bytes``, so memory stays bounded however far the thread lags);
-``flush()`` starts every due write and read before it waits; unpack starts reads
+``flush()`` starts every due write and read before it waits (``close()`` starts
+nothing: it would only throw the results away); unpack starts reads
 itself when the thread lags so far that backward would soon miss (less than a quarter
 of ``prefetch_bytes`` held or loading ahead of use, or the next record the window
 would take among the next two backward uses: ``_pump_low_locked``), and reads a record
 that is only on disk at once (a miss).
 
+A request the thread cannot start for want of memory (a read buffer's mapping, pinned
+staging) is not an error: a prefetch read is left to backward (a miss), a device
+record that cannot be staged stays in device memory (KEPT); each is logged once.
+``wrap_engine()`` pauses the thread while it swaps the engine.
+
 The thread holds the store only while it works (a weak reference otherwise), ends at
 ``close()`` (joined) or when the store is collected, does not exist in a forked child,
 and reports an exception escaping its round (a bug: the round's locked region has
-repaired the store) at the next pack or end of forward.
+repaired the store) at the next pack or end of forward, one at a time.
 
 NOTE [ Memory owned by requests ]
 
@@ -107,7 +117,7 @@ from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers, unmap_now
 from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, inplace_error,
                        swapped, swapped_error, transition)
-from ._writeback import _READ, _WRITTEN, WriteBack, _copy
+from ._writeback import _READ, _WRITTEN, WriteBack, _copy, _without_frames
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -163,6 +173,7 @@ class Store(WriteBack, Prefetch):
                                         name="ssdtrain-store", daemon=True)
         self._background = False               # the I/O thread runs (else work is done inline)
         self._idle = True                      # it waits for a kick (written by it alone)
+        self._paused = False                   # wrap_engine(): the thread starts nothing
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
         self._finalizer = weakref.finalize(self, _release_in_background, engine, spill,
@@ -170,6 +181,27 @@ class Store(WriteBack, Prefetch):
         _fork.register(self, Store._after_fork_in_child)
         self._worker.start()
         self._background = True
+
+    def replace_engine(self, fn):
+        """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
+        paused and every request due is started and done first, so nothing is submitted
+        to the engine ``fn`` may shut down or wrap while it does."""
+        with self._lock:
+            self._paused = True
+        try:
+            self.flush()
+            engine = fn(self.engine)
+            if engine is None:
+                raise SSDTrainError("ssdtrain: wrap_engine(fn): fn returned None; it must "
+                                    "return the engine to use (a wrapper of the one it was "
+                                    "given).")
+            with self._lock:
+                self.engine = engine
+            return engine
+        finally:
+            with self._lock:
+                self._paused = False
+            self._kick()
 
     def limit_write_behind(self, nbytes=None) -> None:
         """Put ``nbytes`` in force as the write-behind limit (an applied plan's, lowered
@@ -445,7 +477,7 @@ class Store(WriteBack, Prefetch):
                 self._guarded_locked(_nothing)
             finally:
                 lock.release()
-        if self._graveyard:
+        if self._graveyard or self._inbox:  # the lock was busy: the I/O thread drains it
             self._kick()
 
     # ----------------------------------------------------------- the I/O thread
@@ -482,28 +514,44 @@ class Store(WriteBack, Prefetch):
     def _start_one_locked(self):
         """Start one request that is due: the oldest write the tail window overflowed
         into, else the next prefetch read. Whether more may be due."""
-        if self.closed:
+        if self.closed or self._paused:
             return False
         return self._trim_tail_locked(1) or self._pump_locked(1)
 
     def _bury(self):
-        """Release the memory dropped under the lock (never call this with it held)."""
+        """Release the memory dropped under the lock (never call this with it held). Any
+        thread may call it, several at once."""
         grave = self._graveyard
         while grave:
-            item = grave.popleft()
+            try:
+                item = grave.popleft()
+            except IndexError:  # another thread took the last one
+                return
             if type(item) is mmap.mmap:
                 unmap_now(item)
             item = None
 
+    def _settle_and_release(self):
+        """The end of a backward (autograd's callback): the releases of the handles it
+        freed are applied, and their memory is let go here, so that it is back before
+        the optimizer step (on a GPU, in the caching allocator)."""
+        self._settle()
+        self._bury()
+
     def _background_failed(self, exc):
-        """An exception escaped a round of the I/O thread: a bug (the store has repaired
-        itself). It is raised at the next pack or end of forward, not swallowed."""
-        log.error("ssdtrain: the store's I/O thread failed: %r", exc)
-        err = exc if isinstance(exc, SSDTrainError) else SSDTrainError(
-            f"ssdtrain: the store's I/O thread failed: {type(exc).__name__}: {exc}; please "
-            f"report this bug.")
+        """An exception escaped a round of the I/O thread: a bug (the round's locked
+        region has repaired the store). It is raised at the next pack or end of forward,
+        never swallowed; while one is pending, later ones are only logged."""
+        _without_frames(exc)  # its frames hold the store
+        log.error("ssdtrain: the store's I/O thread failed: %s: %s", type(exc).__name__, exc)
+        err = SSDTrainError(f"ssdtrain: the store's I/O thread failed: {type(exc).__name__}: "
+                            f"{exc}; the store has repaired itself and goes on. Please report "
+                            f"this bug.")
+        err.__cause__ = exc
+        err.ssdtrain_io_thread = True
         with self._lock:
-            self._errors.append(err)
+            if not any(getattr(e, "ssdtrain_io_thread", False) for e in self._errors):
+                self._errors.append(err)
 
     def _stop_worker(self):
         """End the I/O thread (close(), fork): later work is done inline."""
@@ -517,7 +565,7 @@ class Store(WriteBack, Prefetch):
         task = torch._C._current_graph_task_id()
         if task != self._task and task >= 0:
             self._task = task
-            _ENGINE.queue_callback(self._settle)
+            _ENGINE.queue_callback(self._settle_and_release)
 
     def _drain_locked(self):
         """Apply the queued events. Each is looked at, applied, then popped: an interrupt
@@ -584,8 +632,7 @@ class Store(WriteBack, Prefetch):
         slot, rec.slot = rec.slot, None
         if slot is not None and not self.closed:
             slot.file.free(slot)
-        if rec.storage is not None:
-            self._graveyard.append((rec.storage, rec.source, rec.staging))
+        self._drop_memory_locked(rec)
         rec.storage = rec.source = rec.staging = rec.ready = rec.produced = None
         group = self._registry.get(rec.key)
         if group is not None and rec in group:
@@ -727,14 +774,17 @@ class Store(WriteBack, Prefetch):
                               if q[3] is not None and q[3].file in self.spill.files)
             alloc = sum(f.allocator.used for f in self.spill.files) if not self.closed else used
             check(alloc == used + quarantined, f"spill blocks {alloc} != {used} + {quarantined}")
-            if bad:
-                raise AssertionError("ssdtrain store invariants broken: " + "; ".join(bad))
+        self._settle()
+        if bad:
+            raise AssertionError("ssdtrain store invariants broken: " + "; ".join(bad))
 
     # -------------------------------------------------------------------- misc
     def records(self):
         """The live records (a debug view for tests and benchmarks)."""
         with self._lock:
-            return [r for group in self._registry.values() for r in group]
+            recs = [r for group in self._registry.values() for r in group]
+        self._settle()
+        return recs
 
     def _check_open(self):
         if self.closed:
@@ -753,15 +803,19 @@ class Store(WriteBack, Prefetch):
         """(live records, resident bytes, spill bytes in use) for stats and tests."""
         with self._lock:
             self._guarded_locked(self._sweep_locked)
-            return self._live, self._resident, self.spill.used_bytes()
+            out = self._live, self._resident, self.spill.used_bytes()
+        self._settle()  # what the sweep released goes with the I/O thread
+        return out
 
-    def flush(self, timeout=None):
+    def flush(self, timeout=None, start=True):
         """Wait until every write and read in flight has completed; one deadline
-        (``io_timeout_s``) for all of them."""
+        (``io_timeout_s``) for all of them. With ``start``, the writes and prefetch reads
+        that are due are started first (as the I/O thread would), so that they are done
+        too; ``close()`` passes False: it would only throw them away."""
         deadline = time.monotonic() + (self.cfg.io_timeout_s if timeout is None else timeout)
         while True:
             with self._lock:
-                pending = self._guarded_locked(self._in_flight_locked)
+                pending = self._guarded_locked(self._in_flight_locked, start)
             self._settle()
             if not pending:
                 return
@@ -781,11 +835,12 @@ class Store(WriteBack, Prefetch):
                             f"io_timeout_s={self.cfg.io_timeout_s} s{tail}",
                             filename=None if slot is None else slot.file.directory)
 
-    def _in_flight_locked(self):
+    def _in_flight_locked(self, start=True):
         """``[(record, future)]`` of the requests not done; completes the done ones (their
-        callbacks may still be queued). Starts first what the I/O thread would: the writes
-        and prefetch reads that are due, so that ``wait()`` returns with them done."""
-        if not self.closed:
+        callbacks may still be queued). With ``start``, starts first what the I/O thread
+        would: the writes and prefetch reads that are due, so that ``wait()`` returns with
+        them done."""
+        if start and not self.closed:
             self._trim_tail_locked()
             self._pump_locked()
         pending = []
@@ -810,7 +865,7 @@ class Store(WriteBack, Prefetch):
             return
         in_flight = False
         try:
-            self.flush()
+            self.flush(start=False)
         finally:
             with self._lock:
                 self.closed = True
@@ -865,22 +920,25 @@ def _work(ref, kicks):
         store = ref()
         if store is None:
             return
-        try:
-            try:
-                store._idle = False
-                store._background_round()
-            finally:
-                # A hook that queued work while _idle was False did not kick: look once
-                # more. Work queued after this line finds _idle True and kicks.
-                store._idle = True
-            store._background_round()
-        except BaseException as e:  # noqa: BLE001 - reported at the next pack, not lost
-            try:
-                store._background_failed(e)
-            except BaseException:  # noqa: BLE001 - the thread must keep serving
-                pass
-            e = None  # noqa: F841 - its traceback holds the store
+        store._idle = False
+        _round(store)
+        # A hook that queued work while _idle was False did not kick: look once more
+        # (also after a failed round). Work queued after this line finds _idle True.
+        store._idle = True
+        _round(store)
         store = None
+
+
+def _round(store):
+    """One round of the I/O thread; an exception escaping it is reported, not lost."""
+    try:
+        store._background_round()
+    except BaseException as e:  # noqa: BLE001 - reported at the next pack
+        try:
+            store._background_failed(e)
+        except BaseException:  # noqa: BLE001 - the thread must keep serving
+            pass
+        e = None  # noqa: F841 - its traceback holds the store
 
 
 def _stop(kicks, worker):

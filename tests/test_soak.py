@@ -25,6 +25,7 @@ import torch
 
 import ssdtrain
 from ssdtrain._store import Handle, Record
+from ssdtrain.tools import BLOCK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt import GPT, GPTConfig, make_batch  # noqa: E402
@@ -91,7 +92,8 @@ def test_soak(tmp_path):
     off = ssdtrain.Offloader(spill_dir=str(spill), min_tensor_bytes=4096,
                              keep_tail_bytes="64KiB", prefetch_bytes="256KiB")
     spill_fd = off._store.spill.files[0].fd
-    seen = {"fds": [], "threads": [], "rss": [], "size": [], "dead": 0, "previous": []}
+    seen = {"fds": [], "threads": [], "rss": [], "size": [], "records": [], "dead": 0,
+            "previous": []}
 
     def check(step, records):
         off.wait()
@@ -109,6 +111,7 @@ def test_soak(tmp_path):
         seen["threads"].append(threading.active_count())
         seen["rss"].append(_rss())
         seen["size"].append(os.fstat(spill_fd).st_size)
+        seen["records"].append(len(records))
         if step % 100 == 99:
             objs = gc.get_objects()
             assert not [o for o in objs if type(o) is Handle], f"step {step}: handles survive"
@@ -126,7 +129,14 @@ def test_soak(tmp_path):
     warm = min(20, STEPS // 5)
     assert max(seen["fds"][warm:]) == seen["fds"][warm], f"fds grow: {seen['fds'][-5:]}"
     assert max(seen["threads"][warm:]) <= seen["threads"][warm] + 0, "threads grow"
-    assert max(seen["size"][warm:]) == seen["size"][warm], "spill file grows"
+    # A record's slot starts at its tensor's address modulo 4 KiB, so it needs one
+    # block more or less depending on where the CPU allocator put the tensor, which
+    # differs between steps (memory is released by the store's I/O thread, in its own
+    # time): the file may take one block per record of a step beyond its warm size,
+    # never more. A leak of slots fails spill_bytes_in_use() == 0 above, at once.
+    slack = max(seen["records"]) * BLOCK
+    assert max(seen["size"][warm:]) <= seen["size"][warm] + slack, \
+        f"spill file grows: {sorted(set(seen['size']))} (slack {slack} bytes)"
     # RSS: allocator noise is allowed, a leak of a step's activations (~1 MiB) per
     # step is not: the last fifth may not sit more than 16 MiB above the second.
     fifth = max(1, STEPS // 5)
