@@ -78,7 +78,8 @@ zero-infinity: $(STAMP)
 #  2. ssdtrain._C rebuilt in place with the sanitizers and $(ASAN_TESTS) run against it:
 #     the engine's own tests, the io_timeout_s races (tests/test_timeouts.py: memory an
 #     I/O request still uses must not be freed; its subprocesses inherit LD_PRELOAD, so
-#     they run under ASan too) and fork safety (tests/test_fork.py). CPython is not
+#     they run under ASan too), fork safety (tests/test_fork.py) and the store's I/O
+#     thread (tests/test_io_thread.py). CPython is not
 #     built with ASan, so libasan must be loaded first
 #     (LD_PRELOAD, found with `$(CXX) -print-file-name=libasan.so`), together with
 #     libstdc++ (python does not link it, and ASan's C++ exception interceptor aborts
@@ -91,7 +92,8 @@ zero-infinity: $(STAMP)
 SANITIZE         := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 ASAN_PRELOAD      = $(shell $(CXX) -print-file-name=libasan.so) $(shell $(CXX) -print-file-name=libstdc++.so)
 ASAN_PYTEST_ARGS ?= -q
-ASAN_TESTS       ?= tests/test_native_engine.py tests/test_timeouts.py tests/test_fork.py
+ASAN_TESTS       ?= tests/test_native_engine.py tests/test_timeouts.py tests/test_fork.py \
+                    tests/test_io_thread.py
 asan-test: $(STAMP)
 	@mkdir -p build/asan
 	$(CXX) -std=c++17 -O1 -g $(SANITIZE) -Wall -Wextra -Icsrc csrc/engine/*.cpp \

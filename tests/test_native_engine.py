@@ -23,6 +23,8 @@ import sys
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ssdtrain import ConfigError, IntegrityError, SpillIOError
 from ssdtrain._spill import BLOCK
@@ -512,3 +514,19 @@ def test_crc32c_hardware_and_table_agree_on_large_buffers():
     buf.fill(data)
     assert _C.crc32c(buf.address, len(data)) == _C.crc32c_table(buf.address, len(data))
     assert isinstance(_C.crc32c_hardware, bool)
+
+
+LANE = 8192  # csrc/engine/crc32c.cpp, NOTE [ Three CRC streams ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.integers(0, 5), extra=st.integers(-9, 9), misalign=st.integers(0, 7),
+       seed=st.integers(0, 2**32 - 1), data_seed=st.integers(0, 2**32 - 1))
+def test_crc32c_three_streams_agree_with_the_table(blocks, extra, misalign, seed, data_seed):
+    """The hardware CRC runs three interleaved streams over whole groups of 3 x 8 KiB
+    and joins them; lengths around those group boundaries, any start alignment and any
+    seed give the table method's result."""
+    size = max(0, blocks * 3 * LANE + extra)
+    data = random.Random(data_seed).randbytes(size)
+    assert _crc_of(_C.crc32c, data, misalign, seed) == _crc_of(_C.crc32c_table, data, misalign,
+                                                               seed)
