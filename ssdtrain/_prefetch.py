@@ -99,7 +99,7 @@ class Prefetch:
                     if limit is not None and started >= limit:
                         return True
                     try:
-                        self._start_read_locked(rec)  # allocates first, then moves the record
+                        buf = self._read_buffer_locked(rec)
                     except Exception as e:  # noqa: BLE001 - no memory for a read buffer now
                         p.queue.popleft()  # read when backward needs it (a miss)
                         self._warn_once("prefetch-memory", "ssdtrain: a prefetch read could "
@@ -107,6 +107,7 @@ class Prefetch:
                                         "backward needs them until memory frees up.",
                                         type(e).__name__, e)
                         return False
+                    self._start_read_locked(rec, buf)
                     rec.prefetched = True
                     self._ahead += rec.nbytes
                     started += 1
@@ -126,16 +127,23 @@ class Prefetch:
             self._passes.remove(owner)
             self._passes.append(owner)
 
-    def _start_read_locked(self, rec):
-        """ON_DISK -> LOADING: a read buffer and the read; the request owns the buffer."""
-        misalign, dev, slot = rec.slot.offset % BLOCK, rec.device, rec.slot
+    def _read_buffer_locked(self, rec):
+        """Where a read of ``rec`` lands: ``(storage, lead, address, owner)``. Changes no
+        record; raises if the memory cannot be had."""
+        misalign, dev = rec.slot.offset % BLOCK, rec.device
         if dev is None:
             lead = rec.lo % GEOMETRY_ALIGN  # NOTE [ View geometry ] in _records.py
             storage = self._buffers.storage(misalign, lead, rec.nbytes)
-            owner, address = storage, storage.data_ptr() + lead
-        else:  # lands in staging (or device memory); the storage is set when it is done
-            address, owner = dev.read_buffer(misalign, rec.nbytes)
-            storage, lead = None, 0
+            return storage, lead, storage.data_ptr() + lead, storage
+        # Lands in staging (or device memory); the storage is set when it is done.
+        address, owner = dev.read_buffer(misalign, rec.nbytes)
+        return None, 0, address, owner
+
+    def _start_read_locked(self, rec, buf=None):
+        """ON_DISK -> LOADING: a read buffer (``buf``, or one made here) and the read; the
+        request owns the buffer."""
+        storage, lead, address, owner = self._read_buffer_locked(rec) if buf is None else buf
+        slot = rec.slot
         rec.storage, rec.base = storage, lead
         rec.submitted = False
         self._move_locked(rec, State.LOADING)

@@ -25,16 +25,16 @@ NOTE [ Store lock discipline ]
   each one (``_settle``; after the hooks' by the I/O thread), by engine threads and
   the I/O thread, and at the end of every backward that unpacked a record (a callback
   queued on autograd's engine), so a graph's records are released before the
-  optimizer step.
+  optimizer step. Event handlers are idempotent and clear their trigger last
+  (``rec.future = None``; a handle's token leaves a set), so a handler cut short by
+  an exception can run again. ``_sweep_locked`` (each step's start,
+  ``live_records()``...) also releases tokens whose handle is gone, whatever
+  happened to their event.
 * Memory is not released under the lock: a host tensor whose last reference the
   store drops, or a read buffer's mapping, goes to ``_graveyard`` and is let go of
   outside the lock, by the I/O thread or at the end of backward (freeing a 64 MiB
   tensor or unmapping a buffer costs milliseconds of the kernel's time). A device
-  record's memory is freed in place (the caching allocator's free costs nothing). Event handlers are idempotent and clear their
-  trigger last (``rec.future = None``; a handle's token leaves a set), so a handler
-  cut short by an exception can run again. ``_sweep_locked`` (each step's start,
-  ``live_records()``...) also releases tokens whose handle is gone, whatever
-  happened to their event.
+  record's memory is freed in place (the caching allocator's free costs nothing).
 * CRC32C runs on engine threads (``then`` callbacks), never under the lock (unless an
   engine completes a request inline, which none of ssdtrain's do).
 * If any exception (``KeyboardInterrupt`` included) escapes a locked region, the region
@@ -57,9 +57,8 @@ The thread also drains what arrives after a hook's locked section (and what an
 engine thread could not drain, the lock being busy) and releases the graveyard; the
 end of each backward releases it itself, so that memory is back before the optimizer
 step. Every store operation wakes the thread when its locked section left memory in
-the graveyard. It takes
-the lock once per request and yields the GIL between requests, so a hook waits for one
-request's submission at most.
+the graveyard. It takes the lock once per request and yields the GIL between
+requests, so a hook waits for one request's submission at most.
 
 Whatever the thread has not done yet is done by whoever needs it done, on its own
 thread: the end of forward (once per pass, not per tensor) starts the tail's overdue
@@ -186,9 +185,9 @@ class Store(WriteBack, Prefetch):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
         paused and every request due is started and done first, so nothing is submitted
         to the engine ``fn`` may shut down or wrap while it does."""
-        with self._lock:
-            self._paused = True
         try:
+            with self._lock:  # a plain assignment: nothing to repair (after the request
+                self._paused = True  # the I/O thread may be submitting right now)
             self.flush()
             engine = fn(self.engine)
             if engine is None:
@@ -199,8 +198,7 @@ class Store(WriteBack, Prefetch):
                 self.engine = engine
             return engine
         finally:
-            with self._lock:
-                self._paused = False
+            self._paused = False
             self._kick()
 
     def limit_write_behind(self, nbytes=None) -> None:
@@ -490,12 +488,11 @@ class Store(WriteBack, Prefetch):
 
     def _kick(self):
         """Wake the I/O thread if it waits (a thread in a round looks again before it
-        waits); with none (not started, stopped), do its round here."""
+        waits). Once it has ended (a closed or forked store), only memory is left to
+        release: here."""
         if self._background:
             if self._idle:
                 self._kicks.put(None)
-        elif not self.closed:
-            self._background_round()
         elif self._graveyard:
             self._bury()
 

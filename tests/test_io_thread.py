@@ -14,6 +14,7 @@ that a slow machine makes it slower, not wrong.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -36,6 +37,31 @@ def _until(cond, what):
         if time.monotonic() > deadline:
             raise AssertionError(f"the store's I/O thread did not {what} within {WAIT_S} s")
         time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def _held_back(off):
+    """The store's I/O thread, woken inside the block, waits until the block is left
+    (at most ``WAIT_S``) before it does its round: it is busy elsewhere meanwhile."""
+    store, held = off._store, threading.Event()
+    real = store._background_round
+
+    def blocked():
+        held.wait(WAIT_S)
+        real()
+    store._background_round = blocked
+    try:
+        yield
+    finally:
+        held.set()
+
+
+def _deaths(tensors):
+    """A list that gets one entry as each tensor's storage dies."""
+    died = []
+    for t in tensors:
+        weakref.finalize(t.untyped_storage(), died.append, 1)
+    return died
 
 
 def _io_threads():
@@ -150,24 +176,14 @@ def test_end_of_forward_starts_what_the_thread_has_not(make_offloader):
     ``keep_tail_bytes`` being written (started by the end of forward itself), and the
     kept tail within ``keep_tail_bytes``."""
     off = make_offloader(keep_tail_bytes=512 << 10, min_tensor_bytes=4096)
-    store = off._store
-    held = threading.Event()
-    real = store._background_round
-
-    def blocked():
-        held.wait(WAIT_S)
-        real()
-    store._background_round = blocked
     xs = _tensors(10)
-    try:
+    with _held_back(off):
         a, y = _chain(off, xs)
         states = [r.state for r in off.records()]
         kept = sum(r.nbytes for r in off.records() if r.state == "KEPT")
         assert "PENDING" not in states
         assert kept <= 512 << 10
         assert states.count("KEPT") == 2 and len(states) == 10
-    finally:
-        held.set()
     y.backward()
     assert torch.equal(a.grad, _reference(xs))
 
@@ -179,24 +195,15 @@ def test_throttle_starts_overdue_writes(make_offloader):
     off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096,
                          write_behind_bytes=1 << 20)
     store = off._store
-    held = threading.Event()
-    real = store._background_round
     peak = [0]
-
-    def blocked():
-        held.wait(WAIT_S)
-        real()
 
     def between(where):
         if where == "forward":
             overdue = store._tail_bytes + store._writing_bytes
             peak[0] = max(peak[0], overdue)
-    store._background_round = blocked
     xs = _tensors(24)  # 6 MiB in 256 KiB records
-    try:
+    with _held_back(off):
         a, y = _chain(off, xs, between)
-    finally:
-        held.set()
     # One record over the limit at most (the pack that crosses it waits after it).
     assert peak[0] <= (1 << 20) + (256 << 10), peak[0]
     assert off.stats().write_stall_seconds > 0
@@ -244,21 +251,11 @@ def test_unpack_refills_a_window_the_thread_left_dry(make_offloader):
     nbytes = 256 << 10
     off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096,
                          prefetch_bytes=4 * nbytes)
-    store = off._store
     xs = _tensors(12, nbytes)
     spy = Spy(off)  # before forward: autograd unpacks with the hooks that packed
     a, y = _chain(off, xs, settle=True)
-    held = threading.Event()
-    real = store._background_round
-
-    def blocked():
-        held.wait(WAIT_S)
-        real()
-    store._background_round = blocked
-    try:
+    with _held_back(off):
         y.backward()
-    finally:
-        held.set()
     assert torch.equal(a.grad, _reference(xs))
     assert off.stats().prefetch_misses == 0, "unpack did not refill the window in time"
     assert spy.inside("unpack", "read"), "unpack never refilled the window"
@@ -381,24 +378,13 @@ def test_memory_is_back_when_backward_returns(make_offloader):
     on its own thread: when ``backward()`` returns, nothing waits for the I/O thread."""
     off = make_offloader(keep_tail_bytes=64 << 20, min_tensor_bytes=4096)
     xs = _tensors(4, 4 << 20)
-    died = []
-    for x in xs:
-        weakref.finalize(x.untyped_storage(), died.append, 1)
+    died = _deaths(xs)
     a, y = _chain(off, xs)
     assert [r.state for r in off.records()] == ["KEPT"] * 4
-    del xs, x
-    store, held = off._store, threading.Event()
-    real = store._background_round
-
-    def blocked():  # the I/O thread is busy elsewhere for the whole backward
-        held.wait(WAIT_S)
-        real()
-    store._background_round = blocked
-    try:
+    del xs
+    with _held_back(off):  # busy elsewhere for the whole backward
         y.backward()
         assert len(died) == 4, f"{4 - len(died)} kept tensors outlived backward"
-    finally:
-        held.set()
 
 
 def test_memory_dropped_by_any_operation_is_released(make_offloader):
@@ -406,11 +392,9 @@ def test_memory_dropped_by_any_operation_is_released(make_offloader):
     frees let go of their memory (through the I/O thread) with no later call."""
     off = make_offloader(keep_tail_bytes=64 << 20, min_tensor_bytes=4096)
     xs = _tensors(2, 4 << 20)
-    died = []
-    for x in xs:
-        weakref.finalize(x.untyped_storage(), died.append, 1)
+    died = _deaths(xs)
     a, y = _chain(off, xs)
-    del xs, x, a, y
+    del xs, a, y
     assert off.live_records() == 0
     _until(lambda: len(died) == 2, "release the records of a dropped graph")
 

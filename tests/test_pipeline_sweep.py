@@ -32,6 +32,7 @@ def test_pipeline_sweep_tiny(tmp_path, spill_dir):
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "pipeline_sweep.py"), "--tiny",
          "--micro-batches", "1", "2", "--setups", "none", "ssdtrain", "--steps", "1",
+         "--prefetch-mib", "0",
          "--out", str(out), "--spill-dir", str(spill_dir)],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         timeout=300)
@@ -58,9 +59,15 @@ def test_pipeline_sweep_tiny(tmp_path, spill_dir):
     assert result["summary"]["none"]["bubble_at_largest_fit"] == \
         pytest.approx(pipeline_sweep.bubble(fit))
     # ssdtrain really offloaded and read back on both stages, more with more in flight.
+    # With no prefetch window a record is read when backward needs it, if its write has
+    # ended by then (else its bytes are still in memory and serve backward): certain at
+    # m=2 (the first micro-batch's writes had the second's forward to end), likely but
+    # timing-dependent at m=1 on the last stage, whose backward follows its forward.
     for m in (1, 2):
-        for stage in runs[("ssdtrain", m)]["stages"]:
-            assert stage["written_bytes_per_step"] > 0 and stage["read_bytes_per_step"] > 0
+        stages = runs[("ssdtrain", m)]["stages"]
+        assert all(stage["written_bytes_per_step"] > 0 for stage in stages)
+        assert sum(stage["read_bytes_per_step"] for stage in stages) > 0
+    assert all(stage["read_bytes_per_step"] > 0 for stage in runs[("ssdtrain", 2)]["stages"])
     for k in range(2):
         assert runs[("ssdtrain", 2)]["stages"][k]["written_bytes_per_step"] == \
             2 * runs[("ssdtrain", 1)]["stages"][k]["written_bytes_per_step"]
