@@ -5,6 +5,7 @@
 #   make soak [SOAK_STEPS=500]          500 steps: nothing may grow (tests/test_soak.py)
 #   make asan-test [ASAN_PYTEST_ARGS=...]   native engine under ASan+UBSan (see below)
 #   make zero-infinity                  DeepSpeed's async_io op built, then the recipe's test
+#   make gpu-check [GPU_PYTHON=python3] GPU acceptance on an NVIDIA GPU (see below)
 #
 # torch is installed first and only if the venv cannot import it, so a torch
 # you put in .venv yourself (e.g. a CUDA build) is kept. Override the default
@@ -25,7 +26,7 @@ STAMP := $(VENV)/.ssdtrain-installed
 
 .DEFAULT_GOAL := test
 .DELETE_ON_ERROR:
-.PHONY: venv test demo bench soak clean distclean asan-test zero-infinity
+.PHONY: venv test demo bench soak clean distclean asan-test zero-infinity gpu-check
 
 # The native engine ssdtrain._C (csrc/) is built by the editable install below.
 NATIVE_SRCS := $(wildcard csrc/*.cpp csrc/engine/*.cpp csrc/engine/*.h)
@@ -72,6 +73,16 @@ zero-infinity: $(STAMP)
 	@mkdir -p $(ZI_EXT_DIR)
 	TORCH_EXTENSIONS_DIR=$(ZI_EXT_DIR) DS_ACCELERATOR=cpu $(VPY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); assert b.is_compatible(True), 'async_io needs libaio: apt-get install libaio-dev'; b.load()"
 	TORCH_EXTENSIONS_DIR=$(ZI_EXT_DIR) DS_ACCELERATOR=cpu $(VPY) -m pytest tests/test_zero_infinity.py -m slow -q -s -p no:cacheprovider
+
+# gpu-check: GPU acceptance (benchmarks/gpu_check.py) on a machine with an NVIDIA GPU and
+# a CUDA build of torch already installed, with no network: uses $(GPU_PYTHON) as it is
+# (no venv, nothing installed or downloaded), builds ssdtrain._C in place, runs the tests
+# marked cuda and benchmarks/gpu_smoke.py (small and ~1B), and writes report.md and
+# report.json into $$GPU_CHECK_DIR (default: a fresh temp folder, printed). Exits 2
+# where no CUDA device can be used.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
 
 # asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
 #  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;

@@ -31,9 +31,12 @@ where save_on_cpu keeps its copies); for ssdtrain its ``Stats`` per step. After
 the first measured step a SHA-256 of the loss and of every gradient lets the
 parent report bitwise equality with ``none`` (only meaningful when ``none``
 itself repeats bitwise across processes: the output says whether it did).
-Deterministic algorithms are requested (``torch.use_deterministic_algorithms(True,
-warn_only=True)``, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``) unless
-``--no-deterministic``.
+Deterministic algorithms are required (``torch.use_deterministic_algorithms(True)``,
+strict, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``) unless ``--no-deterministic``: with
+``warn_only`` a kernel with no deterministic variant would still run and make the
+"bitwise equal" column noise. Each worker also compares the digests of its first two
+measured steps (same weights, same batch): "deterministic in process" says whether
+the mode repeats itself at all.
 
 Without CUDA the script prints why and exits with status 2.
 
@@ -55,6 +58,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
@@ -64,7 +68,7 @@ from _common import (  # noqa: E402
     run_worker, stats_delta, work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "gpu_smoke.json")
+DEFAULT_JSON = os.path.join(tempfile.gettempdir(), "ssdtrain-gpu_smoke.json")
 MODES = ("none", "ssdtrain", "save_on_cpu", "checkpoint")
 GiB = 1 << 30
 EXIT_NO_CUDA = 2
@@ -172,8 +176,8 @@ def worker(mode, cfg, out_path):
     import ssdtrain
 
     dev = _CpuDryRun() if cfg["cpu_dry_run"] else _Cuda()
-    if cfg["deterministic"]:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    if cfg["deterministic"]:  # strict: a kernel with no deterministic variant raises
+        torch.use_deterministic_algorithms(True)
     result = {"mode": mode, "repeat": cfg["repeat"], "pid": os.getpid(),
               "torch": torch.__version__, "device": dev.describe(), "steps": []}
     model_cfg = GPTConfig(vocab_size=cfg["vocab"], seq_len=cfg["seq_len"], d_model=cfg["d_model"],
@@ -228,6 +232,9 @@ def worker(mode, cfg, out_path):
                 rec["stats"] = stats_delta(dataclasses.asdict(off.stats()), stats0)
             if step == cfg["warmup"]:
                 result["digest"] = digest(loss, sorted(model.named_parameters()))
+            elif step == cfg["warmup"] + 1:  # same weights and batch: must repeat bitwise
+                again = digest(loss, sorted(model.named_parameters()))
+                result["repeats_in_process"] = again["sha256"] == result["digest"]["sha256"]
             del loss
             result["steps"].append(rec)
         if off is not None:
@@ -270,6 +277,8 @@ def summarize(runs, modes):
             s["grads_equal"] = reference_repeats
         else:
             s["grads_equal"] = bool(digests) and all(d == ref for d, ref in digests)
+        in_process = [r["repeats_in_process"] for r in rs if "repeats_in_process" in r]
+        s["deterministic_in_process"] = all(in_process) if in_process else None
         if mode == "ssdtrain":
             st = [x["stats"] for x in steps]
             s.update(engine=rs[0].get("engine", ""),
@@ -312,19 +321,20 @@ def _notes(mode, s):
 def render_table(summary, modes):
     lines = ["| mode | step time median (s) | ratio to none | peak device memory (GiB) | "
              "step peak over start (GiB) | ratio to none | host peak RSS delta (GiB) | "
-             "grads equal | notes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "grads equal | deterministic in process | notes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for mode in modes:
         s = summary.get(mode, {"failed": True})
         if s.get("failed"):
-            lines.append(f"| {mode} | - | - | - | - | - | - | - | {_notes(mode, s)} |")
+            lines.append(f"| {mode} | - | - | - | - | - | - | - | - | {_notes(mode, s)} |")
             continue
-        equal = {True: "yes", False: "NO", None: "?"}[s["grads_equal"]]
+        yes_no = {True: "yes", False: "NO", None: "?"}
+        equal, repeats = yes_no[s["grads_equal"]], yes_no[s.get("deterministic_in_process")]
         ratio = f"{s['step_ratio']:.3f}" if "step_ratio" in s else "-"
         mratio = f"{s['memory_ratio']:.3f}" if "memory_ratio" in s else "-"
         lines.append(f"| {mode} | {s['step_s_median']:.3f} | {ratio} | "
                      f"{s['peak_mem_median'] / GiB:.2f} | {s['peak_mem_delta_median'] / GiB:.2f} | "
-                     f"{mratio} | {s['host_peak_rss_delta_median'] / GiB:.2f} | {equal} | "
+                     f"{mratio} | {s['host_peak_rss_delta_median'] / GiB:.2f} | {equal} | {repeats} | "
                      f"{_notes(mode, s)} |")
     return "\n".join(lines)
 
@@ -344,10 +354,10 @@ def build_parser():
     m.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="parameter and activation dtype (default bfloat16)")
     r = p.add_argument_group("runs")
-    r.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
-    r.add_argument("--warmup", type=int, default=2, help="warm-up steps per run (default 2)")
-    r.add_argument("--repeats", type=int, default=3,
-                   help="fresh processes per mode, modes interleaved (default 3)")
+    r.add_argument("--steps", type=int, default=3, help="measured steps per run (default 3)")
+    r.add_argument("--warmup", type=int, default=1, help="warm-up steps per run (default 1)")
+    r.add_argument("--repeats", type=int, default=2,
+                   help="fresh processes per mode, modes interleaved (default 2)")
     r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="modes to run (default all); 'none' is needed for ratios")
     r.add_argument("--spill-dir",
@@ -357,8 +367,8 @@ def build_parser():
                    help="do not request deterministic algorithms (grads then may differ "
                         "between processes even without offloading)")
     r.add_argument("--json", default=DEFAULT_JSON,
-                   help="where to write every raw number (default benchmarks/results/"
-                        "gpu_smoke.json)")
+                   help="where to write every raw number (default: ssdtrain-gpu_smoke.json in "
+                        "the system temp dir)")
     o = p.add_argument_group("ssdtrain (default: ssdtrain's defaults / SSDTRAIN_* variables)")
     add_offload_arguments(o)
     o.add_argument("--engine", help="OffloadConfig.engine")
