@@ -12,6 +12,17 @@ Example::
     off.close()
 """
 
+import os as _os
+
+# A source checkout used without installing it (PYTHONPATH=checkout, as `make gpu-check`
+# does on a machine with no network): the adapters live in the checkout's top-level
+# integrations/ folder, which an install puts at ssdtrain/integrations. Look for
+# subpackages in the checkout too, so `ssdtrain.integrations` imports from there.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if (not _os.path.isdir(_os.path.join(__path__[0], "integrations"))
+        and _os.path.isfile(_os.path.join(_checkout, "integrations", "__init__.py"))):
+    __path__.append(_checkout)
+
 from ._config import OffloadConfig, ResolvedConfig
 from ._errors import (ConfigError, InplaceModificationError, IntegrityError,
                       OffloaderClosedError, SpillIOError, SSDTrainError)
