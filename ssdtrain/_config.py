@@ -190,7 +190,7 @@ class OffloadConfig:
     ``ssdtrain._C`` is built, else ``"posix"``; the choice and why is logged once and
     shown in :attr:`Stats.engine`), ``"kvikio"`` (GPUDirect Storage: CUDA records go
     between device memory and NVMe with no host copy; needs ``pip install
-    ssdtrain[gds]``, a CUDA GPU and cuFile, else :class:`ConfigError` says why),
+    ssdtrain[gds-cu12]`` or ``[gds-cu13]``, a CUDA GPU and cuFile, else :class:`ConfigError` says why),
     ``"native"`` (the C++ engine: io_uring or a thread pool, raising
     :class:`ConfigError` if it is not built) or ``"posix"`` (pure-Python
     ``pwrite``/``preadv`` on a thread pool, the reference). Default ``"auto"``."""

@@ -121,7 +121,8 @@ def test_kvikio_short_read_is_an_integrity_error(fake_kvikio, make_offloader):
 def test_probe_reports_why_without_kvikio_or_cuda(tmp_path, monkeypatch):
     memory = GDS_PROBE_MEMORY
     monkeypatch.setitem(sys.modules, "kvikio", None)  # import fails
-    assert "pip install ssdtrain[gds]" in gds._probe(str(tmp_path), memory)
+    why = gds._probe(str(tmp_path), memory)
+    assert f"pip install ssdtrain[gds-cu{(torch.version.cuda or 'NN').split('.')[0]}]" in why
     monkeypatch.setitem(sys.modules, "kvikio", types.ModuleType("kvikio"))
     if not torch.cuda.is_available():
         assert gds._probe(str(tmp_path), memory) == "no CUDA device is available"

@@ -11,7 +11,8 @@ refused, and ``engine="auto"`` picks kvikio only where that probe passed. The
 device memory it tests with is handed in (``ssdtrain._device.GDS_PROBE_MEMORY``):
 nothing here touches CUDA through torch.
 
-Install with ``pip install ssdtrain[gds]`` (CUDA 12). Never needed in CI.
+Install with ``pip install ssdtrain[gds-cu12]`` or ``[gds-cu13]`` (the extra matching
+torch's CUDA major version). Never needed in CI.
 """
 
 from __future__ import annotations
@@ -105,11 +106,18 @@ def probe(directory: str, memory) -> str:
         return _probed[directory]
 
 
+def _cuda_major() -> str:
+    """torch's CUDA major version ("12", "13"...), or "NN" where torch has no CUDA."""
+    import torch
+    return (torch.version.cuda or "NN").split(".")[0]
+
+
 def _probe(directory: str, memory) -> str:
     try:
         import kvikio
     except ImportError as e:
-        return f"kvikio is not installed ({e}); `pip install ssdtrain[gds]` on a CUDA 12 machine"
+        return (f"kvikio is not installed ({e}); `pip install ssdtrain[gds-cu{_cuda_major()}]` "
+                f"(the extra matching torch's CUDA version)")
     reason = memory.missing() or _compat_mode_reason(kvikio)
     if reason:
         return reason
