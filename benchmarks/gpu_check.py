@@ -127,8 +127,18 @@ def gds_probe() -> dict:
         return out
     from ssdtrain._device import GDS_PROBE_MEMORY
     from ssdtrain.io import gds
+    driver = getattr(kvikio, "cufile_driver", None)
+    for key in ("is_gds_available", "allow_compat_mode"):
+        try:
+            out[f"cufile {key}"] = driver.get(key)
+        except Exception as e:  # noqa: BLE001 - older kvikio, or no cuFile
+            out[f"cufile {key}"] = f"unknown ({type(e).__name__})"
+    try:
+        out["libcufile"] = ".".join(map(str, driver.libcufile_version()))
+    except Exception as e:  # noqa: BLE001
+        out["libcufile"] = f"unknown ({type(e).__name__})"
     compat = gds._compat_mode_reason(kvikio)
-    out["compat_mode"] = compat or "off (cuFile itself moves the bytes)"
+    out["compat_mode"] = compat or "off: GPUDirect Storage DMA"
     try:
         with tempfile.TemporaryDirectory(dir=os.environ.get("GPU_CHECK_SPILL_DIR")) as d:
             why = gds.probe(d, GDS_PROBE_MEMORY)

@@ -193,6 +193,14 @@ def test_compat_mode_as_bool_or_enum():
         def __init__(self, on):
             self.is_compat_mode_preferred = lambda: on
 
+    # cuFile's own compatibility mode: kvikio is not in compat mode, cuFile has no GDS.
+    for gds_available, verdict in ((False, "cuFile runs in its compatibility mode"),
+                                   (True, "")):
+        module = kvikio_with(False)
+        module.cufile_driver = types.SimpleNamespace(
+            get=lambda key, v=gds_available: {"is_gds_available": v}[key])
+        assert gds._compat_mode_reason(module).startswith(verdict)
+
     assert "compatibility mode" in gds._file_compat_reason(File(True))
     assert gds._file_compat_reason(File(False)) == ""
     assert gds._file_compat_reason(object()) == ""  # kvikio versions without the check

@@ -80,8 +80,32 @@ def _compat_mode_reason(kvikio) -> str:
             return ""
     except Exception as e:  # noqa: BLE001 - any failure means "not usable"
         return f"kvikio cannot report its compatibility mode ({e!r})"
-    return ("kvikio runs in compatibility mode (cuFile or the nvidia-fs driver is unavailable: "
-            "POSIX I/O through host bounce buffers, slower than the native engine)") if on else ""
+    if on:
+        return ("kvikio runs in compatibility mode (cuFile or the nvidia-fs driver is "
+                "unavailable: POSIX I/O through host bounce buffers, slower than the native "
+                "engine)")
+    return _cufile_compat_reason(kvikio)
+
+
+def _cufile_compat_reason(kvikio) -> str:
+    """cuFile's own compatibility mode: kvikio hands every request to cuFile, but cuFile,
+    finding no GPUDirect Storage support (no nvidia-fs driver, or a file system it cannot
+    serve), does POSIX I/O through its own host bounce buffers ("allow_compat_mode" in
+    cufile.json). kvikio's compatibility setting does not show this; cuFile's
+    ``is_gds_available`` does (kvikio >= 25.02; older releases cannot tell)."""
+    driver = getattr(kvikio, "cufile_driver", None)
+    get = getattr(driver, "get", None)
+    if not callable(get):
+        return ""
+    try:
+        available = get("is_gds_available")
+    except Exception as e:  # noqa: BLE001 - a driver that cannot answer is not usable
+        return f"cuFile cannot report whether GPUDirect Storage is available ({e!r})"
+    if available:
+        return ""
+    return ("cuFile runs in its compatibility mode (is_gds_available is false: no nvidia-fs "
+            "driver or no GPUDirect-capable storage): POSIX I/O through host bounce buffers, "
+            "not GPUDirect DMA")
 
 
 def probe(directory: str, memory) -> str:
