@@ -16,7 +16,7 @@ PYTHON         ?= python3
 VENV           ?= .venv
 TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
-EXTRAS         ?= test,bench,megatron,deepspeed,hf
+EXTRAS         ?= test,bench,megatron,deepspeed,hf,lightning
 PYTEST_ARGS    ?=
 CXX            ?= g++
 
