@@ -74,7 +74,7 @@ zero-infinity: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(ZI_EXT_DIR) DS_ACCELERATOR=cpu $(VPY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); assert b.is_compatible(True), 'async_io needs libaio: apt-get install libaio-dev'; b.load()"
 	TORCH_EXTENSIONS_DIR=$(ZI_EXT_DIR) DS_ACCELERATOR=cpu $(VPY) -m pytest tests/test_zero_infinity.py -m slow -q -s -p no:cacheprovider
 
-# gpu-check: GPU acceptance (benchmarks/gpu_check.py) on a machine with an NVIDIA GPU and
+# gpu-check: GPU acceptance (tools/gpu_check.py) on a machine with an NVIDIA GPU and
 # a CUDA build of torch already installed, with no network: uses $(GPU_PYTHON) as it is
 # (no venv, nothing installed or downloaded), builds ssdtrain._C in place, runs the tests
 # marked cuda and benchmarks/gpu_smoke.py (small and ~1B), and writes report.md and
@@ -82,7 +82,7 @@ zero-infinity: $(STAMP)
 # where no CUDA device can be used.
 GPU_PYTHON ?= python3
 gpu-check:
-	$(GPU_PYTHON) benchmarks/gpu_check.py
+	$(GPU_PYTHON) tools/gpu_check.py
 
 # asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
 #  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;

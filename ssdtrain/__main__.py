@@ -4,6 +4,8 @@ Subcommands:
 
 * ``estimate``: what ssdtrain would save, offload and keep for a model, from the model
   alone (``ssdtrain/estimate.py``, docs/estimate.md).
+* ``check``: one training step of a model with and without ssdtrain, compared bitwise
+  (``ssdtrain/check.py``).
 """
 
 import sys
@@ -13,6 +15,8 @@ _USAGE = """usage: ssdtrain <command> [options]
 commands:
   estimate   bytes saved, offloaded and kept per micro-batch, SSD bandwidth, largest
              micro-batch and drive endurance, from a model config (nothing allocated)
+  check      one training step of your model without and with ssdtrain (every eligible
+             tensor through the SSD), loss/gradients/buffers compared bitwise
 
 `ssdtrain <command> --help` describes a command's options.
 """
@@ -27,7 +31,11 @@ def main(argv=None) -> int:
     if command == "estimate":
         from .estimate import main as estimate_main
         return estimate_main(rest, prog="ssdtrain estimate")
-    sys.stderr.write(_USAGE + f"\nssdtrain: error: unknown command {command!r} (known: estimate)\n")
+    if command == "check":
+        from .check import main as check_main
+        return check_main(rest, prog="ssdtrain check")
+    sys.stderr.write(_USAGE + f"\nssdtrain: error: unknown command {command!r} (known: estimate, "
+                     f"check)\n")
     return 2
 
 

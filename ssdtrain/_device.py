@@ -207,3 +207,31 @@ class DeviceTransfers:
 
     def close(self) -> None:
         self._waiter.shutdown(wait=True)
+
+
+# ------------------------------------------------------------------ for tools (ssdtrain check)
+def default_device() -> torch.device:
+    """The device a tool runs a model on when none is named: CUDA where available."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA): for timing a step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rng_state(device: torch.device) -> dict:
+    """The random-number state a step on ``device`` draws from: the CPU generator's, and
+    the device's own on CUDA (``{"cpu": ..., "cuda": ...}``)."""
+    state = {"cpu": torch.random.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
