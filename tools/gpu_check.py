@@ -12,6 +12,7 @@ phases gave:
    the GPUDirect Storage probe when kvikio imports (saying whether cuFile runs in
    compatibility mode, where the "GPUDirect" path really goes through host memory);
 3. **tests**: every test marked ``cuda`` (``pytest -m cuda``), JUnit XML kept;
+   then ``ssdtrain check`` on a small Llama on the GPU (bitwise, forced through the SSD);
 4. **smoke**: ``benchmarks/gpu_smoke.py --small``, then the ~1B GPT (none, ssdtrain,
    save_on_cpu, checkpoint): step time, device peak, host RSS, bitwise equality.
 
@@ -40,6 +41,10 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_NO_CUDA = 2
+# `ssdtrain check` on CUDA: a small Llama built from this config (random weights).
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+              "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 512}
 
 
 def cuda_unavailable_reason() -> str:
@@ -220,6 +225,11 @@ def main() -> int:
                          "--continue-on-collection-errors", "-rfEs",
                          f"--junitxml={os.path.join(out_dir, 'junit.xml')}"]
                + shlex.split(os.environ.get("GPU_CHECK_PYTEST_ARGS", "")), 240, env)
+    tiny = os.path.join(out_dir, "tiny_llama_config.json")
+    with open(tiny, "w") as f:
+        json.dump(TINY_LLAMA, f)
+    phases.run("check", [py, "-m", "ssdtrain", "check", "--hf-config", tiny, "--seq", "256",
+                         "--batch", "2", "--device", "cuda"], 90, env)
     smoke = {}
     small = os.path.join(out_dir, "gpu_smoke_small.json")
     phases.run("smoke-small", [py, "benchmarks/gpu_smoke.py", "--small", "--repeats", "1",
