@@ -28,6 +28,50 @@ NOTE [ Applying a plan ]
   recomputes it. What does reach ssdtrain is the layer's *inputs*, which
   checkpoint saves (``save_inputs``) outside its own hooks: they are offloaded
   like an offloaded layer's bytes. Tests check both (tests/test_track.py).
+  A layer whose forward updates buffers is recomputed without a second update
+  (NOTE [ Recompute without a second update ]).
+
+NOTE [ Recompute without a second update ]
+
+A recomputed layer's forward runs twice: in forward, and again in backward.
+What it does besides computing its outputs would then happen twice: BatchNorm
+and InstanceNorm (``track_running_stats``) update ``running_mean``,
+``running_var`` and ``num_batches_tracked`` again, a module counting its calls
+counts two. Gradients would still be equal; the trained model would not. So
+the checkpoint of a recomputed layer gets a ``context_fn`` (:class:`_StateGuard`):
+
+* around the forward it notes every buffer of the layer (the tensor and its
+  version counter) and clones those the layer is known to update
+  (``LayerProfiler.updates``, learned from earlier forwards; every buffer until
+  one forward of the layer has been seen); after it, the buffers it updated are
+  those known to be, and those replaced, with another version counter, or
+  (while nothing is known, when every buffer was cloned) with another value:
+  batch norm's kernels update the running statistics without bumping their
+  version counter, and a comparison of a known one would wait for the device
+  every step. They are learned, and the clones of the others dropped;
+* around the recompute, each updated buffer's entry in its module's
+  ``_buffers`` is replaced by a fresh copy of its value *before* the forward,
+  and the real tensor is put back afterwards (also when the recompute stops
+  early or raises). The recompute computes from what the forward saw, and its
+  update goes to the copy: the real buffers keep exactly the forward's one
+  update, their version counters untouched. A second backward over the same
+  graph (``retain_graph=True``) recomputes from a fresh copy again.
+
+Randomness is the checkpoint's: ``preserve_rng_state`` replays the forward's
+CPU and device RNG states in the recompute and restores the current ones after
+it, so dropout draws the same masks and the RNG stream moves as without
+ssdtrain. A buffer a layer updates only on some calls, first updated on a call
+whose forward did not clone it, is recomputed from a copy of its current
+value (no second update either; a layer whose training output reads such a
+buffer would recompute other values) and cloned from then on; if such a late
+update leaves the version counter as it was (a kernel like batch norm's), it is
+not seen at all. State that is not
+a buffer (a Python attribute) is not seen. The plan table names the layers that
+update buffers and what their choice does about it (``LayerCost.updates``).
+``tests/test_recompute_state.py`` compares the whole ``state_dict``, the RNG
+state and eval outputs with a run without ssdtrain over BatchNorm1d/2d/3d,
+SyncBatchNorm on one rank, InstanceNorm with running statistics and a counter,
+under every kind of plan.
 
 Records outside every tracked layer (embedding, head, loss) follow the static
 rules (the ``keep_tail_bytes`` window, then offload).
@@ -44,6 +88,7 @@ is made again, at most ``_MAX_REPLANS`` times.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -52,7 +97,8 @@ from torch.utils.checkpoint import checkpoint
 from ._errors import ConfigError, SSDTrainError
 from ._planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, Plan, StepCost, plan,
                        predict, throttled_step)
-from ._profile import LayerProfiler, measure_bandwidth, step_cost
+from ._profile import (LayerProfiler, buffer_slots, buffer_state, measure_bandwidth, step_cost,
+                       updated_buffers)
 
 __all__ = ["LayerPolicy"]
 
@@ -86,6 +132,8 @@ class LayerPolicy:
         self._plan_id = 0
         self._rc_tries = 0
         self._step_plan = {}        # id(StepSample) -> plan id in force during it
+        self._warned = set()        # reasons already warned about (once each)
+        self.last_incomplete = None  # why the latest timed step was not a complete profile
 
     # ------------------------------------------------------------- store side
     def choice(self):
@@ -104,7 +152,9 @@ class LayerPolicy:
     # ----------------------------------------------------------- step events
     def begin_step(self):
         prof = self.profiler
-        prof.close_step()
+        closed = prof.close_step()
+        if closed is not None and closed.timed and not closed.complete:
+            self._incomplete(closed)
         timed, recompute = not prof.ready(), False
         if self.adaptive:
             if self.plan is None and prof.ready():
@@ -127,6 +177,31 @@ class LayerPolicy:
     def end_forward(self):
         self.profiler.end_forward()
 
+    def _incomplete(self, sample):
+        """A timed step closed without a complete profile: say why, once per reason."""
+        prof = self.profiler
+        reason = sample.missing(prof.names)
+        self.last_incomplete = reason
+        if not self.adaptive or reason in self._warned:
+            return
+        self._warned.add(reason)
+        if "did not run" in reason:
+            fix = ("track only layers every training forward runs, with grad enabled: "
+                   "track(model, layers=[...])")
+        elif "no tracked layer" in reason:
+            fix = ("run training forwards (grad enabled, a loss that depends on the tracked "
+                   "layers), or track the layers that train")
+        else:
+            fix = ("run each forward's backward before the next forward begins (one "
+                   "`with offloader:` forward, then loss.backward(), per step), or track "
+                   "only layers whose outputs reach the loss")
+        kind = "recompute-all profile step" if sample.recompute else "profiled step"
+        log.warning("ssdtrain: policy='adaptive': a %s is incomplete: %s. No plan is made "
+                    "until %d complete profiled step(s) are seen (%d so far), so "
+                    "memory_budget_bytes=%s is not applied until then. Fix: %s.",
+                    kind, reason, self.cfg.profile_steps, len(prof.timed_samples()),
+                    self.cfg.memory_budget_bytes, fix)
+
     # ------------------------------------------------------------------ plans
     def _step_cost(self):
         layers, parts = self.profiler.costs()
@@ -147,8 +222,10 @@ class LayerPolicy:
             raise SSDTrainError(
                 f"ssdtrain: no plan yet: the first {self.cfg.profile_steps} step(s) after "
                 f"track() are profiled, and a step is complete when the next forward begins "
-                f"({len(self.profiler.timed_samples())} complete so far). Run more steps, "
-                f"then call plan() again.")
+                f"({len(self.profiler.timed_samples())} complete so far"
+                + ("" if self.last_incomplete is None else
+                   f"; the latest profiled step was incomplete: {self.last_incomplete}")
+                + "). Run more steps, then call plan() again.")
         layers, step = self._step_cost()
         return plan(layers, self.cfg.memory_budget_bytes, step)
 
@@ -167,7 +244,8 @@ class LayerPolicy:
             layers, step = self._step_cost()
             notes = ("Set by set_plan().",)
         else:
-            layers = tuple(LayerCost(n, 0, 0, 0.0, 0.0) for n in self.profiler.names)
+            layers = tuple(LayerCost(n, 0, 0, 0.0, 0.0, updates=tuple(u or ()))
+                           for n, u in zip(self.profiler.names, self.profiler.updates))
             step = StepCost(write_bps=1.0, read_bps=1.0, prefetch_bytes=self.cfg.prefetch_bytes,
                             write_behind_bytes=self.cfg.write_behind_bytes)
             budget = None
@@ -178,6 +256,11 @@ class LayerPolicy:
                  budget is None or pred.peak_bytes <= budget, 0, notes)
         self.apply(p)
         self.history.append(("set_plan", p))
+        if not p.fits:
+            log.warning("ssdtrain: the plan set by set_plan() is predicted to hold %d bytes of "
+                        "activations, over memory_budget_bytes=%d; it is applied as given. "
+                        "Offload or recompute more layers, or raise the budget.",
+                        p.prediction.peak_bytes, budget)
         return p
 
     def _make_and_apply(self, reason):
@@ -237,11 +320,10 @@ class LayerPolicy:
 
         def forward(*args, **kwargs):
             if profiler.active and torch.is_grad_enabled():
+                guard = _StateGuard(profiler, i, module)  # NOTE [ Recompute without a second update ]
                 measure = profiler.recompute_context(i)  # NOTE [ Measuring a recompute ]
-                if measure is not None:
-                    return checkpoint(inner, *args, use_reentrant=False, context_fn=measure,
-                                      **kwargs)
-                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+                return checkpoint(inner, *args, use_reentrant=False,
+                                  context_fn=lambda: guard.contexts(measure), **kwargs)
             return inner(*args, **kwargs)
 
         forward.__ssdtrain_recompute__ = True
@@ -263,3 +345,85 @@ class LayerPolicy:
         self.profiler.remove()
         self.plan = self.choices = None
         self.store.limit_write_behind(None)
+
+
+class _StateGuard:
+    """The buffers of one checkpointed call of a recomputed layer: noted (and cloned)
+    around its forward, swapped for copies around its recompute (NOTE [ Recompute
+    without a second update ]).
+
+    Args:
+        profiler: the :class:`~ssdtrain._profile.LayerProfiler` (``updates`` is read
+            and learned).
+        index: the layer's index.
+        module: the layer module.
+    """
+
+    def __init__(self, profiler, index, module):
+        self.profiler, self.index, self.module = profiler, index, module
+        self.before = {}    # qualified name -> clone of the value before forward
+        self.updated = []   # (qualified name, owner module, local name) forward updated
+
+    def contexts(self, measure=None):
+        """``(forward context, recompute context)`` for checkpoint's ``context_fn``;
+        ``measure``: the profiler's ``context_fn`` (NOTE [ Measuring a recompute ]) or None."""
+        fwd, rc = (contextlib.nullcontext(), contextlib.nullcontext()) if measure is None \
+            else measure()
+        return self._forward(fwd), self._recompute(rc)
+
+    @contextlib.contextmanager
+    def _forward(self, inner):
+        known = self.profiler.updates[self.index]
+        state = buffer_state(self.module, clone=True if known is None else known.__contains__)
+        self.before = {q: c for q, _, _, _, _, c in state if c is not None}
+        try:
+            with inner:
+                yield
+        finally:
+            names = updated_buffers(state, known or ())
+            self.profiler.note_updates(self.index, names)
+            updated = set(names)
+            self.updated = [slot for slot in buffer_slots(self.module) if slot[0] in updated]
+            self.before = {q: c for q, c in self.before.items() if q in updated}
+
+    def _recompute(self, inner):
+        return _Swapped(self, inner)
+
+
+class _Swapped:
+    """The recompute context of a :class:`_StateGuard`; entered once per recompute
+    (checkpoint enters the same object again when a second backward recomputes)."""
+
+    def __init__(self, guard, inner):
+        self.guard, self.inner = guard, inner
+        self.swapped = []
+
+    def __enter__(self):
+        copies = {}
+        swapped = self.swapped = []
+        try:
+            for q, owner, name in self.guard.updated:
+                real = owner._buffers[name]
+                # Forward's starting value, or (not cloned: see the NOTE) the current one.
+                source = self.guard.before.get(q, real)
+                copy = copies.get(id(source))
+                if copy is None:
+                    copy = copies[id(source)] = source.detach().clone()
+                swapped.append((owner, name, real))
+                owner._buffers[name] = copy
+            self.inner.__enter__()
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self._restore()
+
+    def _restore(self):
+        swapped, self.swapped = self.swapped, []
+        for owner, name, real in reversed(swapped):
+            owner._buffers[name] = real

@@ -148,6 +148,9 @@ class LayerCost:
         bwd_s: backward time, in seconds, without I/O stalls.
         recompute_bytes: peak live bytes the layer's recompute creates in backward
             (NOTE [ Recompute working set ]); 0: not measured. Default 0.
+        updates: the buffers (names within the layer) its forward was seen to update
+            (running statistics, counters); a recompute runs on copies of them
+            (NOTE [ Recompute without a second update ] in _adaptive.py). Default ().
     """
 
     name: str
@@ -156,6 +159,7 @@ class LayerCost:
     fwd_s: float
     bwd_s: float
     recompute_bytes: int = 0
+    updates: Tuple[str, ...] = ()
 
     @property
     def recompute_working_bytes(self) -> int:
@@ -285,10 +289,25 @@ class Plan:
                     f"read; {p.written_bytes / MiB:.1f} MiB written per step; "
                     f"{self.plans_searched} plans searched.")
         rows.extend(self.notes)
+        rows.extend(_state_notes(self.layers, self.choices))
         return "\n".join(rows)
 
     def __str__(self):
         return self.table()
+
+
+def _state_notes(layers, choices):
+    """One line per layer whose forward updates buffers: what its choice does about it."""
+    out = []
+    for layer, c in zip(layers, choices):
+        if not layer.updates:
+            continue
+        what = (f"recomputed on copies of them, so they are updated once per step as "
+                f"without ssdtrain (NOTE [ Recompute without a second update ])"
+                if c == RECOMPUTE else "not recomputed: updated once per step")
+        out.append(f"{layer.name} updates buffers in forward ({', '.join(layer.updates)}): "
+                   f"{what}.")
+    return out
 
 
 def _offloaded_bytes(layer, choice):

@@ -13,13 +13,37 @@ A hook on a layer's output fires when the gradient of that output is complete:
 the layer's backward is about to start. A hook on its input fires when the
 gradient of the input is complete: every use of the input inside the layer has
 been differentiated, so the layer's backward has ended (for a chain of blocks
-the two are the same instant seen from both sides). The time between them is
+the two are the same instant seen from both sides). When no tensor input of
+the layer requires grad (the first layer fed the raw batch), there is no input
+gradient to wait for: the layer's backward has ended when the last of its
+parameters' gradients has been accumulated, which a
+``register_post_accumulate_grad_hook`` on each of its parameters sees (the
+latest one wins). A layer whose output needs no grad has no backward (0 s).
+The time between them is
 the layer's backward, I/O stalls included; the stalls ssdtrain counted in
 between (``Stats.stall_seconds``) are subtracted, so what remains is compute.
 Forward time is measured the same way around the module call, minus the time
 pack waited for writes (``Stats.write_stall_seconds``). Tensor hooks that
 return ``None`` change no gradient. They are registered only on profiled
 steps; other steps pay for the two module hooks per layer and nothing else.
+
+A timed step that does not see every layer's forward and backward before the
+next forward begins is incomplete; :meth:`StepSample.missing` says why, and
+the adaptive policy warns with the reason and the fix (it cannot plan
+without ``profile_steps`` complete steps).
+
+NOTE [ Timing asynchronous devices ]
+
+On an accelerator, a layer's call returns when its kernels are launched, not
+when they have run, so ``time.perf_counter`` around it measures launch time.
+On timed steps only, every timestamp is taken after synchronizing the devices
+the tracked layers' tensors live on (:meth:`LayerProfiler._now`;
+``torch.get_device_module(type).synchronize``: ``torch.cuda.synchronize`` on
+CUDA, a no-op ``torch.cpu.synchronize`` on the CPU, so the same code runs
+everywhere), so each interval is the compute the layer's kernels took. This
+drains the device's queue at every layer boundary of the profiled steps (a few
+launch latencies per layer); steps that are not timed take no timestamp and
+never synchronize.
 
 NOTE [ Pure compute times ]
 
@@ -69,7 +93,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._planner import LayerCost, StepCost
 
 __all__ = ["default_layers", "LayerProfiler", "StepSample", "RecomputeMeter",
-           "measure_bandwidth"]
+           "measure_bandwidth", "buffer_slots", "updated_buffers"]
 
 log = logging.getLogger("ssdtrain")
 
@@ -116,6 +140,62 @@ def _first_grad_tensor(obj):
     return None
 
 
+def buffer_slots(module: torch.nn.Module):
+    """``(qualified name, owner, local name)`` of every buffer of ``module`` (itself
+    included), in registration order."""
+    out = []
+    for prefix, m in module.named_modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                out.append((f"{prefix}.{name}" if prefix else name, m, name))
+    return out
+
+
+def _version(t):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (nor can change)
+        return None
+
+
+def buffer_state(module: torch.nn.Module, clone=False):
+    """What :func:`updated_buffers` compares: per buffer slot ``(qualified name, owner,
+    local name, tensor, version, clone)``.
+
+    Args:
+        module: the layer.
+        clone: ``True`` (every buffer), ``False`` (none), or a predicate on the
+            qualified name: which buffers to copy (a buffer shared by two slots is
+            copied once). A copy is compared by value: kernels such as batch norm's
+            update running statistics without bumping the version counter.
+    """
+    out, copies = [], {}
+    for q, m, n in buffer_slots(module):
+        t = m._buffers[n]
+        c = None
+        if clone is True or (callable(clone) and clone(q)):
+            c = copies.get(id(t))
+            if c is None:
+                c = copies[id(t)] = t.detach().clone()
+        out.append((q, m, n, t, _version(t), c))
+    return out
+
+
+def updated_buffers(state, known=()):
+    """The qualified names of the buffers of a :func:`buffer_state` that were updated
+    since: those in ``known`` (not compared: a value comparison waits for the
+    device), and those replaced by another tensor, modified in place (version
+    counter), or, where copied, holding another value."""
+    out = []
+    for q, m, n, t, v, c in state:
+        now = m._buffers.get(n)
+        if q in known or now is not t or _version(now) != v or (
+                c is not None and not (c.shape == now.shape and c.dtype == now.dtype and
+                                       torch.equal(c, now))):
+            out.append(q)
+    return out
+
+
 @dataclass
 class StepSample:
     """What one step measured (times are ``time.perf_counter`` seconds)."""
@@ -137,12 +217,17 @@ class StepSample:
     bwd_begin: List[Optional[float]] = field(default_factory=list)
     bwd_end: List[Optional[float]] = field(default_factory=list)
     head_stall: float = 0.0
+    called: List[bool] = field(default_factory=list)    # the layer ran with grad enabled
+    has_bwd: List[bool] = field(default_factory=list)   # its output requires grad
+    grad_in: List[bool] = field(default_factory=list)   # a tensor input requires grad
     period: Optional[float] = None      # begin to the next step's begin
     stall_s: float = 0.0                # read + write stalls over the whole period
     _fwd_t0: List[float] = field(default_factory=list)
     _wstall0: List[float] = field(default_factory=list)
     _rstall0: List[float] = field(default_factory=list)
     _stall_begin: float = 0.0
+    _bwd_seen: bool = False
+    _handles: list = field(default_factory=list)        # (layer, parameter hook) of this step
 
     def __post_init__(self):
         n = self.n
@@ -156,12 +241,46 @@ class StepSample:
         self._fwd_t0 = [0.0] * n
         self._wstall0 = [0.0] * n
         self._rstall0 = [0.0] * n
+        self.called = [False] * n
+        self.has_bwd = [False] * n
+        self.grad_in = [False] * n
 
     @property
     def complete(self) -> bool:
-        """Timed, and every layer's backward and the step's period were seen."""
-        return self.timed and self.period is not None and self.fwd_end is not None and \
-            all(b is not None for b in self.bwd_begin) and all(e is not None for e in self.bwd_end)
+        """Timed, and every layer's forward, every backward and the step's period were seen."""
+        return self.period is not None and self.missing() is None
+
+    def missing(self, names=None) -> Optional[str]:
+        """Why this timed step is not a complete profile (``None``: it is, so far).
+
+        Args:
+            names: the layers' names, for the message. Default: their indices.
+        """
+        names = names or [str(i) for i in range(self.n)]
+
+        def which(idx):
+            return ", ".join(names[i] for i in idx)
+
+        if not self.timed:
+            return "it was not timed"
+        if self.fwd_end is None:
+            return "its forward pass did not end"
+        absent = [i for i in range(self.n) if not self.called[i]]
+        if absent:
+            return f"tracked layer(s) {which(absent)} did not run (with grad enabled) in its forward"
+        if self.n and not any(self.has_bwd):
+            return "no tracked layer's output requires grad, so there was no backward to time"
+        unseen = [i for i in range(self.n) if self.has_bwd[i] and
+                  (self.bwd_begin[i] is None or self.bwd_end[i] is None)]
+        if unseen:
+            return (f"the backward of tracked layer(s) {which(unseen)} was not seen before the "
+                    f"next forward began")
+        return None
+
+    def drop_hooks(self):
+        for _, h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 class RecomputeMeter(TorchDispatchMode):
@@ -226,6 +345,9 @@ class LayerProfiler:
         self.timed_steps = 0
         self._owner = None
         self._handles = []
+        self._sync = {}              # device -> its synchronize (NOTE [ Timing asynchronous devices ])
+        self.updates = [None] * len(self.modules)  # buffers each forward updates; None: not seen
+        self._buffers0 = {}          # layer -> buffer_state() when its timed forward began
         seen = set()
         for i, m in enumerate(self.modules):
             if id(m) in seen:
@@ -240,14 +362,52 @@ class LayerProfiler:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.step is not None:
+            self.step.drop_hooks()
         self.active = False
+
+    # ------------------------------------------------------------- helpers
+    def _now(self):
+        """``time.perf_counter()`` once the devices in use have finished their queued
+        work (NOTE [ Timing asynchronous devices ]); for timed steps only."""
+        for sync in self._sync.values():
+            sync()
+        return time.perf_counter()
+
+    def _note_devices(self, obj):
+        for t in _tensors(obj):
+            d = t.device
+            if d in self._sync:
+                continue
+            try:
+                mod = torch.get_device_module(d.type)
+            except (AttributeError, RuntimeError, ValueError):
+                mod = None
+            if mod is None or not hasattr(mod, "synchronize"):
+                self._sync[d] = lambda: None  # meta and such: nothing runs asynchronously
+            else:
+                self._sync[d] = lambda mod=mod, d=d: mod.synchronize(d)
+
+    def note_updates(self, i, names):
+        """Layer ``i``'s forward updated these buffers (NOTE [ Recompute without a second
+        update ] in _adaptive.py): remember them, in first-seen order."""
+        known = self.updates[i]
+        if known is None:
+            self.updates[i] = list(names)
+        else:
+            known.extend(n for n in names if n not in known)
 
     # ----------------------------------------------------------------- steps
     def close_step(self):
-        """A forward pass begins: the previous step ends here."""
-        now = time.perf_counter()
+        """A forward pass begins: the previous step ends here.
+
+        Returns:
+            The :class:`StepSample` closed (``None``: there was none).
+        """
         prev, self.step = self.step, None
+        now = self._now() if prev is not None and prev.timed else time.perf_counter()
         if prev is not None:
+            prev.drop_hooks()
             prev.period = now - prev.begin
             prev.stall_s = (self.stats.stall_seconds + self.stats.write_stall_seconds) - \
                 prev._stall_begin
@@ -259,12 +419,14 @@ class LayerProfiler:
             elif prev.complete:
                 self.profiled.append(prev)
                 del self.profiled[:-self.profile_steps]
+        return prev
 
     def open_step(self, timed: bool, recompute: bool = False):
         """Open the new step; ``timed``: measure its layers' times; ``recompute``: every
         layer is recomputed in it (NOTE [ Pure compute times ])."""
         self.timed_steps += bool(timed)
-        self.step = StepSample(len(self.modules), timed, recompute, begin=time.perf_counter(),
+        self.step = StepSample(len(self.modules), timed, recompute,
+                               begin=self._now() if timed else time.perf_counter(),
                                wstall_begin=self.stats.write_stall_seconds)
         self.step._stall_begin = self.stats.stall_seconds + self.stats.write_stall_seconds
         self.current, self._stack = None, []
@@ -281,7 +443,7 @@ class LayerProfiler:
         self.active = False
         self.current, self._stack = None, []
         if s is not None:
-            s.fwd_end = time.perf_counter()
+            s.fwd_end = self._now() if s.timed else time.perf_counter()
             s.fwd_stall_end = self.stats.write_stall_seconds
             s.stall_at_fwd_end = self.stats.stall_seconds
 
@@ -318,13 +480,25 @@ class LayerProfiler:
             self.current = i
             s = self.step
             if s is not None and s.timed and torch.is_grad_enabled():
+                s.called[i] = True
+                self._note_devices(args)
                 s.input_bytes[i] = max(s.input_bytes[i], sum(
                     t.numel() * t.element_size() for t in _tensors(args)))
                 s._wstall0[i] = self.stats.write_stall_seconds
                 x = _first_grad_tensor(args)
                 if x is not None:
+                    s.grad_in[i] = True
                     x.register_hook(self._on_bwd_end(s, i))
-                s._fwd_t0[i] = time.perf_counter()
+                elif not s.grad_in[i] and not any(h[0] == i for h in s._handles):
+                    # NOTE [ Timing backward with tensor hooks ]: no input gradient;
+                    # the end is the last of the layer's parameter gradients.
+                    for p in module.parameters():
+                        if p.requires_grad and p.is_leaf:
+                            s._handles.append((i, p.register_post_accumulate_grad_hook(
+                                self._on_param_grad(s, i))))
+                # Copies (to compare values) only until the layer's updates are known.
+                self._buffers0[i] = buffer_state(module, clone=self.updates[i] is None)
+                s._fwd_t0[i] = self._now()
             return None
         return pre
 
@@ -335,10 +509,14 @@ class LayerProfiler:
             self.current = self._stack.pop() if self._stack else None
             s = self.step
             if s is not None and s.timed and torch.is_grad_enabled():
-                s.fwd_s[i] += time.perf_counter() - s._fwd_t0[i] - \
+                s.fwd_s[i] += self._now() - s._fwd_t0[i] - \
                     (self.stats.write_stall_seconds - s._wstall0[i])
+                state, self._buffers0[i] = self._buffers0.get(i), None
+                if state:
+                    self.note_updates(i, updated_buffers(state))
                 y = _first_grad_tensor(output)
                 if y is not None:
+                    s.has_bwd[i] = True
                     y.register_hook(self._on_bwd_begin(s, i))
             return None
         return post
@@ -346,9 +524,10 @@ class LayerProfiler:
     def _on_bwd_begin(self, s, i):
         def hook(grad):
             if s.bwd_begin[i] is None:
-                s.bwd_begin[i] = time.perf_counter()
+                s.bwd_begin[i] = self._now()
                 s._rstall0[i] = self.stats.stall_seconds
-                if i == len(s.bwd_begin) - 1:
+                if not s._bwd_seen:  # the first layer backward reaches: the head ends
+                    s._bwd_seen = True
                     s.head_stall = self.stats.stall_seconds - s.stall_at_fwd_end
             return None
         return hook
@@ -356,10 +535,19 @@ class LayerProfiler:
     def _on_bwd_end(self, s, i):
         def hook(grad):
             if s.bwd_end[i] is None and s.bwd_begin[i] is not None:
-                s.bwd_end[i] = time.perf_counter()
+                s.bwd_end[i] = self._now()
                 s.bwd_s[i] = s.bwd_end[i] - s.bwd_begin[i] - \
                     (self.stats.stall_seconds - s._rstall0[i])
             return None
+        return hook
+
+    def _on_param_grad(self, s, i):
+        def hook(param):
+            # Each of the layer's parameter gradients moves the end; the last one wins.
+            if s.bwd_begin[i] is not None and not s.grad_in[i]:
+                s.bwd_end[i] = self._now()
+                s.bwd_s[i] = s.bwd_end[i] - s.bwd_begin[i] - \
+                    (self.stats.stall_seconds - s._rstall0[i])
         return hook
 
     # ---------------------------------------------------------------- results
@@ -414,13 +602,17 @@ class LayerProfiler:
             layers.append(LayerCost(
                 name=name, saved_bytes=saved[i],
                 input_bytes=max(s.input_bytes[i] for s in samples),
-                fwd_s=f[i], bwd_s=b[i], recompute_bytes=rc_bytes[i]))
+                fwd_s=f[i], bwd_s=b[i], recompute_bytes=rc_bytes[i],
+                updates=tuple(self.updates[i] or ())))
         fwd_other, head, tail = [], [], []
         for s in samples:
             fwd_total = s.fwd_end - s.begin - (s.fwd_stall_end - s.wstall_begin)
             fwd_other.append(fwd_total - sum(s.fwd_s))
-            head.append(s.bwd_begin[-1] - s.fwd_end - s.head_stall)
-            tail.append(s.begin + s.period - s.bwd_end[0])
+            # Layers whose output needs no grad have no backward (NOTE [ Timing backward
+            # with tensor hooks ]): the head ends where the first layer backward begins,
+            # the rest of the step starts where the last one ends.
+            head.append(min(b for b in s.bwd_begin if b is not None) - s.fwd_end - s.head_stall)
+            tail.append(s.begin + s.period - max(e for e in s.bwd_end if e is not None))
         parts = dict(fwd_other_s=max(0.0, min(fwd_other)), bwd_head_s=max(0.0, min(head)),
                      tail_s=max(0.0, min(tail)), fwd_s_per_byte=fwd_per_byte,
                      bwd_s_per_byte=bwd_per_byte,
