@@ -1,4 +1,4 @@
-"""No silent policy (issue 21, item 3): the adaptive profile completes for layers whose
+"""No silent policy: the adaptive profile completes for layers whose
 input needs no grad, says why when it cannot complete or a budget cannot be met, and
 times compute, not kernel launches, on asynchronous devices."""
 

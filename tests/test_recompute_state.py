@@ -1,4 +1,4 @@
-"""Recompute changes only time (issue 21, item 4): the trained model, not only the gradients.
+"""Recompute changes only time (INV-EXACT): the trained model, not only the gradients.
 
 Layers with state updated in forward (running statistics, counters) run forward
 twice when recomputed. After a few optimizer steps under every plan (the static
