@@ -146,21 +146,32 @@ class WriteBack:
             self._free_locked(rec)
 
     def _reserve_staging(self):
-        """The I/O thread, before it takes the lock: when the next write due is a device
-        record's, make sure its staging pool has a buffer for it, so that the pinned
-        allocation (milliseconds) runs outside the lock (NOTE [ Device records ])."""
-        if not self._staging or not self._write_overdue():
+        """The I/O thread, before it takes the lock: when the next write or prefetch read
+        due is a device record's, make sure its staging pool has a buffer for it, so that
+        the pinned allocation (milliseconds) runs outside the lock (NOTE [ Device
+        records ]). Reads the tail and the prefetch queue without the lock: a hint."""
+        if not self._staging:
             return
+        for rec in (self._next_write_hint(), self._next_read_hint()):
+            dev = None if rec is None else rec.device
+            if dev is not None and not dev.direct:
+                try:
+                    dev.pool.reserve(rec.nbytes)
+                except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
+                    pass
+
+    def _next_write_hint(self):
         try:
-            rec = next(iter(self._tail))  # read without the lock: a hint
-        except (StopIteration, RuntimeError):
-            return
-        dev = rec.device
-        if dev is not None and not dev.direct:
-            try:
-                dev.pool.reserve(rec.nbytes)
-            except Exception:  # noqa: BLE001 - the write finds out under the lock, and logs it
-                pass
+            return next(iter(self._tail)) if self._write_overdue() else None
+        except (StopIteration, RuntimeError):  # emptied or changed meanwhile
+            return None
+
+    def _next_read_hint(self):
+        try:
+            queue = self._passes[-1].queue if self._read_due() else None
+            return queue[0] if queue else None
+        except (IndexError, AttributeError, RuntimeError):  # changed meanwhile
+            return None
 
     def _fail_locked(self, rec, exc):
         """Any state -> FAILED: ``exc`` is raised when backward needs the record."""
