@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import pytest
 import torch
@@ -126,6 +127,8 @@ def test_rule3_saved_block_is_held_until_the_write_ends(make_offloader):
             out = SaveForBackward.apply(anchor, sink, y)
             del y
             side.synchronize()       # the producer ran; only the record holds y now
+            _until(lambda: dev.copies["d2h"] == 1)  # the I/O thread queued y's slow copy
+            gc.collect()
             z = dev.alloc((N,))      # y's block, if the record had let go of it
             write_later(dev, z, 5.0)
             off.wait()
@@ -138,26 +141,30 @@ def test_rule3_saved_block_is_held_until_the_write_ends(make_offloader):
 
 def test_rule4_staging_is_not_reused_before_its_copy_ends(make_offloader):
     """Rule 4: a staging buffer given back is handed out again only after the copy that
-    used it last. Loads are read into staging, then copied to the device slowly (0.1 s
-    each); every read of the same size wants a buffer meanwhile. Broken (the pool
-    ignoring the copy's event): a later read lands in staging that an earlier copy
-    still reads, and that record comes back with another's bytes."""
-    k = 6
+    used it last. Backward runs on a side stream (unpack does not wait for the loads on
+    the host), each load's copy to the device waits 0.1 s, and the prefetch window of
+    one record starts the next read as soon as a record is used: that read wants a
+    staging buffer of the same size while the last copy from one is still queued.
+    Broken (the pool ignoring the copy's event): the read lands in the staging that
+    copy still reads, and the record comes back with the next one's bytes."""
+    k = 5
     dev = LoopbackDevice(h2d_delay=0.1)
-    off = _offloader(make_offloader, dev, prefetch_bytes=k * N * 4)
-    sink, out = [], _anchor()
-    with off:
-        for i in range(k):
-            t = dev.alloc((N,))
-            t.fill_(float(i))
-            out = SaveForBackward.apply(out, sink, t)
-        del t
-        off.wait()
-    out.backward()
+    off = _offloader(make_offloader, dev, prefetch_bytes=N * 4)
+    side, sink, out = dev.Stream(), [], _anchor()
+    with dev.stream(side):
+        with off:
+            for i in range(k):
+                t = dev.alloc((N,))
+                write_later(dev, t, float(i))
+                out = SlowRead.apply(out, dev, sink, t, 0.0)
+            del t
+            off.wait()
+        out.backward()
+        side.synchronize()
     assert off.stats().bytes_read == k * N * 4
-    assert [float(t[0][0]) for t in sink] == [float(i) for i in reversed(range(k))]
+    assert [float(t[0]) for t in sink] == [float(i) for i in reversed(range(k))]
     for i, t in zip(reversed(range(k)), sink):
-        assert torch.equal(t[0], torch.full((N,), float(i))), i
+        assert torch.equal(t, torch.full((N,), float(i))), i
     assert not dev.errors
 
 
@@ -356,6 +363,13 @@ def test_a_resized_storage_is_checked_before_staging(make_offloader, caplog):
     assert stats.kept_bytes == N * 4 and stats.records_written == 0, stats  # z: the tail
     with pytest.raises(Exception, match="resized"):
         (out1 + out2).backward()
+
+
+def _until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
 
 
 def _save_and_unpack(off, tensors):
