@@ -49,9 +49,9 @@ that a deliberate break of the rule fails (tests/test_loopback_rules.py).
    alignment and give the same bits.
 7. **Loads are consumed after they land.** An event marks the copy's end. Unpack
    makes the consumer stream (the current stream of the unpacking thread) wait on
-   it and calls ``record_stream`` for it, so that a consumer other than the
-   compute stream keeps the block from reuse while it still reads it
-   (pytorch/pytorch#106360).
+   it (a record served from memory, never loaded: on its producer's event) and calls
+   ``record_stream`` for it, so that a consumer other than the compute stream keeps
+   the block from reuse while it still reads it (pytorch/pytorch#106360).
 8. **No device work inside a graph capture.** Pack on a stream that is capturing a
    CUDA graph keeps the tensor in memory (``Kept``): recording an event, or
    allocating pinned memory on the I/O thread, is not allowed in a capture.
@@ -186,7 +186,7 @@ class StagingPool:
             buf = self._pop_locked(size)
         if buf is None:
             buf = self._allocate(size)
-        box = [None]
+        box = [None, False]  # [the last copy's event, placed back in the pool]
         lease = _Lease(buf[offset:offset + nbytes], box)
         weakref.finalize(lease, self._back.append, (buf, size, box))
         return lease
@@ -239,19 +239,29 @@ class StagingPool:
         return buf
 
     def _collect_locked(self):
+        """Buffers given back become idle (or are let go of) once their last copy ended.
+
+        A KeyboardInterrupt may land between any two calls here (on the training thread:
+        a read on a miss): an item may then be seen twice, so each is *placed* at most
+        once, its flag set before it is placed. What an interrupt can cost is one buffer,
+        never reused (still counted in ``held``), never one handed out twice."""
         back = self._back
         while back:
             self._busy.append(back[0])
-            back.popleft()
+            back.popleft()  # an interrupt before this line: the item is seen twice
         if not self._busy:
             return
         busy = []
         for item in self._busy:
             buf, size, box = item
+            if box[1]:
+                continue  # placed already, by a collect an interrupt cut short
             event = box[0]
             if event is not None and not event.query():
                 busy.append(item)
-            elif self._idle_bytes + size <= self._limit:
+                continue
+            box[1] = True
+            if self._idle_bytes + size <= self._limit:
                 self._idle.setdefault(size, []).append(buf)
                 self._idle_bytes += size
             else:

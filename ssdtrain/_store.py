@@ -417,8 +417,8 @@ class Store(WriteBack, Prefetch):
     def _use_locked(self, rec, handle):
         """The unpacked view of a resident record."""
         storage, base = rec.storage, rec.base
-        if rec.device is not None:
-            rec.device.consume(storage, rec.ready)
+        if rec.device is not None:  # a load's copy, or (in memory) the producer: rule 7
+            rec.device.consume(storage, rec.produced if rec.ready is None else rec.ready)
         if handle.token in rec.unseen:
             rec.unseen.discard(handle.token)
             if rec.prefetched:
