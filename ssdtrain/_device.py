@@ -155,7 +155,11 @@ class StagingPool:
     A request is rounded to the size the leaf's host allocator really reserves for it
     (``leaf.pinned_size``: torch's caching host allocator rounds to a power of two),
     and a buffer of that size is taken whole: nothing is asked beyond it, and a buffer
-    serves every request that rounds to its size. Pinned allocations cost
+    serves every request that rounds to its size. Every buffer starts on a page
+    (``BLOCK``): a read lands at the slot's offset in a page, which is the staging's
+    at the write (O_DIRECT). torch's host allocator packs small blocks at any offset
+    in a page (seen on torch 2.11): such a buffer is asked again one page larger and
+    used from its first page boundary (the reservation counted is the larger one). Pinned allocations cost
     milliseconds, so buffers are kept for reuse, up to ``idle_limit`` bytes idle.
     ``stats.staging_bytes`` is the pinned memory the pool holds (in use, waiting for a
     copy to end, and idle); ``stats.peak_staging_bytes`` the most it held.
@@ -174,6 +178,7 @@ class StagingPool:
         self._idle_bytes = 0
         self._back = collections.deque()      # (buffer, size, event box) of dead leases
         self._busy = []                       # given back, their last copy not ended
+        self._reserved = {}                   # buffer address -> bytes reserved for it
         self.held = 0                         # pinned bytes of every buffer the pool has
 
     def size_for(self, nbytes: int) -> int:
@@ -219,14 +224,24 @@ class StagingPool:
         """Let go of every idle buffer (the store is closing)."""
         with self._lock:
             self._collect_locked()
-            freed = self._idle_bytes
-            self._idle, self._idle_bytes = {}, 0
-            self._account(-freed)
+            idle, self._idle, self._idle_bytes = self._idle, {}, 0
+            self._account(-sum(self._reserved.pop(b.data_ptr(), 0)
+                               for bufs in idle.values() for b in bufs))
 
     def _allocate(self, size):
-        buf = self._leaf.pinned(size)  # outside the pool's lock: milliseconds
+        """A page-aligned pinned buffer of ``size`` bytes (see the class docstring). Its
+        reservation is kept in ``_reserved`` (by address) for the books."""
+        leaf = self._leaf
+        buf = leaf.pinned(size)  # outside the pool's lock: milliseconds
+        reserved = size
+        if buf.data_ptr() % BLOCK:
+            reserved = self.size_for(size + BLOCK)
+            buf = leaf.pinned(reserved)
+            shift = -buf.data_ptr() % BLOCK
+            buf = buf[shift:shift + size]
         with self._lock:
-            self._account(size)
+            self._reserved[buf.data_ptr()] = reserved
+            self._account(reserved)
         return buf
 
     def _pop_locked(self, size):
@@ -265,7 +280,7 @@ class StagingPool:
                 self._idle.setdefault(size, []).append(buf)
                 self._idle_bytes += size
             else:
-                self._account(-size)
+                self._account(-self._reserved.pop(buf.data_ptr(), size))
         self._busy = busy
 
     def _account(self, delta):

@@ -201,18 +201,21 @@ class LoopbackDevice:
         claim_host_tensors: every CPU tensor a store it is attached to saves is taken
             for device memory (a whole CPU model takes the device path).
         pinned_capacity: bytes of pinned memory it may hand out at once (None: no limit).
+        pinned_skew: where in its page a pinned buffer under 1 MiB starts (torch's host
+            allocator packs small blocks; O_DIRECT staging must not assume pages).
     """
 
     name = "loopback"
 
     def __init__(self, *, capacity=1 << 30, rate=None, d2h_delay=0.0, h2d_delay=0.0,
-                 claim_host_tensors=False, pinned_capacity=None):
+                 claim_host_tensors=False, pinned_capacity=None, pinned_skew=1024):
         self.capacity = capacity
         self.rate = rate
         self.d2h_delay = d2h_delay
         self.h2d_delay = h2d_delay
         self.claim_host_tensors = claim_host_tensors
         self.pinned_capacity = pinned_capacity
+        self.pinned_skew = pinned_skew
         self.errors = []                     # exceptions raised by work on its streams
         self.default_stream = LoopbackStream(self, host=True)
         self._streams = weakref.WeakSet()
@@ -352,7 +355,8 @@ class LoopbackDevice:
         return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
     def pinned(self, nbytes) -> torch.Tensor:
-        """Page-aligned host memory for staging."""
+        """Host memory for staging. Like torch's caching host allocator, which packs small
+        blocks, a request under 1 MiB starts 1 KiB into a page (``pinned_skew``)."""
         if self.capturing_threads:
             raise RuntimeError("loopback: pinned allocation while a graph is being captured "
                                "(operation not permitted when stream is capturing)")
@@ -360,11 +364,13 @@ class LoopbackDevice:
                 self.pinned_bytes + nbytes > self.pinned_capacity:
             raise RuntimeError(f"loopback: no pinned memory for {nbytes} bytes "
                                f"({self.pinned_bytes} of {self.pinned_capacity} in use)")
-        mm = mmap.mmap(-1, max(nbytes, 1))
-        t = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+        skew = self.pinned_skew if nbytes < (1 << 20) else 0
+        mm = mmap.mmap(-1, max(nbytes + skew, 1))
+        t = torch.frombuffer(mm, dtype=torch.uint8)[skew:skew + nbytes]
         self.pinned_bytes += nbytes
-        self._pinned[t.data_ptr()] = nbytes
-        weakref.finalize(t.untyped_storage(), self._unpin, t.data_ptr(), nbytes)
+        key = t.untyped_storage().data_ptr()
+        self._pinned[key] = nbytes
+        weakref.finalize(t.untyped_storage(), self._unpin, key, nbytes)
         return t
 
     @staticmethod

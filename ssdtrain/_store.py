@@ -855,8 +855,8 @@ class Store(WriteBack, Prefetch):
             self._trim_tail_locked()
             self._pump_locked()
         pending = []
-        for group in self._registry.values():
-            for r in group:
+        for group in list(self._registry.values()):  # completing a write may free a record
+            for r in list(group):
                 f = r.future
                 if f is None:
                     continue
