@@ -1,134 +1,329 @@
-"""The only module that knows CUDA: streams, events and pinned staging for device records.
+"""The device path: records whose storage lives in accelerator memory.
 
-See NOTE [ Device records ] for the ordering rules; every function here is small
-on purpose, because CI has no GPU: the tests in tests/test_device.py run
-wherever CUDA exists.
+The ordering rules (NOTE [ Device records ]) are written once, here, against a *leaf*:
+the module that knows one kind of accelerator (its streams, events, allocator and
+copies). ``_cuda.py`` is the CUDA leaf; ``_loopback.py`` is a stand-in accelerator
+made of host memory and threads, which runs this same code in CI, where no GPU is
+(tests/test_loopback*.py). The store asks :func:`leaf_of` which leaf a saved tensor
+belongs to, and gets a :class:`DeviceTransfers` per device.
 
 NOTE [ Device records ]
 =======================
 
-A record whose storage lives on a CUDA device moves like a host record (the same
-states, slots and engines), with three extra rules:
+A record whose storage lives on a device moves like a host record (the same states,
+slots and engines), with these extra rules. Each has a test on the loopback device
+that a deliberate break of the rule fails (tests/test_loopback_rules.py).
 
 1. **Writes start after the producer.** The saved tensor may still be being
-   computed when pack runs (kernels are asynchronous). Pack records an event on
-   the current stream (:meth:`DeviceTransfers.produced`) *when the record is
-   created*, not when its write starts: the write may start later (the record
-   waits in the kept tail) from another pack, maybe on another stream. The offload
-   stream waits for that event and copies device -> pinned staging (with a
-   GPUDirect engine, the event itself is what the write waits for). A single
-   "ssdtrain-d2h" thread waits for the copy's event and only then submits the
-   disk write: forward never synchronizes with the device.
-2. **The block is not reused before the copy ends.** The record holds the saved
+   computed when pack runs (kernels are asynchronous). Pack records an event on the
+   current stream (:meth:`DeviceTransfers.produced`) *when the record is created*,
+   not when its write starts: the write may start later (the record waits in the
+   kept tail) from another pack, maybe on another stream. The offload stream waits
+   for that event, then copies device -> pinned staging (with a GPUDirect engine,
+   the event itself is what the write waits for).
+2. **The disk write starts after the copy.** A single "ssdtrain-d2h" thread waits
+   for the copy's event and only then submits the disk write: forward never
+   synchronizes with the device.
+3. **The block is not reused before the copy ends.** The record holds the saved
    tensor (``Record.source``) until the disk write has completed, and the write
-   starts only after the copy's event: when that reference drops, the copy is
-   long done, so the caching allocator may reuse the block at once. No
-   ``record_stream`` is needed on this side.
-3. **Loads are consumed after they land.** A read lands in pinned staging and is
-   copied host -> device on the prefetch stream, into memory allocated on that
-   stream at the same address offset modulo 512 as the saved tensor had (so
-   kernels that pick code paths by alignment, such as cuBLAS, see the same
-   alignment and give the same bits); an event marks the copy's end. Unpack makes the consumer stream (the
-   current stream of autograd's device thread) wait on that event and calls
-   ``record_stream`` for it, so the allocator does not hand the block to the
-   prefetch stream again while backward still reads it (pytorch/pytorch#106360).
+   starts only after the copy's event: when that reference drops, the copy is long
+   done, so the allocator may reuse the block at once. No ``record_stream`` is
+   needed on this side.
+4. **Staging is not reused before its copy ends.** Pinned staging comes from a
+   :class:`StagingPool`: a buffer goes back to the pool when its holder drops it,
+   and is handed out again only once the copy that used it last has completed (an
+   event kept with it).
+5. **Loads are allocated for the consumer.** A read lands in pinned staging and is
+   copied host -> device on the prefetch stream into memory allocated *on the
+   compute stream* (the stream the hooks last ran on), so that stream reuses the
+   block once backward is done with it (a block allocated on the prefetch stream
+   would only ever be reused by later loads: reserved memory grew by the prefetch
+   window). The allocator may hand out a block that the compute stream's queued
+   kernels still read, so the prefetch stream first waits for the compute stream
+   (``wait_stream``), and the block is marked used by the prefetch stream
+   (``record_stream``) so that it is not reused before the copy ends even if the
+   record is dropped first.
+6. **Loads keep the saved tensor's alignment.** The load sits at the saved
+   tensor's device address modulo 512 (:func:`device_misalign`), not the staging
+   buffer's: kernels that pick code paths by alignment (cuBLAS) see the same
+   alignment and give the same bits.
+7. **Loads are consumed after they land.** An event marks the copy's end. Unpack
+   makes the consumer stream (the current stream of the unpacking thread) wait on
+   it (a record served from memory, never loaded: on its producer's event) and calls
+   ``record_stream`` for it, so that a consumer other than the compute stream keeps
+   the block from reuse while it still reads it (pytorch/pytorch#106360).
+8. **No device work inside a graph capture.** Pack on a stream that is capturing a
+   CUDA graph keeps the tensor in memory (``Kept``): recording an event, or
+   allocating pinned memory on the I/O thread, is not allowed in a capture.
 
 Writes and prefetch reads are started by the store's I/O thread (NOTE [ The store's
 I/O thread ] in _store.py), whose current device is not the record's: the functions
 it calls (:meth:`DeviceTransfers.stage_out`, :meth:`DeviceTransfers.read_buffer`)
 enter the record's device themselves, and use streams and events they were given,
-never the thread's current stream.
+never the thread's current stream. Before taking the store lock the I/O thread
+makes sure the staging pool has a buffer for the next write (:meth:`StagingPool.
+reserve`), so that a pinned allocation (milliseconds) rarely runs under the lock.
 
 In-place modification is checked when the write ends, after the copy's event: an
 in-place op called before the check bumped the version already (the record fails
 with autograd's message); one called after it runs after the copy on the device.
-Pinned staging comes from torch's caching host allocator, which records the
-streams using a block and does not reuse it before they are done. Events that a
-host thread waits on are created with ``blocking=True`` so the waiter sleeps
-instead of spinning on a core that compute needs.
+A storage resized or replaced after pack is checked before any staging: the record
+fails with that error. Events that a host thread waits on are created blocking, so
+the waiter sleeps instead of spinning on a core that compute needs.
 
-Not handled: CUDA graph capture (saved tensors of a captured region must stay
-in memory; ssdtrain does not detect capture; and the store's I/O thread allocates
-pinned memory and records events whenever a write is due, which a capture in the
-global mode on another thread does not allow), and an out-of-memory error while
-allocating a loaded record's device memory fails that record (its backward
-raises) instead of retrying later.
+Not handled: while another thread captures a CUDA graph in the global mode, the
+store's I/O thread may still wait on events or allocate pinned memory for records
+saved outside the capture; an out-of-memory error while allocating a loaded
+record's device memory fails that record (its backward raises) instead of retrying
+later; GPUDirect reads still land in memory allocated on the prefetch stream.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ._align import BLOCK
+from ._records import GEOMETRY_ALIGN
 from .io.base import then
 
-__all__ = ["DeviceTransfers", "GDS_PROBE_MEMORY", "is_device_tensor"]
+__all__ = ["DeviceTransfers", "StagingPool", "GDS_PROBE_MEMORY", "leaf_of", "device_misalign",
+           "ALIGN"]
 
 # Device buffers keep a record's address modulo this (cuBLAS and friends choose
 # kernels by alignment up to 256 bytes; the caching allocator hands out 512).
-_DEVICE_ALIGN = 512
+ALIGN = 512
+
+_cuda = None  # the CUDA leaf, imported on the first CUDA tensor
 
 
-def is_device_tensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on a CUDA device (a record that needs :class:`DeviceTransfers`)."""
-    return t.device.type == "cuda"
+def leaf_of(t: torch.Tensor, loopback=None):
+    """The leaf that owns ``t``'s memory, or None (a host record).
+
+    ``loopback`` is a :class:`ssdtrain._loopback.LoopbackDevice` attached to the store
+    (tests only); without one a CPU tensor is always a host record."""
+    global _cuda
+    if t.is_cuda:
+        if _cuda is None:
+            from . import _cuda as leaf  # the only import of CUDA code
+            _cuda = leaf.LEAF
+        return _cuda
+    if loopback is not None and loopback.owns(t):
+        return loopback
+    return None
 
 
-class _GdsProbeMemory:
-    """Device memory for the GPUDirect Storage probe (``ssdtrain.io.gds.probe``), which
-    itself never touches CUDA: it is handed :data:`GDS_PROBE_MEMORY` and sees addresses."""
-
-    @staticmethod
-    def missing() -> str:
-        """Why there is no device to test with, or ``""``."""
-        return "" if torch.cuda.is_available() else "no CUDA device is available"
-
-    @staticmethod
-    def buffers(nbytes: int):
-        """``(source, destination, same)``: the addresses of ``nbytes`` random bytes and of
-        ``nbytes`` zeros on the current device (not a context on GPU 0), both ready, and a
-        callable telling whether the destination now equals the source. The callable
-        holds both buffers: keep it until the test I/O has ended."""
-        device = torch.device("cuda", torch.cuda.current_device())
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-        dst = torch.zeros_like(src)
-        torch.cuda.synchronize(device)
-        return src.data_ptr(), dst.data_ptr(), lambda: torch.equal(src, dst)
+def device_misalign(ptr: int, lo: int) -> int:
+    """Where a record's first byte lies modulo :data:`ALIGN` in device memory, for a
+    storage at address ``ptr`` whose record starts at byte ``lo`` (rule 6). Always
+    congruent to ``lo`` modulo 16, so that every view can be rebuilt on the load
+    (NOTE [ View geometry ] in _records.py)."""
+    return (ptr - ptr % GEOMETRY_ALIGN + lo) % ALIGN
 
 
-GDS_PROBE_MEMORY = _GdsProbeMemory()
+def _bytes_view(leaf, storage, base: int, nbytes: int, device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=leaf.torch_device(device)).set_(
+        storage, base, (nbytes,), (1,))
 
 
-def _bytes_view(storage, base: int, nbytes: int, device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, base, (nbytes,), (1,))
+# ------------------------------------------------------------------------ staging
+_STATS_LOCK = threading.Lock()  # Stats.staging_bytes of every pool of a store
 
 
-class DeviceTransfers:
-    """Streams, events and staging for the records of one CUDA device.
+class _Lease:
+    """Pinned staging handed out by a :class:`StagingPool`: ``view`` (uint8, the bytes
+    asked for). The buffer goes back to the pool when the lease dies; ``after(event)``
+    says that a copy queued on it must end before it is handed out again (rule 4)."""
 
-    Args:
-        device: the ``torch.device`` (with its index).
-        direct: the engine takes device addresses (GPUDirect Storage): no staging.
+    __slots__ = ("view", "_event", "__weakref__")
+
+    def __init__(self, view, event_box):
+        self.view = view
+        self._event = event_box
+
+    def after(self, event) -> None:
+        self._event[0] = event
+
+
+class StagingPool:
+    """Pinned host buffers for device records' copies, reused across records.
+
+    A request is rounded to the size the leaf's host allocator really reserves for it
+    (``leaf.pinned_size``: torch's caching host allocator rounds to a power of two),
+    and a buffer of that size is taken whole: nothing is asked beyond it, and a buffer
+    serves every request that rounds to its size. Every buffer starts on a page
+    (``BLOCK``): a read lands at the slot's offset in a page, which is the staging's
+    at the write (O_DIRECT). torch's host allocator packs small blocks at any offset
+    in a page (seen on torch 2.11): such a buffer is asked again one page larger and
+    used from its first page boundary (the reservation counted is the larger one). Pinned allocations cost
+    milliseconds, so buffers are kept for reuse, up to ``idle_limit`` bytes idle.
+    ``stats.staging_bytes`` is the pinned memory the pool holds (in use, waiting for a
+    copy to end, and idle); ``stats.peak_staging_bytes`` the most it held.
+
+    A lease's death only appends to a deque (a weakref finalizer: any thread, inside a
+    garbage collection included); the pool's lock is taken by :meth:`take` and
+    :meth:`reserve` only, never by a finalizer.
     """
 
-    def __init__(self, device: torch.device, direct: bool):
+    def __init__(self, leaf, stats, idle_limit: int):
+        self._leaf = leaf
+        self._stats = stats
+        self._limit = int(idle_limit)
+        self._lock = threading.Lock()
+        self._idle = {}                       # size -> [buffer]
+        self._idle_bytes = 0
+        self._back = collections.deque()      # (buffer, size, event box) of dead leases
+        self._busy = []                       # given back, their last copy not ended
+        self._reserved = {}                   # buffer address -> bytes reserved for it
+        self.held = 0                         # pinned bytes of every buffer the pool has
+
+    def size_for(self, nbytes: int) -> int:
+        return self._leaf.pinned_size(max(1, nbytes))
+
+    def take(self, nbytes: int, *, offset: int = 0) -> _Lease:
+        """A lease of ``nbytes`` at byte ``offset`` of a page-aligned buffer."""
+        size = self.size_for(offset + nbytes)
+        with self._lock:
+            buf = self._pop_locked(size)
+        if buf is None:
+            buf = self._allocate(size)
+        box = [None, False]  # [the last copy's event, placed back in the pool]
+        lease = _Lease(buf[offset:offset + nbytes], box)
+        weakref.finalize(lease, self._back.append, (buf, size, box))
+        return lease
+
+    def reserve(self, nbytes: int) -> None:
+        """Make sure a buffer for ``nbytes`` is idle, allocating it now if not: the I/O
+        thread calls this before it takes the store lock for a write."""
+        size = self.size_for(nbytes)
+        with self._lock:
+            self._collect_locked()
+            if self._idle.get(size):
+                return
+        buf = self._allocate(size)
+        with self._lock:
+            self._idle.setdefault(size, []).append(buf)
+            self._idle_bytes += size
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            self._collect_locked()
+            return self._idle_bytes
+
+    def busy(self) -> int:
+        """Buffers given back whose last copy has not ended yet (tests)."""
+        with self._lock:
+            self._collect_locked()
+            return len(self._busy)
+
+    def release(self) -> None:
+        """Let go of every idle buffer (the store is closing)."""
+        with self._lock:
+            self._collect_locked()
+            idle, self._idle, self._idle_bytes = self._idle, {}, 0
+            self._account(-sum(self._reserved.pop(b.data_ptr(), 0)
+                               for bufs in idle.values() for b in bufs))
+
+    def _allocate(self, size):
+        """A page-aligned pinned buffer of ``size`` bytes (see the class docstring). Its
+        reservation is kept in ``_reserved`` (by address) for the books."""
+        leaf = self._leaf
+        buf = leaf.pinned(size)  # outside the pool's lock: milliseconds
+        reserved = size
+        if buf.data_ptr() % BLOCK:
+            reserved = self.size_for(size + BLOCK)
+            buf = leaf.pinned(reserved)
+            shift = -buf.data_ptr() % BLOCK
+            buf = buf[shift:shift + size]
+        with self._lock:
+            self._reserved[buf.data_ptr()] = reserved
+            self._account(reserved)
+        return buf
+
+    def _pop_locked(self, size):
+        self._collect_locked()
+        idle = self._idle.get(size)
+        if not idle:
+            return None
+        buf = idle.pop()
+        self._idle_bytes -= size
+        return buf
+
+    def _collect_locked(self):
+        """Buffers given back become idle (or are let go of) once their last copy ended.
+
+        A KeyboardInterrupt may land between any two calls here (on the training thread:
+        a read on a miss): an item may then be seen twice, so each is *placed* at most
+        once, its flag set before it is placed. What an interrupt can cost is one buffer,
+        never reused (still counted in ``held``), never one handed out twice."""
+        back = self._back
+        while back:
+            self._busy.append(back[0])
+            back.popleft()  # an interrupt before this line: the item is seen twice
+        if not self._busy:
+            return
+        busy = []
+        for item in self._busy:
+            buf, size, box = item
+            if box[1]:
+                continue  # placed already, by a collect an interrupt cut short
+            event = box[0]
+            if event is not None and not event.query():
+                busy.append(item)
+                continue
+            box[1] = True
+            if self._idle_bytes + size <= self._limit:
+                self._idle.setdefault(size, []).append(buf)
+                self._idle_bytes += size
+            else:
+                self._account(-self._reserved.pop(buf.data_ptr(), size))
+        self._busy = busy
+
+    def _account(self, delta):
+        self.held += delta
+        stats = self._stats
+        with _STATS_LOCK:
+            stats.staging_bytes += delta
+            if stats.staging_bytes > stats.peak_staging_bytes:
+                stats.peak_staging_bytes = stats.staging_bytes
+
+
+# ---------------------------------------------------------------------- transfers
+class DeviceTransfers:
+    """Streams, events and staging for the records of one device.
+
+    Args:
+        leaf: the device's leaf module object (``_cuda.LEAF`` or a loopback device).
+        device: the device, as the leaf names it (a ``torch.device`` for CUDA).
+        direct: the engine takes device addresses (GPUDirect Storage): no staging.
+        pool: the :class:`StagingPool` its staging comes from.
+    """
+
+    def __init__(self, leaf, device, direct: bool, pool: StagingPool):
+        self.leaf = leaf
         self.device = device
         self.direct = direct
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
+        self.pool = pool
+        self.d2h = leaf.new_stream(device)
+        self.h2d = leaf.new_stream(device)
+        # The stream the hooks last ran on: loads are allocated for it (rule 5).
+        self.compute = leaf.current_stream(device)
         # One thread: waits for copies to end, then submits the disk write.
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="ssdtrain-d2h")
-        self._closed = threading.Event()
 
     # ------------------------------------------------------------------ writes
     def produced(self):
         """An event on the current stream: the saved tensor is complete once it has
         run. Called by pack when it creates the record (rule 1)."""
-        event = torch.cuda.Event(blocking=True)
-        event.record(torch.cuda.current_stream(self.device))
+        leaf = self.leaf
+        stream = leaf.current_stream(self.device)
+        self.compute = stream
+        event = leaf.new_event()
+        event.record(stream)
         return event
 
     def stage_out(self, storage, base: int, nbytes: int, produced):
@@ -143,21 +338,23 @@ class DeviceTransfers:
         """
         if self.direct:
             return storage.data_ptr() + base, None, produced
-        src = _bytes_view(storage, base, nbytes, self.device)
+        leaf = self.leaf
+        src = _bytes_view(leaf, storage, base, nbytes, self.device)
         # The store's I/O thread calls this: its current device is not the record's
         # (a pinned allocation there would create a context on device 0).
-        with torch.cuda.device(self.device):
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            self.d2h.wait_event(produced)
-            with torch.cuda.stream(self.d2h):
-                host.copy_(src, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)
+        with leaf.entered(self.device):
+            lease = self.pool.take(nbytes)
+            self.d2h.wait_event(produced)                     # rule 1
+            with leaf.using(self.d2h):
+                leaf.copy(lease.view, src)
+            done = leaf.new_event()
             done.record(self.d2h)
-        return host.data_ptr(), host, done
+            lease.after(done)                                 # rule 4
+        return lease.view.data_ptr(), lease, done
 
     def after(self, event, submit) -> Future:
         """``submit()`` (which returns a future) once ``event`` has completed, on the
-        waiter thread; the returned future completes with that future's outcome."""
+        waiter thread; the returned future completes with that future's outcome (rule 2)."""
         ready = self._waiter.submit(event.synchronize)  # releases the GIL while it waits
         return then(ready, submit)
 
@@ -165,73 +362,75 @@ class DeviceTransfers:
     def read_buffer(self, misalign: int, nbytes: int):
         """Where a read lands: ``(address, keepalive)``, ``address % BLOCK == misalign``.
 
-        Pinned host staging, or (``direct``) device memory allocated on the prefetch
-        stream; ``keepalive`` is the tensor to pass to :meth:`stage_in`.
+        Pinned host staging (a :class:`_Lease`), or (``direct``) device memory
+        allocated on the prefetch stream (the tensor); pass ``keepalive`` to
+        :meth:`stage_in`.
         """
+        leaf = self.leaf
         if self.direct:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-                buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, device=self.device)
-        else:  # on the store's I/O thread too (see stage_out)
-            with torch.cuda.device(self.device):
-                buf = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=True)
-        # Same offset in a block as the slot: O_DIRECT moves the middle without bouncing,
-        # and (direct) the device copy keeps the saved tensor's alignment.
-        shift = (misalign - buf.data_ptr()) % BLOCK
-        view = buf[shift:shift + nbytes]
-        return view.data_ptr(), view
+            with leaf.entered(self.device), leaf.using(self.h2d):
+                buf = leaf.empty(nbytes + BLOCK, self.device)
+            # Same offset in a block as the slot: O_DIRECT moves the middle without
+            # bouncing, and the device copy keeps the saved tensor's alignment.
+            shift = (misalign - buf.data_ptr()) % BLOCK
+            view = buf[shift:shift + nbytes]
+            return view.data_ptr(), view
+        with leaf.entered(self.device):  # on the store's I/O thread too (see stage_out)
+            # Staging is page-aligned: the slot's misalignment is the offset in it.
+            lease = self.pool.take(nbytes, offset=misalign)
+        return lease.view.data_ptr(), lease
 
-    def stage_in(self, buf: torch.Tensor):
-        """After the read into ``buf`` ended: ``(device storage, byte offset, event or None)``.
+    def stage_in(self, buf, misalign: int):
+        """After the read into ``buf`` ended: ``(device storage, byte offset, event or
+        None)``; the record's bytes start at that offset, at ``misalign`` modulo
+        :data:`ALIGN` (rule 6). Runs on the engine thread that finished the read.
 
-        Staged data is copied to device memory allocated on the prefetch stream; the
-        event marks the copy's end. Runs on the engine thread that finished the read.
+        Staged data is copied to device memory allocated for the compute stream (rule
+        5); the event marks the copy's end (rule 7).
         """
         if self.direct:
             return buf.untyped_storage(), buf.storage_offset(), None
-        nbytes = buf.numel()
-        misalign = buf.data_ptr() % _DEVICE_ALIGN  # the saved tensor's, see read_buffer
-        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-            dst = torch.empty(nbytes + _DEVICE_ALIGN, dtype=torch.uint8, device=self.device)
-            shift = (misalign - dst.data_ptr()) % _DEVICE_ALIGN
-            dst[shift:shift + nbytes].copy_(buf, non_blocking=True)
-            ready = torch.cuda.Event()
+        leaf = self.leaf
+        src = buf.view
+        nbytes = src.numel()
+        with leaf.entered(self.device):
+            compute = self.compute
+            with leaf.using(compute):
+                dst = leaf.empty(nbytes + misalign, self.device)
+            shift = (misalign - dst.data_ptr()) % ALIGN
+            if shift + nbytes > dst.numel():  # an allocator whose blocks are not aligned
+                with leaf.using(compute):
+                    dst = leaf.empty(nbytes + ALIGN, self.device)
+                shift = (misalign - dst.data_ptr()) % ALIGN
+            self.h2d.wait_stream(compute)       # the block may still be read there (rule 5)
+            with leaf.using(self.h2d):
+                leaf.copy(dst[shift:shift + nbytes], src)
+            ready = leaf.new_event()
             ready.record(self.h2d)
+            leaf.record_stream(dst, self.h2d)   # not reused before the copy ends (rule 5)
+            buf.after(ready)                    # the staging, likewise (rule 4)
         return dst.untyped_storage(), shift, ready
 
     def consume(self, storage, ready) -> None:
-        """Make the current stream wait for a load and keep its block from early reuse."""
-        consumer = torch.cuda.current_stream(self.device)
+        """Make the current stream wait for a load and keep its block from early reuse
+        (rule 7). Called by unpack, under the store lock."""
+        leaf = self.leaf
+        consumer = leaf.current_stream(self.device)
+        self.compute = consumer
         if ready is not None:
             consumer.wait_event(ready)
-        _bytes_view(storage, 0, storage.nbytes(), self.device).record_stream(consumer)
+        leaf.record_stream(_bytes_view(leaf, storage, 0, storage.nbytes(), self.device),
+                           consumer)
 
     def close(self) -> None:
-        self._waiter.shutdown(wait=True)
+        self._waiter.shutdown(wait=True)  # writes waiting for a copy are submitted first
+        self.pool.release()
 
 
-# ------------------------------------------------------------------ for tools (ssdtrain check)
-def default_device() -> torch.device:
-    """The device a tool runs a model on when none is named: CUDA where available."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op off CUDA): for timing a step."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def rng_state(device: torch.device) -> dict:
-    """The random-number state a step on ``device`` draws from: the CPU generator's, and
-    the device's own on CUDA (``{"cpu": ..., "cuda": ...}``)."""
-    state = {"cpu": torch.random.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    """Restore what :func:`rng_state` returned."""
-    torch.random.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+def __getattr__(name):
+    # The GPUDirect Storage probe's device memory lives in the CUDA leaf; api.py and
+    # _config.py import it from here.
+    if name == "GDS_PROBE_MEMORY":
+        from ._cuda import GDS_PROBE_MEMORY
+        return GDS_PROBE_MEMORY
+    raise AttributeError(name)

@@ -17,6 +17,7 @@ import collections
 import functools
 
 from . import _checksum
+from ._device import device_misalign
 from ._records import GEOMETRY_ALIGN, State
 from ._spill import BLOCK
 from .io.base import then
@@ -170,8 +171,9 @@ class Prefetch:
             if self.cfg.verify:
                 fut = then(fut, functools.partial(_verify, rec, rec.crc, slot, address,
                                                   rec.nbytes))
-        if dev is not None:
-            fut = then(fut, functools.partial(dev.stage_in, buf))
+        if dev is not None:  # NOTE [ Device records ] in _device.py: rules 5-7
+            fut = then(fut, functools.partial(dev.stage_in, buf,
+                                              device_misalign(rec.ptr, rec.lo)))
         return fut
 
     def _read_done_locked(self, rec, fut):

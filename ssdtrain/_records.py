@@ -11,6 +11,8 @@ checks the move against ``TRANSITIONS`` (an illegal move is a bug: it raises
     PENDING   yes (the tensor)  no        no              WRITING (tail overflow, plan "offload")
                                                           KEPT    (forward ended, plan "keep",
                                                                    max_spill_bytes reached)
+                                                          FAILED  (its write was due and the
+                                                                   storage was resized/replaced)
     WRITING   yes (the tensor)  landing   write           ON_DISK (write done: bytes dropped)
                                                           LOADED  (write done, prefetch pinned it)
                                                           KEPT    (write failed and
@@ -75,7 +77,7 @@ class State(enum.Enum):
 
 _S = State
 TRANSITIONS = {
-    _S.PENDING: frozenset({_S.WRITING, _S.KEPT, _S.FREED}),
+    _S.PENDING: frozenset({_S.WRITING, _S.KEPT, _S.FAILED, _S.FREED}),
     _S.WRITING: frozenset({_S.ON_DISK, _S.LOADED, _S.KEPT, _S.FAILED, _S.FREED}),
     _S.KEPT: frozenset({_S.FREED}),
     _S.ON_DISK: frozenset({_S.LOADING, _S.FREED}),

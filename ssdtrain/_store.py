@@ -108,7 +108,7 @@ import torch
 from . import _fork
 from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
-from ._device import is_device_tensor
+from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._policy import TRACKER, is_offloadable_kind
 from ._spill import BLOCK
@@ -159,7 +159,10 @@ class Store(WriteBack, Prefetch):
         # mappings (NOTE [ Unmapping off the training thread ] in _readbuf.py).
         self._graveyard = collections.deque()
         self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
-        self._devices = {}                     # torch.device -> DeviceTransfers
+        self._devices = {}                     # (leaf, device) -> DeviceTransfers
+        self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
+        self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
+                                               # take the device path
         self._warned = set()                   # warnings already logged (once per store)
         self._forked = False
         self._extra_slots = set()              # slots allocated outside records (bandwidth probe)
@@ -249,6 +252,11 @@ class Store(WriteBack, Prefetch):
                 or (t.requires_grad and t.grad_fn is None):
             stats.kept_bytes += nbytes
             return Kept(t)
+        leaf = leaf_of(t, self.loopback)
+        if leaf is not None and leaf.capturing(leaf.device(t)):
+            # A CUDA graph capture: no event, no staging (NOTE [ Device records ], rule 8).
+            stats.kept_bytes += nbytes
+            return Kept(t)
         storage = t.untyped_storage()
         key = storage_key(storage)
         if TRACKER.contains(key):
@@ -260,13 +268,13 @@ class Store(WriteBack, Prefetch):
         choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
         with self._lock:
             handle = self._guarded_locked(self._pack_locked, t, storage, key, version, extent,
-                                         nbytes, choice)
+                                         nbytes, choice, leaf)
         self._after_hook(self._write_overdue())
         if self._over_write_behind():
             self._throttle()
         return handle
 
-    def _pack_locked(self, t, storage, key, version, extent, nbytes, choice):
+    def _pack_locked(self, t, storage, key, version, extent, nbytes, choice, leaf=None):
         self._check_open()
         if self._errors:
             raise _copy(self._errors.pop(0))
@@ -284,8 +292,8 @@ class Store(WriteBack, Prefetch):
             lo, hi = record_range(extent, storage.nbytes())
             rec = Record(key, StorageWeakRef(storage), lo, hi, version, t.detach(), self._seq,
                          storage)
-            if is_device_tensor(t):
-                rec.device = self._transfers(t.device)
+            if leaf is not None:  # NOTE [ Device records ] in _device.py
+                rec.device = self._transfers(leaf, leaf.device(t))
                 rec.produced = rec.device.produced()
             self._registry.setdefault(key, []).append(rec)
             self._live += 1
@@ -310,11 +318,16 @@ class Store(WriteBack, Prefetch):
         rec.tokens.add(handle.token); rec.unseen.add(handle.token)  # noqa: E702 (NOTE [ Store lock discipline ])
         return handle  # a tail beyond keep_tail_bytes: written by the I/O thread
 
-    def _transfers(self, device):
-        dev = self._devices.get(device)
+    def _transfers(self, leaf, device):
+        dev = self._devices.get((leaf, device))
         if dev is None:
-            from ._device import DeviceTransfers  # the only import of CUDA code
-            dev = self._devices[device] = DeviceTransfers(device, self.engine.device_memory)
+            from ._device import DeviceTransfers, StagingPool
+            pool = self._staging.get(leaf)
+            if pool is None:  # idle staging kept for reuse: what may be in flight at once
+                pool = self._staging[leaf] = StagingPool(
+                    leaf, self.stats, self.cfg.write_behind_bytes + self.cfg.prefetch_bytes)
+            dev = self._devices[(leaf, device)] = DeviceTransfers(
+                leaf, device, self.engine.device_memory, pool)
         return dev
 
     # ----------------------------------------------------------------- backward
@@ -404,8 +417,8 @@ class Store(WriteBack, Prefetch):
     def _use_locked(self, rec, handle):
         """The unpacked view of a resident record."""
         storage, base = rec.storage, rec.base
-        if rec.device is not None:
-            rec.device.consume(storage, rec.ready)
+        if rec.device is not None:  # a load's copy, or (in memory) the producer: rule 7
+            rec.device.consume(storage, rec.produced if rec.ready is None else rec.ready)
         if handle.token in rec.unseen:
             rec.unseen.discard(handle.token)
             if rec.prefetched:
@@ -501,6 +514,7 @@ class Store(WriteBack, Prefetch):
         that the hooks get the lock between requests, and release the graveyard outside
         the lock, until nothing is left."""
         while True:
+            self._reserve_staging()  # a pinned allocation, if one is due, outside the lock
             with self._lock:
                 more = self._guarded_locked(self._start_one_locked)
             self._bury()
@@ -841,8 +855,8 @@ class Store(WriteBack, Prefetch):
             self._trim_tail_locked()
             self._pump_locked()
         pending = []
-        for group in self._registry.values():
-            for r in group:
+        for group in list(self._registry.values()):  # completing a write may free a record
+            for r in list(group):
                 f = r.future
                 if f is None:
                     continue

@@ -50,6 +50,12 @@ class WriteBack:
         state moves before the submission: a record seen WRITING with no future is one
         whose submission was interrupted (``Store._repair_locked`` handles it).
         """
+        if rec.storage_changed():
+            # resize_()/set_ after pack: the bytes are gone; writing (or staging a device
+            # record) would read freed memory.
+            self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
+                                                 "replaced (untyped_storage().resize_() or set_)"))
+            return
         dev, ready = rec.device, None
         if dev is None:
             address = rec.storage.data_ptr() + rec.base
@@ -63,11 +69,6 @@ class WriteBack:
                                 "writing (%s: %s); such records stay in device memory.",
                                 type(e).__name__, e)
                 return
-        if rec.storage_changed():
-            # resize_()/set_ after pack: the bytes are gone; writing would read freed memory.
-            self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
-                                                 "replaced (untyped_storage().resize_() or set_)"))
-            return
         rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
         rec.submitted = False
         self._move_locked(rec, State.WRITING)
@@ -131,8 +132,8 @@ class WriteBack:
             else:
                 self.stats.offloaded_bytes += rec.nbytes
                 self.stats.records_written += 1
-                if self.cfg.verify and rec.device is None:
-                    rec.crc = fut.result()
+                if self.cfg.verify and (rec.device is None or not rec.device.direct):
+                    rec.crc = fut.result()  # of the bytes written (host memory or staging)
                 if rec.pinned:  # prefetch reached it before the write ended: keep the bytes
                     self._move_locked(rec, State.LOADED)
                     rec.source = rec.produced = None
@@ -143,6 +144,34 @@ class WriteBack:
         rec.future = None
         if not rec.tokens:
             self._free_locked(rec)
+
+    def _reserve_staging(self):
+        """The I/O thread, before it takes the lock: when the next write or prefetch read
+        due is a device record's, make sure its staging pool has a buffer for it, so that
+        the pinned allocation (milliseconds) runs outside the lock (NOTE [ Device
+        records ]). Reads the tail and the prefetch queue without the lock: a hint."""
+        if not self._staging:
+            return
+        for rec in (self._next_write_hint(), self._next_read_hint()):
+            dev = None if rec is None else rec.device
+            if dev is not None and not dev.direct:
+                try:
+                    dev.pool.reserve(rec.nbytes)
+                except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
+                    pass
+
+    def _next_write_hint(self):
+        try:
+            return next(iter(self._tail)) if self._write_overdue() else None
+        except (StopIteration, RuntimeError):  # emptied or changed meanwhile
+            return None
+
+    def _next_read_hint(self):
+        try:
+            queue = self._passes[-1].queue if self._read_due() else None
+            return queue[0] if queue else None
+        except (IndexError, AttributeError, RuntimeError):  # changed meanwhile
+            return None
 
     def _fail_locked(self, rec, exc):
         """Any state -> FAILED: ``exc`` is raised when backward needs the record."""

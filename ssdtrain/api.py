@@ -65,6 +65,11 @@ class Stats:
     """Bytes of records whose request submission was cut short by an interrupt: their memory
     (and, for writes, disk slot) is kept for the rest of the process, since the request may
     still touch it (docs/failure.md)."""
+    staging_bytes: int = 0
+    """Pinned host memory held now for device records' copies (in use, and idle for reuse;
+    NOTE [ Device records ] in _device.py)."""
+    peak_staging_bytes: int = 0
+    """The most pinned host memory held for device records' copies at once."""
 
     def summary(self) -> str:
         """One line for logs."""

@@ -52,8 +52,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ._config import OffloadConfig
-from ._device import default_device, rng_state as _rng_state, set_rng_state as _set_rng_state
-from ._device import synchronize as _sync
+from ._cuda import default_device, rng_state as _rng_state, set_rng_state as _set_rng_state
+from ._cuda import synchronize as _sync
 from ._errors import ConfigError, SSDTrainError
 
 __all__ = ["check_model", "CheckResult", "Mismatch", "main"]

@@ -67,7 +67,11 @@ KiB = 1024
 
 # The store, as split by the rebuild; whichever of them exist are traced.
 STORE_MODULES = ("_store.py", "_records.py", "_writeback.py", "_prefetch.py", "_readbuf.py",
-                 "_spill.py")
+                 "_spill.py", "_device.py")
+# SSDTRAIN_INJECT_LOOPBACK=1 (inherited by the child processes): every offloader made here
+# takes its CPU tensors for device memory of a loopback device (ssdtrain/_loopback.py), so
+# the sweeps run over the device path (NOTE [ Device records ] in _device.py).
+LOOPBACK_ENV = "SSDTRAIN_INJECT_LOOPBACK"
 
 
 def store_files() -> frozenset:
@@ -362,7 +366,16 @@ def make_offloader(spill_dir, **overrides):
     broken by an interrupt may never close."""
     cfg = dict(Scenario.CONFIG, spill_dir=str(spill_dir))
     cfg.update(overrides)
-    return ssdtrain.Offloader(ssdtrain.OffloadConfig(**cfg))
+    return maybe_loopback(ssdtrain.Offloader(ssdtrain.OffloadConfig(**cfg)))
+
+
+def maybe_loopback(off):
+    """``off``, with a loopback device attached when ``SSDTRAIN_INJECT_LOOPBACK=1``: every
+    CPU tensor it saves takes the device path, its copies a little late."""
+    if os.environ.get(LOOPBACK_ENV) == "1":
+        from ssdtrain._loopback import LoopbackDevice, attach
+        attach(off, LoopbackDevice(claim_host_tensors=True, d2h_delay=0.001, h2d_delay=0.001))
+    return off
 
 
 def baseline(sc: Scenario, make_off, *, runs=3, n_steps=2):
@@ -422,12 +435,14 @@ class Outcome:
     quarantined: int = 0        # Stats.quarantined_bytes at the end (0 if absent)
 
 
-def settle_and_check(off, failures, *, settle_s=1.0):
+def settle_and_check(off, failures, *, settle_s=1.0, device_memory=True):
     """After every graph is dropped: wait (polling, at most ``settle_s``) for writes still
     in flight to end, then require no live record, no resident byte, no spill slot in
     use beyond ``Stats.quarantined_bytes`` (memory kept on purpose for a request that may
     be in flight), and ``check_invariants()`` where the store has it. Appends to
-    ``failures``; returns the quarantined bytes."""
+    ``failures``; returns the quarantined bytes. With a loopback device attached
+    (``SSDTRAIN_INJECT_LOOPBACK``): no error on its streams and, with ``device_memory``,
+    none of its memory in use."""
     gc.collect()
     deadline = time.monotonic() + settle_s
     while True:
@@ -448,6 +463,17 @@ def settle_and_check(off, failures, *, settle_s=1.0):
         failures.append(f"spill_bytes_in_use: {spill} bytes of spill slots in use after every "
                         f"graph was dropped (expected 0, or at most quarantined_bytes="
                         f"{quarantined})")
+    dev = getattr(off._store, "loopback", None)
+    if dev is not None:  # the device path: its memory back, no error on its streams
+        deadline = time.monotonic() + settle_s
+        while device_memory and dev.in_use() and time.monotonic() < deadline:
+            time.sleep(0.01)
+            gc.collect()
+        if dev.in_use() and device_memory:
+            failures.append(f"loopback: {dev.in_use()} bytes of device memory still in use "
+                            f"after every graph was dropped (expected 0)")
+        if dev.errors:
+            failures.append(f"loopback: work on its streams raised {dev.errors[:3]!r}")
     check = getattr(off._store, "check_invariants", None)
     if check is not None:
         try:
@@ -861,6 +887,8 @@ def _main(argv=None):
     parser.add_argument("--max-failing", type=int, default=10)
     parser.add_argument("--case-timeout-s", type=float, default=60.0,
                         help="dump every thread's stack and exit if one case runs this long")
+    parser.add_argument("--only", default="",
+                        help="sweep only these store modules (comma-separated file names)")
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-bound-s", type=float, default=15.0,
@@ -892,6 +920,8 @@ def _main(argv=None):
             tgts = targets(counts, full=args.select == "full")
             if args.select != "full":
                 tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]
+            if args.only:
+                tgts = [t for t in tgts if os.path.basename(t[0]) in args.only.split(",")]
             if tfile:
                 with open(tfile + ".tmp", "w") as f:
                     json.dump(dict(digest=_digest(), targets=tgts), f)

@@ -1,7 +1,9 @@
-"""The GPU data path (``ssdtrain/_device.py``, NOTE [ Device records ]).
+"""The GPU data path (``ssdtrain/_device.py`` with its CUDA leaf ``ssdtrain/_cuda.py``,
+NOTE [ Device records ]).
 
-These tests need a CUDA device and are skipped without one (CI has none). They
-check INV-OWNED and INV-EXACT (docs/ARCHITECTURE.md) where they can actually break:
+These tests need a CUDA device and are skipped without one (CI has none; there the
+same store code runs on the loopback device: tests/test_loopback*.py). They check
+INV-OWNED and INV-EXACT (docs/ARCHITECTURE.md) where they can actually break:
 
 * bitwise gradients of CUDA models, with every record written and read back, over
   every engine usable on the machine (staged through pinned memory, or GPUDirect
@@ -9,7 +11,10 @@ check INV-OWNED and INV-EXACT (docs/ARCHITECTURE.md) where they can actually bre
 * forward never synchronizes with the device (``set_sync_debug_mode("error")``);
 * a slow producer kernel (``torch.cuda._sleep``) still running when pack is called:
   the write must wait for it, not copy garbage; and a slow consumer: a loaded block
-  must not be handed out again while backward still reads it.
+  must not be handed out again while backward still reads it;
+* loads keep the saved tensor's address modulo 512, are allocated for the compute
+  stream (their memory is reused there), pinned staging is counted in Stats, and a
+  tensor saved inside a CUDA graph capture stays in memory.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def _deterministic():
 
 
 def _engines(directory):
-    from ssdtrain._device import GDS_PROBE_MEMORY
+    from ssdtrain._cuda import GDS_PROBE_MEMORY
     from ssdtrain.io import gds, native
     names = ["posix"] + (["native"] if native.available() else [])
     if not gds.probe(str(directory), GDS_PROBE_MEMORY):
@@ -158,9 +163,11 @@ def test_write_waits_for_the_stream_that_produced_it(engine, make_offloader):
         del y, z
     off.wait()
     torch.cuda.synchronize()
+    stats = off.stats()
+    assert stats.records_written == 1, stats   # y; z stays in the kept tail (in memory)
     (out1 + out2).backward()
     torch.cuda.synchronize()
-    assert off.stats().bytes_read >= 2 * n * 4, off.stats()
+    assert off.stats().bytes_read == n * 4, off.stats()  # y, read back from the disk
     got = sorted((t[0] for t in sink), key=lambda t: float(t[0] / x[0]))
     assert torch.equal(got[0], x * 3) and torch.equal(got[1], x * 5)
 
@@ -237,3 +244,82 @@ def test_cuda_record_uses_the_device_path(make_offloader):
     stats = off.stats()
     assert stats.offloaded_bytes >= t.numel() * 4 and stats.bytes_read >= t.numel() * 4, stats
     assert back.device == t.device and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("offset", [1, 16, 64, 100])
+def test_load_keeps_the_saved_address_modulo_512(engine, make_offloader, offset):
+    """A record covering a slice of its storage comes back at the same device address
+    modulo 512 (rule 6), so alignment-picked kernels give the same bits."""
+    off = make_offloader(engine=engine, min_tensor_bytes=0, keep_tail_bytes=0,
+                         prefetch_bytes=0)
+    base = torch.randn(1 << 18, device="cuda")
+    t = base[offset:offset + (1 << 16)]          # under half the storage: its own record
+    (back,) = save_and_unpack([t], off)
+    assert off.stats().bytes_read == t.numel() * 4
+    assert back.data_ptr() % 512 == t.data_ptr() % 512
+    assert torch.equal(back, t)
+
+
+def test_loads_are_allocated_for_the_compute_stream(make_offloader):
+    """Loads come from the compute stream's pool (rule 5): once backward is done with
+    them, allocations of the same size on that stream reuse their memory. The saved
+    tensors stay alive (the test holds them), so only the loads can serve those
+    allocations; loads allocated on the prefetch stream made reserved memory grow."""
+    k, n = 4, 1 << 20
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    off = make_offloader(min_tensor_bytes=0, keep_tail_bytes=0, prefetch_bytes=k * n * 4)
+    xs = [torch.full((n,), float(i), device="cuda") for i in range(k)]
+    anchor, sink = torch.zeros((), requires_grad=True), []
+    out = anchor
+    with off:
+        for x in xs:
+            out = SaveForBackward.apply(out, sink, x)
+        off.wait()
+    out.backward()
+    assert [float(t[0][0]) for t in sink] == [float(i) for i in reversed(range(k))]
+    assert off.stats().bytes_read == k * n * 4
+    del out, sink
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    again = [torch.empty(n, device="cuda") for _ in range(k)]
+    assert torch.cuda.memory_reserved() == reserved, \
+        "the loads' memory was not reusable by the compute stream"
+    del again, xs
+
+
+def test_staging_is_counted_in_stats(make_offloader):
+    """Pinned staging is counted (Stats.staging_bytes, peak_staging_bytes) in the sizes
+    the caching host allocator really reserves (powers of two), and reused."""
+    off = make_offloader(engine="posix", min_tensor_bytes=0, keep_tail_bytes=0)
+    n = (1 << 20) + 1024                          # bytes: 1 MiB + 1 KiB -> 2 MiB blocks
+    for _ in range(2):
+        t = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+        (back,) = save_and_unpack([t], off)
+        assert torch.equal(back, t)
+    stats = off.stats()
+    assert stats.staging_bytes > 0 and stats.staging_bytes % (2 << 20) == 0, stats
+    assert stats.peak_staging_bytes >= stats.staging_bytes, stats
+
+
+def test_pack_inside_a_graph_capture_keeps_the_tensor(make_offloader):
+    """A tensor saved while the current stream captures a CUDA graph stays in memory
+    (rule 8): no event is recorded and nothing is staged inside the capture."""
+    off = make_offloader(min_tensor_bytes=0, keep_tail_bytes=0)
+    x = torch.randn(1 << 16, device="cuda")
+    anchor, sink = torch.zeros((), requires_grad=True), []
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = x * 3                                 # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph), off:
+        y = x * 3
+        out = SaveForBackward.apply(anchor, sink, y)
+    graph.replay()
+    torch.cuda.synchronize()
+    out.backward()
+    stats = off.stats()
+    assert stats.offloaded_bytes == 0 and stats.kept_bytes >= y.numel() * 4, stats
+    assert torch.equal(sink[0][0], x * 3)

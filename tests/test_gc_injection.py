@@ -301,8 +301,8 @@ def _child(argv):
     reference = [_step(model, b, None) for b in batches]
     gc.collect()
     gc.freeze()  # keep each forced collection cheap: only new objects are scanned
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=args.spill, engine=args.engine,
-                                                    **CONFIG))
+    off = inject.maybe_loopback(ssdtrain.Offloader(ssdtrain.OffloadConfig(
+        spill_dir=args.spill, engine=args.engine, **CONFIG)))
     counter = GCInLocks(off) if args.mode == "locks" else None
     if args.threshold != "default":
         gc.set_threshold(*(int(v) for v in args.threshold.split(",")))
@@ -319,7 +319,9 @@ def _child(argv):
             max_live = max(max_live, _live_after_gc(off))
     gc.set_threshold(700, 10, 10)
     failures = []
-    quarantined = inject.settle_and_check(off, failures)
+    # Device memory is not checked: this model keeps read-back tensors in reference cycles
+    # that outlive the steps (the host path's read buffers stay in use the same way).
+    quarantined = inject.settle_and_check(off, failures, device_memory=False)
     stats = off.stats()
     result = dict(steps=args.steps, wrong=wrong, failures=failures, max_live_after_gc=max_live,
                   quarantined=quarantined, records_read=stats.records_read,

@@ -8,7 +8,7 @@ alike), resolved to module names and checked against the diagram:
       -> io/ (ssdtrain/io/)
       -> leaves: _errors, _align, _fork, _C            (import nothing from ssdtrain)
 
-plus: only ``ssdtrain/_device.py`` touches ``torch.cuda``; comments and docstrings
+plus: only ``ssdtrain/_cuda.py`` (the CUDA leaf of ``_device.py``) touches ``torch.cuda``; comments and docstrings
 point inside the repository, and every invariant they cite by name is defined in
 docs/ARCHITECTURE.md ("Invariants"). Each failure lists ``file:line: what``.
 """
@@ -32,9 +32,9 @@ EXTENSIONS = {"ssdtrain._C"}
 # the estimator behind `estimate.py` (it fills in an `api.Stats`), so it sits up here.
 TOP_PRIVATE = {"ssdtrain.__main__", "ssdtrain._estimate"}
 # The only module that may touch torch.cuda, and those that may import a CUDA library.
-CUDA_MODULE = "ssdtrain._device"
+CUDA_MODULE = "ssdtrain._cuda"
 CUDA_LIBRARIES = {"kvikio", "cupy", "cuda", "pynvml", "cuda_python"}
-CUDA_LIBRARY_MODULES = {"ssdtrain._device", "ssdtrain.io.gds"}
+CUDA_LIBRARY_MODULES = {"ssdtrain._cuda", "ssdtrain.io.gds"}
 
 
 def _module_name(path: Path) -> str:
@@ -191,7 +191,7 @@ def _cuda_uses(path: Path):
 
 
 def test_only_device_touches_cuda():
-    """(b) torch.cuda only in ssdtrain/_device.py; CUDA libraries (kvikio, cupy) only
+    """(b) torch.cuda only in ssdtrain/_cuda.py; CUDA libraries (kvikio, cupy) only
     there and in ssdtrain/io/gds.py."""
     bad = []
     for mod, path in MODULES.items():
@@ -202,8 +202,8 @@ def test_only_device_touches_cuda():
             if (torch_cuda and mod != CUDA_MODULE) or \
                     (not torch_cuda and mod not in CUDA_LIBRARY_MODULES):
                 bad.append(f"{_where(path, line)}: {mod} uses {what}")
-    assert not bad, _report(bad, "CUDA uses outside ssdtrain/_device.py")
-    assert list(_cuda_uses(MODULES[CUDA_MODULE])), "the scan no longer sees _device's CUDA"
+    assert not bad, _report(bad, "CUDA uses outside ssdtrain/_cuda.py")
+    assert list(_cuda_uses(MODULES[CUDA_MODULE])), "the scan no longer sees _cuda's CUDA"
 
 
 def _private(mod: str) -> bool:

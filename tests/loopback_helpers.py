@@ -1,0 +1,79 @@
+"""Helpers for the tests of the device path on the loopback device (ssdtrain/_loopback.py).
+
+Kernels here act as GPU kernels do: they read or write device memory by address when
+they run, and hold no reference to it, so a block freed and reused meanwhile is read
+or overwritten as it is then (the hazards NOTE [ Device records ] orders against).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ssdtrain._loopback import LoopbackDevice, attach
+
+__all__ = ["LoopbackDevice", "attach", "loopback_offloader", "write_later", "read_later",
+           "SaveForBackward", "SlowRead"]
+
+
+def loopback_offloader(make_offloader, dev=None, **cfg):
+    """An offloader (the ``make_offloader`` fixture) with a loopback device attached."""
+    off = make_offloader(**cfg)
+    attach(off, dev if dev is not None else LoopbackDevice())
+    return off
+
+
+def write_later(dev, t, value, seconds=0.0):
+    """A kernel on the current stream that fills device tensor ``t`` with ``value`` after
+    ``seconds`` (a slow producer). Holds no reference to ``t``."""
+    src = torch.full_like(t, value, device="cpu")  # host memory: the kernel's "constant"
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    dev.kernel(lambda: ctypes.memmove(ptr, src.data_ptr(), nbytes), seconds=seconds)
+
+
+def read_later(dev, t, sink, seconds=0.0):
+    """A kernel on the current stream that copies device tensor ``t`` into a new host
+    tensor appended to ``sink`` after ``seconds`` (a slow consumer). Holds no reference
+    to ``t``: it reads whatever is at its address when it runs."""
+    ptr, nbytes, like = t.data_ptr(), t.numel() * t.element_size(), torch.empty_like(t)
+
+    def run():
+        ctypes.memmove(like.data_ptr(), ptr, nbytes)
+        sink.append(like)
+    dev.kernel(run, seconds=seconds)
+
+
+class SaveForBackward(torch.autograd.Function):
+    """``apply(anchor, sink, *tensors)``: saves ``tensors``; backward appends clones of
+    what it got back to ``sink`` (host ops: on the loopback's default stream they run
+    once the loads have landed)."""
+
+    @staticmethod
+    def forward(ctx, anchor, sink, *tensors):
+        ctx.sink = sink
+        ctx.save_for_backward(*tensors)
+        return anchor * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.append([t.clone() for t in ctx.saved_tensors])
+        return (grad, None) + (None,) * len(ctx.needs_input_grad[2:])
+
+
+class SlowRead(torch.autograd.Function):
+    """``apply(anchor, dev, sink, t, seconds)``: saves ``t``; backward queues a kernel on
+    the current stream that reads it after ``seconds`` (:func:`read_later`) and returns
+    at once, as backward on a GPU does."""
+
+    @staticmethod
+    def forward(ctx, anchor, dev, sink, t, seconds):
+        ctx.dev, ctx.sink, ctx.seconds = dev, sink, seconds
+        ctx.save_for_backward(t)
+        return anchor * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        (t,) = ctx.saved_tensors
+        read_later(ctx.dev, t, ctx.sink, ctx.seconds)
+        return grad, None, None, None, None

@@ -1,0 +1,59 @@
+"""The interrupt and garbage-collection sweeps over the device path.
+
+tests/test_interrupts.py raises KeyboardInterrupt at every line of the store modules
+(``_device.py`` included) that its scenario runs on the training thread, and
+tests/test_gc_injection.py runs a garbage collection inside every locked region of the
+store; here both run with a loopback device attached (ssdtrain/_loopback.py,
+``SSDTRAIN_INJECT_LOOPBACK=1`` in their child processes), so every record is a device
+record: staged through pinned memory, copied on the loopback's streams, loaded for the
+compute stream. The checks are theirs, plus: no device memory left in use, no error
+on the device's streams.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import inject
+import test_gc_injection
+import test_interrupts
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch):
+    monkeypatch.setenv(inject.LOOPBACK_ENV, "1")
+
+
+def _sweep(spill_dir, only=""):
+    extra = ("--only", only) if only else ()
+    result, base = inject.sweep_in_children("posix", "first", spill_dir, budget_s=600,
+                                            extra=extra)
+    print(result.summary())
+    assert base is not None, result.stopped
+    if result.failing or result.stopped:
+        pytest.fail(result.message(), pytrace=False)
+    assert len(result.outcomes) == base["targets"] > 20, result.summary()
+    assert sum(o.fired for o in result.outcomes) >= 0.5 * len(result.outcomes), \
+        result.summary()
+
+
+def test_interrupt_at_each_device_line(spill_dir):
+    """KeyboardInterrupt at the first run of every line of ``_device.py`` the scenario
+    runs on the training thread (pack's event, unpack's wait, staging on a miss), every
+    record a device record (posix engine)."""
+    _sweep(spill_dir, only="_device.py")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not test_interrupts.FULL, reason="set SSDTRAIN_INTERRUPT_FULL=1 (every "
+                                                     "store line on the device path: minutes)")
+def test_interrupt_at_each_store_line_on_the_device_path(spill_dir):
+    """KeyboardInterrupt at the first run of every store line, on the device path."""
+    _sweep(spill_dir)
+
+
+def test_gc_inside_every_locked_region_on_the_device_path(spill_dir):
+    """Forced collections in every store lock (staging is taken under the store's), read-back
+    saved tensors dying in reference cycles: no deadlock, exact, nothing left."""
+    r = test_gc_injection._run("locks", spill_dir, threshold="default", steps=20, timeout=90)
+    assert any(r["inside_found"].values()), r["inside"]
