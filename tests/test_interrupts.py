@@ -168,23 +168,38 @@ def test_interrupt_at_each_step_line_full(spill_dir, mode, engine):
     _step_sweep(spill_dir, mode, engine, "full", "", budget_s=FULL_BUDGET_S)
 
 
-def test_interrupted_exit_does_not_brick_the_offloader(spill_dir):
-    """Issue 21, item 1: a KeyboardInterrupt landing in ``Offloader.__exit__`` (here: at
-    each of its lines, and inside the hooks' removal) used to leave the forward marked
-    open, and every later ``with off:`` raised "already open". Now the next step
-    completes the cut-short exit and is exact; nothing stays live."""
-    import ssdtrain
-    from ssdtrain import api
+@pytest.mark.parametrize("where", ["entry", "unhook"])
+def test_interrupted_exit_does_not_brick_the_offloader(spill_dir, where):
+    """Issue 21, item 1: a KeyboardInterrupt landing in ``Offloader.__exit__`` (at its entry,
+    before it does anything; or while it removes the hooks) used to leave the forward
+    marked open, and every later ``with off:`` raised "already open". Now the next
+    ``with off:`` completes the cut-short exit, its step is exact, and nothing is left."""
+    import dis
+    import sys
 
+    import ssdtrain
+
+    fn = ssdtrain.Offloader.__exit__ if where == "entry" else \
+        getattr(ssdtrain.Offloader, "_unhook", None) or ssdtrain.Offloader._stop_hooks
+    code = fn.__code__
+    line = min(ln for _, ln in dis.findlinestarts(code) if ln and ln > code.co_firstlineno)
     sc = inject.Scenario()
-    exit_code = ssdtrain.Offloader.__exit__.__code__
-    lines = sorted({ln for _, ln in __import__("dis").findlinestarts(exit_code) if ln})
-    lines += sorted({ln for _, ln in __import__("dis").findlinestarts(
-        getattr(api.Offloader, "_unhook", api.Offloader.__exit__).__code__) if ln})
-    for line in lines:
-        off = inject.make_offloader(spill_dir, engine="posix")
-        outcome = inject.run_case(sc, off, (exit_code.co_filename, line, 1, 1))
-        assert not outcome.failures, (line, outcome)
+    off = inject.make_offloader(spill_dir, engine="posix")
+    injector = inject.InterruptAt(code.co_filename, line, 1)
+    with pytest.raises(KeyboardInterrupt):
+        sys.settrace(injector)
+        try:
+            sc.step(0, off)
+        finally:
+            sys.settrace(None)
+    assert injector.fired
+    for i in (1, 2):  # the same Offloader: no "already open", exact
+        assert sc.compare(i, sc.step(i, off)) is None
+    fails = []
+    inject.settle_and_check(off, fails)
+    off.close()
+    inject.check_released(sc, None, fails)
+    assert not fails, fails
 
 
 @pytest.mark.parametrize("engine", ENGINES)
