@@ -654,9 +654,13 @@ def check_released(sc, base, failures, *, settle_s=2.0):
         failures.append("leak: saved-tensor hooks left on the training thread's stack")
         while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()  # isolate the next case
-    if TRACKER._users or TRACKER._registered():
-        failures.append(f"leak: the module-state tracker still runs ({len(TRACKER._users)} "
-                        f"users, hook registered: {TRACKER._registered()})")
+    users = TRACKER._users  # a set of users (a count before issue 21)
+    users = users if isinstance(users, int) else len(users)
+    registered = TRACKER._registered() if hasattr(TRACKER, "_registered") else \
+        TRACKER._hook is not None
+    if users or registered:
+        failures.append(f"leak: the module-state tracker still runs ({users} users, hook "
+                        f"registered: {registered})")
     for name, m in sc.model.named_modules():
         if m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__:
             failures.append(f"leak: module {name or 'model'} still has ssdtrain hooks or a "
