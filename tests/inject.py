@@ -643,7 +643,7 @@ def resources():
             sorted(t.name for t in threading.enumerate()))
 
 
-def check_released(sc, base, failures, *, settle_s=2.0):
+def check_released(sc, base, failures, *, settle_s=5.0):
     """After ``close()``: no saved-tensor hooks left on this thread's stack, the
     module-state tracker stopped, no hook or recompute wrapper left on ``sc.model``, and
     (given ``base``, a :func:`resources` snapshot) file descriptors and threads back to
@@ -654,7 +654,7 @@ def check_released(sc, base, failures, *, settle_s=2.0):
         failures.append("leak: saved-tensor hooks left on the training thread's stack")
         while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()  # isolate the next case
-    users = TRACKER._users  # a set of users (a count before issue 21)
+    users = TRACKER._users  # a set of users (a count in earlier versions)
     users = users if isinstance(users, int) else len(users)
     registered = TRACKER._registered() if hasattr(TRACKER, "_registered") else \
         TRACKER._hook is not None

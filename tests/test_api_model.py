@@ -20,7 +20,7 @@ engine, every activation of their small models offloaded), each with its own mod
 Invariants after every step: no :class:`~ssdtrain.Stats` field, live-record count,
 resident or spill byte count is ever negative; no bytes are resident with no live
 record. At the end every graph and handle is dropped and each open offloader is back to
-zero live records, resident bytes and spill bytes in use. Before issue 21 (item 5),
+zero live records, resident bytes and spill bytes in use. Before this test existed,
 ``restore`` of the other offloader's handle was accepted and drove ``resident_bytes``
 negative, and ``save(None)``/``restore(tensor)`` raised ``AttributeError``.
 

@@ -116,7 +116,7 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # (profile, recompute-all, plan and probe steps all run inside the armed steps);
 # "deepspeed" sweeps the adapter's engine-forward hook. The planner (_planner.py,
 # pure arithmetic run hundreds of times per plan) and the bandwidth probe's slot
-# bookkeeping (_profile.measure_bandwidth, issue 21 item 9, rebuilt elsewhere) are in
+# bookkeeping (_profile.measure_bandwidth, its slot is not yet interrupt-safe) are in
 # the full sweep only (SSDTRAIN_INTERRUPT_FULL=1: every mode, every step module, the
 # first, middle and last run of every line, both engines).
 STEP_SWEEPS = {
@@ -170,7 +170,7 @@ def test_interrupt_at_each_step_line_full(spill_dir, mode, engine):
 
 @pytest.mark.parametrize("where", ["entry", "unhook"])
 def test_interrupted_exit_does_not_brick_the_offloader(spill_dir, where):
-    """Issue 21, item 1: a KeyboardInterrupt landing in ``Offloader.__exit__`` (at its entry,
+    """A KeyboardInterrupt landing in ``Offloader.__exit__`` (at its entry,
     before it does anything; or while it removes the hooks) used to leave the forward
     marked open, and every later ``with off:`` raised "already open". Now the next
     ``with off:`` completes the cut-short exit, its step is exact, and nothing is left."""

@@ -179,7 +179,7 @@ def test_tools_surface(tmp_path):
 
 
 def test_save_and_restore_validate_input_and_owner(make_offloader, tmp_path):
-    """Issue 21, item 5: wrong types and another offloader's handles get ssdtrain errors
+    """Wrong types and another offloader's handles get ssdtrain errors
     saying what was expected (they raised AttributeError, or corrupted both books)."""
     off = make_offloader(**DISK)
     other = ssdtrain.Offloader(spill_dir=str(tmp_path), **DISK)
