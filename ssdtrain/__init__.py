@@ -27,9 +27,9 @@ from ._config import OffloadConfig, ResolvedConfig
 from ._errors import (ConfigError, InplaceModificationError, IntegrityError,
                       OffloaderClosedError, SpillIOError, SSDTrainError)
 from ._errors import __all__ as _ERROR_NAMES
-from .api import Offloader, RecordView, Stats, keep_in_memory, offload
+from .api import Offloader, RecordView, SavedHandle, Stats, keep_in_memory, offload
 
-__all__ = ["Offloader", "OffloadConfig", "RecordView", "ResolvedConfig", "Stats", "keep_in_memory",
-           "offload", *_ERROR_NAMES]
+__all__ = ["Offloader", "OffloadConfig", "RecordView", "ResolvedConfig", "SavedHandle", "Stats",
+           "keep_in_memory", "offload", *_ERROR_NAMES]
 
 __version__ = "0.1.0"

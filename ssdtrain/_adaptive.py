@@ -327,16 +327,19 @@ class LayerPolicy:
             return inner(*args, **kwargs)
 
         forward.__ssdtrain_recompute__ = True
-        module.forward = forward
+        # Recorded before installed, removed after restored: an interrupt between the two
+        # leaves a record that remove() undoes, never a wrapper it does not know about.
         self._wrapped[i] = previous
+        module.forward = forward
 
     def _unwrap(self, i):
         module = self.profiler.modules[i]
-        previous = self._wrapped.pop(i)
+        previous = self._wrapped[i]
         if previous is _MISSING:
             module.__dict__.pop("forward", None)
         else:
             module.forward = previous
+        del self._wrapped[i]
 
     def remove(self):
         """Undo everything: module hooks, recompute wrappers."""

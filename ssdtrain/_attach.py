@@ -52,6 +52,7 @@ import weakref
 import torch
 
 from ._errors import SSDTrainError
+from ._forward import Phase, call_site, site_ended
 from ._policy import TRACKER
 
 __all__ = ["Attachment", "skip_reason"]
@@ -99,15 +100,6 @@ def _call_frame():
     return None
 
 
-def _on_stack(frame) -> bool:
-    f = sys._getframe(1)
-    while f is not None:
-        if f is frame:
-            return True
-        f = f.f_back
-    return False
-
-
 class Attachment:
     """The forward hooks that run one offloader around one module's training forwards.
 
@@ -121,7 +113,7 @@ class Attachment:
         self._module = weakref.ref(module)
         self._depth = 0          # calls of the module inside the open pass (0: none open)
         self._thread = None      # ident of the thread that opened it
-        self._frame = None       # the _call_impl frame of the call that opened it
+        self._site = None        # call_site() of the call that opened it (NOTE [ Forward phases ])
         self._exc = None         # the exception being handled when it opened (not ours)
         self.passes = 0          # passes opened (for tests and logs)
         # prepend=False: framework pre-hooks registered before us (FSDP2's unshard) run
@@ -144,6 +136,7 @@ class Attachment:
 
     # --------------------------------------------------------------- hooks
     def _pre_forward(self, module, args):
+        site = call_site(_call_frame())
         if self._depth:
             if self._thread != threading.get_ident():
                 raise SSDTrainError(
@@ -151,26 +144,33 @@ class Attachment:
                     f"attached offloader is in a forward pass opened on thread {self._thread}; "
                     f"one Offloader serves one forward at a time. Attach a separate Offloader "
                     f"per concurrently running replica.")
-            if self._frame is None or _on_stack(self._frame):
+            if self._site is None or not site_ended(self._site, site):
                 self._depth += 1  # a nested call: the outer pass owns its tensors
                 return
             log.warning("ssdtrain: the previous forward of %s did not finish (interrupted by a "
                         "BaseException such as KeyboardInterrupt?); closing its pass.",
                         type(module).__name__)
             self.close_pass(failed=True)
-        if skip_reason(module, self._offloader):
-            return
         off = self._offloader
-        off.begin_forward()
-        try:
-            off._start_hooks()
-        except BaseException:
-            off._end_forward(raise_pending=False)
-            raise
-        self._depth = 1
+        # A pass an interrupt left behind (in these hooks, or a `with` around an earlier
+        # call) is repaired first, else it would look like an enclosing one.
+        off._recover_forward(site, site)
+        if skip_reason(module, off):
+            return
+        # The bookkeeping comes first: an interrupt after it leaves a pass this
+        # attachment knows it may own (close_pass and the next call repair it).
         self._thread = threading.get_ident()
-        self._frame = _call_frame()
+        self._site = site
         self._exc = sys.exc_info()[1]
+        self._depth = 1
+        try:
+            off._open_forward(site)
+            off._hook_on(site)
+        except BaseException:
+            self._depth = 0
+            self._site = self._exc = None
+            off._repair_forward()
+            raise
         self.passes += 1
         # Parameters and buffers stay in memory (see _policy). The tracker records those
         # of modules as they run; this also covers weights the top module uses directly
@@ -198,15 +198,22 @@ class Attachment:
             failed: the forward raised; a pending write error is then left for the
                 next pack or unpack instead of replacing the forward's exception.
         """
-        if not self._depth and self._frame is None:
+        if not self._depth and self._site is None:
             return
+        site = self._site
         self._depth = 0
-        self._frame = self._exc = None
+        self._site = self._exc = None
         off = self._offloader
-        if off._hooks is not None:
-            off._stop_hooks(None, None, None)
-        if off.in_forward:
-            off._end_forward(raise_pending=not failed)
+        fwd = off._forward
+        if fwd.phase is Phase.IDLE or not fwd.owned_here():
+            return
+        off._settle_forward()  # a transition cut short is never a live one here
+        if site is not None and fwd.site != site:
+            return  # not this attachment's pass
+        if fwd.phase is Phase.INTERCEPTING:
+            off._hook_off()
+        if fwd.phase is Phase.OPEN:
+            off._close_forward(raise_pending=not failed)
 
     def remove(self) -> None:
         """Remove the hooks; a pass still open is closed first."""

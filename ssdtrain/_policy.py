@@ -33,24 +33,35 @@ class ModuleStateTracker:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._users = 0
+        self._users = set()  # whoever intercepts now (an Offloader's ForwardState)
         self._hook = None
         self._storages = {}  # storage key -> StorageWeakRef (pins the key, see _identity)
 
-    def start(self):
+    def start(self, user) -> None:
+        """``user`` intercepts: record module state while anyone does. Idempotent per user,
+        and a start or stop cut short by an interrupt is completed by the next call
+        (NOTE [ Forward phases ] in _forward.py), so a repair can always call them."""
         with self._lock:
-            self._users += 1
-            if self._users == 1:
+            self._users.add(user)
+            if not self._registered():
                 self._prune()
                 self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
                     self._pre_forward)
 
-    def stop(self):
+    def stop(self, user) -> None:
+        """``user`` stopped intercepting (a user not started is ignored)."""
         with self._lock:
-            self._users -= 1
-            if self._users == 0 and self._hook is not None:
-                self._hook.remove()
+            self._users.discard(user)
+            if not self._users and self._hook is not None:
+                self._hook.remove()  # idempotent; forgotten only once removed
                 self._hook = None
+
+    def _registered(self) -> bool:
+        h = self._hook
+        if h is None:
+            return False
+        hooks = h.hooks_dict_ref()
+        return hooks is not None and h.id in hooks
 
     def contains(self, key: int) -> bool:
         return key in self._storages

@@ -855,7 +855,9 @@ class Store(WriteBack, Prefetch):
             self._trim_tail_locked()
             self._pump_locked()
         pending = []
-        for group in list(self._registry.values()):  # completing a write may free a record
+        # Copies: completing a write whose handles are gone frees its record, which
+        # leaves its group (and an emptied group the registry).
+        for group in list(self._registry.values()):
             for r in list(group):
                 f = r.future
                 if f is None:

@@ -1,22 +1,23 @@
 """The public surface: :class:`Offloader`, :func:`offload` and :class:`Stats`."""
 
-import contextlib
 import dataclasses
 import logging
-import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ._config import OffloadConfig
 from ._device import GDS_PROBE_MEMORY
-from ._errors import ConfigError, SSDTrainError
+from ._errors import ConfigError, OffloaderClosedError, SSDTrainError
+from ._forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site, site_ended,
+                       with_site)
 from ._policy import TRACKER
 from ._spill import SpillSet
 from ._store import Store
 from .io import make_engine
 
-__all__ = ["Offloader", "offload", "Stats", "RecordView", "keep_in_memory"]
+__all__ = ["Offloader", "offload", "Stats", "RecordView", "SavedHandle", "keep_in_memory"]
 
 log = logging.getLogger("ssdtrain")
 
@@ -150,28 +151,30 @@ class Offloader:
         log.info("ssdtrain: engine %s (%s), %d I/O threads, spill_dir %s", self._stats.engine,
                  config.engine_reason, config.io_threads, config.spill_dir)
         self._store = Store(config, spill, engine, self._stats)
-        self._hooks = None
-        self._owner = None
-        self._in_forward = False
+        self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
-        self.begin_forward()
+        site = with_site()
+        self._open_forward(site)
         try:
-            self._start_hooks()
+            self._hook_on(site)
         except BaseException:
-            self._in_forward = False
-            self._store.end_pass()
+            self._repair_forward()
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if self._hooks is None:
+        fwd = self._forward
+        if fwd.phase is Phase.IDLE:
             return False
         _explain(exc)
-        self._stop_hooks(exc_type, exc, tb)
-        self._end_forward(raise_pending=exc_type is None)
+        self._settle_forward()
+        if fwd.phase is Phase.INTERCEPTING:
+            self._hook_off()
+        if fwd.phase is Phase.OPEN:
+            self._close_forward(raise_pending=exc_type is None)
         return False
 
     def begin_forward(self) -> None:
@@ -184,21 +187,82 @@ class Offloader:
 
         Raises:
             SSDTrainError: a forward pass is already open.
+            OffloaderClosedError: the offloader is closed.
         """
-        if self._in_forward:
-            raise SSDTrainError(f"ssdtrain: a forward pass of this Offloader is already open "
-                                f"(entered on thread {self._owner}); it cannot be entered twice "
-                                f"at once. End it first (exit the `with` block or call "
-                                f"end_forward()), or use one Offloader per concurrent forward.")
+        self._open_forward(None)
+
+    def _open_forward(self, site):
+        """IDLE -> OPEN: the store's pass and the layer policy's step. ``site``: the
+        ``with`` statement (or attached call) that opens it, or ``None``
+        (NOTE [ Forward phases ])."""
+        fwd = self._forward
+        self._recover_forward(site, site)
+        if fwd.phase is not Phase.IDLE:
+            raise SSDTrainError(
+                f"ssdtrain: a forward pass of this Offloader is already open (entered on thread "
+                f"{fwd.thread_name}); it cannot be entered twice at once. End it first (exit "
+                f"the `with` block or call end_forward()), or use one Offloader per concurrent "
+                f"forward. (A pass opened by a `with` block whose exit an interrupt cut short, "
+                f"in a frame that is still running, is ended by offloader.__exit__(None, None, "
+                f"None).)")
+        self._store._check_open()
         if self._layers is None and self.config.policy == "adaptive":
             raise SSDTrainError("ssdtrain: policy='adaptive' plans per layer and needs the "
                                 "layers: call offloader.track(model) before the first forward "
                                 "(or use policy='static').")
+        fwd.move(Phase.OPENING)
+        fwd.site = site
         self._store.begin_pass()
         if self._layers is not None:
             self._layers.begin_step()
-        self._in_forward = True
-        self._owner = threading.current_thread().name
+        fwd.move(Phase.OPEN)
+
+    def _recover_forward(self, site=None, hook_site=None) -> None:
+        """Before a forward operation (NOTE [ Forward phases ]): finish a transition an
+        interrupt cut short, end interception whose ``with`` block ended without its exit
+        (seen from a new entry at ``hook_site``), close a pass whose ``with`` block or
+        attached call did (seen from ``site``). A forward another live thread owns is
+        left alone."""
+        fwd = self._forward
+        if fwd.phase is Phase.IDLE or not fwd.owned_here():
+            return
+        self._settle_forward()
+        if fwd.phase is Phase.INTERCEPTING and site_ended(fwd.hook_site, hook_site):
+            log.warning("ssdtrain: the previous `with offloader:` (or intercept()) block ended "
+                        "without leaving interception (an interrupt in its exit?); leaving it "
+                        "now.")
+            self._hook_off()
+        if fwd.phase is Phase.OPEN and site_ended(fwd.site, site):
+            log.warning("ssdtrain: the previous `with offloader:` block (or attached forward) "
+                        "ended without ending its pass (an interrupt in its exit?); ending it "
+                        "now.")
+            self._close_forward(raise_pending=False)
+
+    def _settle_forward(self) -> None:
+        """Finish a transition cut short (NOTE [ Forward phases ]): a hooking or unhooking
+        ends with the hooks off (OPEN), an opening or closing with the pass closed (IDLE).
+        Each undo is idempotent, so a settle cut short is settled again."""
+        fwd = self._forward
+        if fwd.phase in (Phase.HOOKING, Phase.UNHOOKING):
+            if fwd.phase is Phase.HOOKING:
+                fwd.move(Phase.UNHOOKING)
+            self._unhook()
+            fwd.move(Phase.OPEN)
+        elif fwd.phase in (Phase.OPENING, Phase.CLOSING):
+            if fwd.phase is Phase.OPENING:
+                fwd.move(Phase.CLOSING)
+            self._close_step()
+            fwd.move(Phase.IDLE)
+
+    def _repair_forward(self) -> None:
+        """Back to IDLE from any phase, undoing what may have been done. A write error
+        pending in the store stays for the next store operation."""
+        fwd = self._forward
+        self._settle_forward()
+        if fwd.phase is Phase.INTERCEPTING:
+            self._hook_off()
+        if fwd.phase is Phase.OPEN:
+            self._close_forward(raise_pending=False)
 
     def end_forward(self) -> None:
         """End the pass opened by :meth:`begin_forward`.
@@ -210,20 +274,39 @@ class Offloader:
             SSDTrainError: no forward pass is open, or interception is still on.
             SpillIOError: a write failed.
         """
-        if self._hooks is not None:
+        self._recover_forward()
+        phase = self._forward.phase
+        if phase is Phase.INTERCEPTING:
             raise SSDTrainError("ssdtrain: end_forward() called while intercepting; leave the "
                                 "`with offloader.intercept():` block first.")
-        if not self._in_forward:
+        if phase is not Phase.OPEN:
             raise SSDTrainError("ssdtrain: end_forward() called with no open forward pass; "
                                 "call begin_forward() first.")
-        self._end_forward(raise_pending=True)
+        self._close_forward(raise_pending=True)
+
+    def _close_forward(self, raise_pending):
+        """OPEN -> IDLE (NOTE [ Forward phases ]); then the write error pending, if asked."""
+        self._forward.move(Phase.CLOSING)
+        self._close_step()
+        self._forward.move(Phase.IDLE)
+        if raise_pending:
+            self._store.raise_pending_error()
+
+    def _close_step(self):
+        if self._layers is not None:
+            self._layers.end_forward()
+        self._store.end_pass()
 
     @property
     def in_forward(self) -> bool:
         """Whether a forward pass is open (between begin and end)."""
-        return self._in_forward
+        return self._forward.phase is not Phase.IDLE
 
-    @contextlib.contextmanager
+    @property
+    def _hooks(self):
+        """The (pack, unpack) pair this offloader has pushed, or ``None``."""
+        return self._forward.hooks
+
     def intercept(self):
         """Intercept saved tensors inside an open forward pass (one layer, say).
 
@@ -243,42 +326,40 @@ class Offloader:
             off.end_forward()
             loss(x).backward()
         """
-        if not self._in_forward:
+        return _Intercept(self)
+
+    def _hook_on(self, site=None):
+        """OPEN -> INTERCEPTING: our hooks pushed, the tracker started. ``site``: the
+        ``with`` statement that intercepts, or ``None`` (NOTE [ Forward phases ])."""
+        fwd = self._forward
+        if fwd.phase is not Phase.OPEN:
+            if fwd.phase is Phase.INTERCEPTING:
+                raise SSDTrainError(
+                    f"ssdtrain: this Offloader is already intercepting (entered on thread "
+                    f"{fwd.thread_name}); it cannot be entered twice at once. Use one Offloader "
+                    f"per concurrent forward, or exit it first.")
             raise SSDTrainError("ssdtrain: intercept() needs an open forward pass; call "
                                 "begin_forward() first (or use `with offloader:`).")
-        self._start_hooks()
-        try:
-            yield self
-        except BaseException as e:
-            _explain(e)
-            self._stop_hooks(type(e), e, e.__traceback__)
-            raise
-        else:
-            self._stop_hooks(None, None, None)
+        fwd.move(Phase.HOOKING)
+        fwd.hook_site = site
+        TRACKER.start(fwd)
+        # Read on each entry: tests replace the store's hooks to spy on them.
+        fwd.push_hooks(self._store.pack, self._store.unpack)
+        fwd.move(Phase.INTERCEPTING)
 
-    def _start_hooks(self):
-        if self._hooks is not None:
-            raise SSDTrainError("ssdtrain: this Offloader is already intercepting (entered "
-                                f"on thread {self._owner}); it cannot be entered twice at once. "
-                                "Use one Offloader per concurrent forward, or exit it first.")
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._store.pack, self._store.unpack)
-        hooks.__enter__()
-        self._hooks = hooks
-        self._owner = threading.current_thread().name
-        TRACKER.start()
+    def _hook_off(self):
+        """INTERCEPTING -> OPEN."""
+        self._forward.move(Phase.UNHOOKING)
+        self._unhook()
+        self._forward.move(Phase.OPEN)
 
-    def _stop_hooks(self, exc_type, exc, tb):
-        hooks, self._hooks = self._hooks, None
-        TRACKER.stop()
-        hooks.__exit__(exc_type, exc, tb)
-
-    def _end_forward(self, raise_pending):
-        self._in_forward = False
-        if self._layers is not None:
-            self._layers.end_forward()
-        self._store.end_pass()
-        if raise_pending:
-            self._store.raise_pending_error()
+    def _unhook(self):
+        fwd = self._forward
+        if not fwd.pop_hooks():
+            log.warning("ssdtrain: leaving interception, another saved_tensors_hooks context "
+                        "entered inside it was still on top (not exited); ssdtrain's hooks "
+                        "could not be removed from under it.")
+        TRACKER.stop(fwd)
 
     # ------------------------------------------------------------------ info
     def stats(self) -> Stats:
@@ -352,11 +433,12 @@ class Offloader:
                 :meth:`restore` makes :meth:`restore` raise).
 
         Returns:
-            An opaque handle for :meth:`restore`.
+            An opaque :class:`SavedHandle` for this offloader's :meth:`restore`.
 
         Raises:
             OffloaderClosedError: the offloader is closed.
-            SSDTrainError: an earlier asynchronous write failed (``on_spill_error="raise"``).
+            SSDTrainError: ``tensor`` is not a ``torch.Tensor``, or an earlier
+                asynchronous write failed (``on_spill_error="raise"``).
 
         Example::
 
@@ -365,7 +447,11 @@ class Offloader:
             ...
             x_again = off.restore(handle)   # bit-identical to x
         """
-        return self._store.pack(tensor)
+        if not isinstance(tensor, torch.Tensor):
+            raise SSDTrainError(f"ssdtrain: save() takes a torch.Tensor, got "
+                                f"{type(tensor).__name__}; pass the tensor to keep for backward.")
+        self._store._check_open()  # small tensors never reach the store's own check
+        return SavedHandle(self, self._store.pack(tensor))
 
     def restore(self, handle) -> torch.Tensor:
         """The tensor saved by :meth:`save`, as autograd's unpack hook gives it back.
@@ -383,10 +469,27 @@ class Offloader:
         Raises:
             InplaceModificationError: the saved tensor was modified in place after
                 :meth:`save`.
-            OffloaderClosedError: the offloader was closed and the bytes were on disk.
+            OffloaderClosedError: the offloader was closed.
+            SSDTrainError: ``handle`` is not what this offloader's :meth:`save`
+                returned (another type, or a handle of another Offloader).
             IntegrityError, SpillIOError: reading the bytes back failed.
         """
-        return self._store.unpack(handle)
+        if type(handle) is not SavedHandle:
+            hint = " (pass the handle save() returned, not the tensor)" \
+                if isinstance(handle, torch.Tensor) else ""
+            raise SSDTrainError(f"ssdtrain: restore() takes the handle save() returned, got "
+                                f"{type(handle).__name__}{hint}.")
+        if handle._owner() is not self:
+            other = handle._owner()
+            raise SSDTrainError(
+                f"ssdtrain: restore() got a handle saved by another Offloader "
+                f"({'one since collected' if other is None else repr(other)}), not by this one "
+                f"({self!r}); restore it with the Offloader whose save() returned it.")
+        if self.closed:
+            raise OffloaderClosedError(
+                "ssdtrain: restore() on a closed Offloader; restore saved tensors before "
+                "close() (or keep the Offloader open while they are needed).")
+        return self._store.unpack(handle._saved)
 
     # ------------------------------------------------------------ engine hook
     def wrap_engine(self, fn):
@@ -413,7 +516,8 @@ class Offloader:
 
             calls = off.wrap_engine(lambda engine: CountingEngine(engine))
         """
-        if self._in_forward or self._hooks is not None:
+        self._recover_forward()
+        if self.in_forward:
             raise SSDTrainError("ssdtrain: wrap_engine() called inside a forward pass; call it "
                                 "between steps.")
         self._store._check_open()
@@ -430,7 +534,8 @@ class Offloader:
         Idempotent. After it, unpacking a tensor saved under this offloader raises
         :class:`~ssdtrain.OffloaderClosedError`.
         """
-        if self._hooks is not None or self._in_forward:
+        self._recover_forward()
+        if self.in_forward:
             raise SSDTrainError("ssdtrain: close() called inside a forward pass (`with offloader:` "
                                 "or begin_forward()); exit the block (or call end_forward()) first.")
         self.untrack()
@@ -536,7 +641,8 @@ class Offloader:
         """
         from ._adaptive import LayerPolicy
         from ._profile import default_layers
-        if self._in_forward:
+        self._recover_forward()
+        if self.in_forward:
             raise SSDTrainError("ssdtrain: track() called inside a forward pass; call it "
                                 "before `with offloader:` (or between steps).")
         self._store._check_open()
@@ -575,7 +681,8 @@ class Offloader:
         """
         if self._layers is None:
             return
-        if self._in_forward:
+        self._recover_forward()
+        if self.in_forward:
             raise SSDTrainError("ssdtrain: untrack() called inside a forward pass; call it "
                                 "between steps.")
         policy, self._layers = self._layers, None
@@ -602,6 +709,7 @@ class Offloader:
             SSDTrainError: :meth:`track` was not called, or the first ``profile_steps``
                 steps have not all completed yet.
         """
+        self._store._check_open()
         if self._layers is None:
             raise SSDTrainError("ssdtrain: plan() needs the layers: call offloader.track(model) "
                                 "first, then run profile_steps training steps.")
@@ -628,13 +736,42 @@ class Offloader:
                 or the number of choices differs from the number of tracked layers.
             ConfigError: an unknown choice.
         """
+        self._store._check_open()
         if self._layers is None:
             raise SSDTrainError("ssdtrain: set_plan() needs the layers: call "
                                 "offloader.track(model) first.")
-        if self._in_forward:
+        self._recover_forward()
+        if self.in_forward:
             raise SSDTrainError("ssdtrain: set_plan() called inside a forward pass; call it "
                                 "between steps.")
         return self._layers.set_choices(getattr(choices, "choices", choices))
+
+class _Intercept:
+    """The context manager :meth:`Offloader.intercept` returns (a class, not a generator:
+    its ``__enter__`` sees the ``with`` statement that calls it, NOTE [ Forward phases ])."""
+
+    __slots__ = ("_offloader",)
+
+    def __init__(self, offloader):
+        self._offloader = offloader
+
+    def __enter__(self):
+        off, site = self._offloader, with_site()
+        off._recover_forward(None, site)
+        off._hook_on(site)
+        return off
+
+    def __exit__(self, exc_type, exc, tb):
+        off = self._offloader
+        fwd = off._forward
+        if exc is not None:
+            _explain(exc)
+        if fwd.phase in (Phase.HOOKING, Phase.UNHOOKING):
+            off._settle_forward()
+        elif fwd.phase is Phase.INTERCEPTING:
+            off._hook_off()
+        return False
+
 
 def _explain(exc):
     """Add a note to torch's refusal of saved-tensor hooks under torch.func transforms."""
@@ -643,6 +780,22 @@ def _explain(exc):
         exc.add_note("ssdtrain: torch.func transforms (grad, vjp, jacrev, hessian) cannot run "
                      "with saved-tensor hooks, which ssdtrain installs inside `with offloader:`; "
                      "call them outside the block (or outside offloader.intercept()).")
+
+
+class SavedHandle:
+    """What :meth:`Offloader.save` returns: opaque, for the same offloader's
+    :meth:`~Offloader.restore`. It holds the saved tensor's record (dropping the last
+    reference releases it) and a weak reference to its offloader, so a handle given
+    to another offloader is refused instead of corrupting both offloaders' counts."""
+
+    __slots__ = ("_owner", "_saved", "__weakref__")
+
+    def __init__(self, owner, saved):
+        self._owner = weakref.ref(owner)
+        self._saved = saved  # the store's Handle or Kept
+
+    def __repr__(self):
+        return f"<ssdtrain.SavedHandle {type(self._saved).__name__}>"
 
 
 class RecordView:

@@ -39,6 +39,7 @@ import ctypes
 import dataclasses
 import dis
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -74,22 +75,53 @@ STORE_MODULES = ("_store.py", "_records.py", "_writeback.py", "_prefetch.py", "_
 LOOPBACK_ENV = "SSDTRAIN_INJECT_LOOPBACK"
 
 
+# What a training step passes through above the store (NOTE [ Forward phases ] in
+# ssdtrain/_forward.py): the public API, the forward's phases, attach, the module-state
+# tracker, the layer policy and its profiler and planner.
+STEP_MODULES = ("api.py", "_forward.py", "_attach.py", "_policy.py", "_adaptive.py",
+                "_profile.py", "_planner.py")
+# The integrations' per-step hooks (relative to the checkout's integrations/).
+INTEGRATION_MODULES = ("deepspeed.py", "megatron.py")
+
+FILE_SETS = ("store", "step")
+
+
+def _paths(directory, names):
+    out = set()
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            out.update((path, os.path.realpath(path), os.path.abspath(path)))
+    return out
+
+
 def store_files() -> frozenset:
     """``co_filename`` values of the store modules present in this checkout (discovered at
     run time: the split of ``_store.py`` is in progress). Both the path as imported and
     its real path are included, so a symlinked checkout matches too."""
+    return frozenset(_paths(os.path.dirname(ssdtrain.__file__), STORE_MODULES))
+
+
+def step_files() -> frozenset:
+    """``co_filename`` values of :data:`STEP_MODULES` and the integrations' hook modules
+    (wherever ``ssdtrain.integrations`` is: inside the package or the checkout's
+    ``integrations/``)."""
     pkg = os.path.dirname(ssdtrain.__file__)
-    names = set()
-    for name in STORE_MODULES:
-        path = os.path.join(pkg, name)
-        if os.path.exists(path):
-            names.update((path, os.path.realpath(path), os.path.abspath(path)))
+    names = _paths(pkg, STEP_MODULES)
+    for d in (os.path.join(pkg, "integrations"),
+              os.path.join(os.path.dirname(pkg), "integrations")):
+        names |= _paths(d, INTEGRATION_MODULES)
     return frozenset(names)
 
 
+def traced_files(which: str) -> frozenset:
+    """The files a sweep interrupts: ``"store"`` or ``"step"`` (:data:`FILE_SETS`)."""
+    return {"store": store_files, "step": step_files}[which]()
+
+
 def short(path: str) -> str:
-    """``ssdtrain/_store.py`` for a full path (for messages)."""
-    return "ssdtrain/" + os.path.basename(path)
+    """``ssdtrain/_store.py`` (or ``integrations/megatron.py``) for a full path (messages)."""
+    return os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path)
 
 
 # ----------------------------------------------------------------------------- tracers
@@ -328,23 +360,79 @@ class Scenario:
     CONFIG = dict(min_tensor_bytes=1 * KiB, keep_tail_bytes=0, prefetch_bytes=32 * KiB,
                   write_behind_bytes=32 * KiB, io_timeout_s=5, io_threads=2)
 
-    def __init__(self, n_steps=8, batch=32, d=64):
+    #: How a step runs its forward under the offloader:
+    #: ``with``: ``with off:`` around the model call;
+    #: ``attach``: ``off.attach(model)`` once, then plain model calls;
+    #: ``adaptive``: ``with off:`` with ``off.track(model)`` and ``policy="adaptive"``
+    #: (``profile_steps=1``: step 0 profiles, step 1 recomputes every layer, step 2
+    #: plans, probing the engine's bandwidth);
+    #: ``deepspeed``: the DeepSpeed adapter's engine-forward wrapper
+    #: (``integrations/deepspeed.py``, ``_EngineForward``) around the model.
+    MODES = ("with", "attach", "adaptive", "deepspeed")
+    MODE_CONFIG = {"adaptive": dict(policy="adaptive", profile_steps=1, memory_budget_bytes=96 * KiB)}
+
+    def __init__(self, n_steps=8, batch=32, d=64, mode="with"):
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        # Steps armed with the interrupt (and traced by the baseline): enough to reach
+        # every step kind of the mode (adaptive: profile, recompute-all, plan).
+        self.armed_steps = 3 if mode == "adaptive" else 2
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1234)
             self.model = TinyNet(d=d)
         g = torch.Generator().manual_seed(4321)
         self.inputs = [(torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g))
                        for _ in range(n_steps)]
+        if mode == "adaptive":
+            # The first layer's input requires grad: its backward is timed, so the profile
+            # completes and a plan is made within the armed steps.
+            for x, _ in self.inputs:
+                x.requires_grad_(True)
+        self._forward = None
         self.reference = [self.step(i, None) for i in range(n_steps)]
+
+    def config(self):
+        """:data:`CONFIG` with this mode's fields."""
+        return dict(self.CONFIG, **self.MODE_CONFIG.get(self.mode, {}))
+
+    def prepare(self, off):
+        """Set ``off`` up for this mode's steps (not armed: a step is what is swept)."""
+        if self.mode == "attach":
+            off.attach(self.model)
+        elif self.mode == "adaptive":
+            from ssdtrain import _adaptive
+            # The bandwidth probe, 1 MiB instead of 64: its code runs (and is swept) in
+            # every case, at a size that keeps a case short.
+            probe = _adaptive.measure_bandwidth
+            self._probe = getattr(probe, "func", probe)
+            _adaptive.measure_bandwidth = functools.partial(self._probe, nbytes=1 << 20)
+            off.track(self.model)
+        elif self.mode == "deepspeed":
+            from ssdtrain.integrations import deepspeed as ds_adapter
+            self._forward = ds_adapter._EngineForward(self.model, off, False)
+
+    def finish(self, off):
+        """Undo :meth:`prepare` (before ``close()``, which untracks)."""
+        if self.mode == "attach":
+            off.detach(self.model)
+        elif self.mode == "adaptive":
+            from ssdtrain import _adaptive
+            _adaptive.measure_bandwidth = self._probe
+        self._forward = None
 
     def step(self, i, off):
         """Step ``i`` (inputs ``i``) under ``off`` (or none); returns the gradients.
         Nothing of the step's graph outlives it."""
         model = self.model
         model.zero_grad(set_to_none=True)
-        ctx = off if off is not None else contextlib.nullcontext()
-        with ctx:
+        if off is None or self.mode == "attach":
             loss = model(*self.inputs[i])
+        elif self.mode == "deepspeed":
+            loss = self._forward(*self.inputs[i])
+        else:
+            with off:
+                loss = model(*self.inputs[i])
         loss.backward(retain_graph=True)
         loss.backward()
         return {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -360,11 +448,11 @@ class Scenario:
         return None
 
 
-def make_offloader(spill_dir, **overrides):
-    """A fresh Offloader with :data:`Scenario.CONFIG` (and ``overrides``) on ``spill_dir``.
-    Not the ``make_offloader`` fixture: that closes at teardown, unbounded, and a store
-    broken by an interrupt may never close."""
-    cfg = dict(Scenario.CONFIG, spill_dir=str(spill_dir))
+def make_offloader(spill_dir, sc=None, **overrides):
+    """A fresh Offloader with :data:`Scenario.CONFIG` (``sc.config()`` if given, and
+    ``overrides``) on ``spill_dir``. Not the ``make_offloader`` fixture: that closes at
+    teardown, unbounded, and a store broken by an interrupt may never close."""
+    cfg = dict(Scenario.CONFIG if sc is None else sc.config(), spill_dir=str(spill_dir))
     cfg.update(overrides)
     return maybe_loopback(ssdtrain.Offloader(ssdtrain.OffloadConfig(**cfg)))
 
@@ -378,17 +466,20 @@ def maybe_loopback(off):
     return off
 
 
-def baseline(sc: Scenario, make_off, *, runs=3, n_steps=2):
-    """``{(file, line): times run}`` in the store modules on this thread while ``n_steps``
-    steps run under a fresh Offloader from ``make_off()`` (closed after), ``runs`` times.
+def baseline(sc: Scenario, make_off, *, runs=3, n_steps=None, files=None):
+    """``{(file, line): times run}`` in ``files`` (default: the store modules) on this
+    thread while ``n_steps`` (default ``sc.armed_steps``) steps run under a fresh
+    Offloader from ``make_off()`` (closed after), ``runs`` times.
 
     How often a line runs depends on when engine threads complete requests (a read
     that ends before backward needs it is no miss), so each line gets the fewest runs
     seen in any replay where it ran: its last run is then likely reached again."""
     merged = {}
+    n_steps = sc.armed_steps if n_steps is None else n_steps
     for _ in range(runs):
-        counter = LineCounter(store_files())
+        counter = LineCounter(store_files() if files is None else files)
         off = make_off()
+        sc.prepare(off)
         sys.settrace(counter)
         try:
             for i in range(n_steps):
@@ -396,6 +487,7 @@ def baseline(sc: Scenario, make_off, *, runs=3, n_steps=2):
         finally:
             sys.settrace(None)
         gc.collect()
+        sc.finish(off)
         off.close()
         for key, n in counter.counts.items():
             merged[key] = min(n, merged.get(key, n))
@@ -503,15 +595,20 @@ class _Unraisable:
         return False
 
 
-def run_case(sc: Scenario, off, target=None, *, armed_steps=2, after_steps=2,
-             step_bound_s=15.0, close_bound_s=None):
-    """Run ``armed_steps`` steps with KeyboardInterrupt injected at ``target`` (``(file, line,
-    k, n)``, or ``None`` for no injection), catching it at the step level and dropping
-    that step, then ``after_steps`` more; check gradients, leftovers, invariants and a
-    bounded ``close()``. Returns an :class:`Outcome`.
+def run_case(sc: Scenario, off, target=None, *, armed_steps=None, after_steps=2,
+             step_bound_s=15.0, close_bound_s=None, released=None):
+    """Run ``armed_steps`` (default ``sc.armed_steps``) steps with KeyboardInterrupt
+    injected at ``target`` (``(file, line, k, n)``, or ``None`` for no injection),
+    catching it at the step level and dropping that step, then ``after_steps`` more;
+    check gradients, leftovers, invariants and a bounded ``close()``; then that nothing
+    is left behind (:func:`check_released`: hooks, the tracker, and, given
+    ``released``, a :func:`resources` snapshot taken with no offloader open, that file
+    descriptors and threads are back to it). Returns an :class:`Outcome`.
 
     ``close_bound_s`` defaults to ``io_timeout_s + 5``.
     """
+    if armed_steps is None:
+        armed_steps = sc.armed_steps
     if target is None:
         where, injector = "no injection", None
     else:
@@ -525,6 +622,7 @@ def run_case(sc: Scenario, off, target=None, *, armed_steps=2, after_steps=2,
     with _Unraisable() as unraisable:
         try:
             with watchdog(step_bound_s, "the steps and checks"):
+                sc.prepare(off)
                 grads = None
                 for i in range(armed_steps + after_steps):
                     try:
@@ -545,6 +643,7 @@ def run_case(sc: Scenario, off, target=None, *, armed_steps=2, after_steps=2,
                         fails.append(f"step {i}: {wrong}")
                 del grads
                 outcome.quarantined = settle_and_check(off, fails)
+                sc.finish(off)
         except Hung as e:
             fails.append(f"hang on the training thread: {e} (a deadlock on the store's lock or "
                          f"a spin)")
@@ -559,7 +658,58 @@ def run_case(sc: Scenario, off, target=None, *, armed_steps=2, after_steps=2,
     err = bounded_call(off.close, close_bound_s, "close()")
     if err:
         fails.append(f"close: {err}")
+    elif not poisoned(outcome):
+        check_released(sc, released, fails)
     return outcome
+
+
+def resources():
+    """``(open file descriptors, names of live threads)`` of this process."""
+    return (len(os.listdir("/proc/self/fd")),
+            sorted(t.name for t in threading.enumerate()))
+
+
+def check_released(sc, base, failures, *, settle_s=5.0):
+    """After ``close()``: no saved-tensor hooks left on this thread's stack, the
+    module-state tracker stopped, no hook or recompute wrapper left on ``sc.model``, and
+    (given ``base``, a :func:`resources` snapshot) file descriptors and threads back to
+    ``base`` (polling ``settle_s`` for threads that end after close returned)."""
+    from ssdtrain._policy import TRACKER
+
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        failures.append("leak: saved-tensor hooks left on the training thread's stack")
+        while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()  # isolate the next case
+    users = TRACKER._users  # a set of users (a count in earlier versions)
+    users = users if isinstance(users, int) else len(users)
+    registered = TRACKER._registered() if hasattr(TRACKER, "_registered") else \
+        TRACKER._hook is not None
+    if users or registered:
+        failures.append(f"leak: the module-state tracker still runs ({users} users, hook "
+                        f"registered: {registered})")
+    for name, m in sc.model.named_modules():
+        if m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__:
+            failures.append(f"leak: module {name or 'model'} still has ssdtrain hooks or a "
+                            f"recompute wrapper")
+            for m in sc.model.modules():  # isolate the next case (the model is shared)
+                m._forward_pre_hooks.clear()
+                m._forward_hooks.clear()
+                m.__dict__.pop("forward", None)
+            break
+    if base is None:
+        return
+    deadline = time.monotonic() + settle_s
+    while True:
+        fds, threads = resources()
+        extra = sorted((collections.Counter(threads) - collections.Counter(base[1])).elements())
+        if (fds <= base[0] and not extra) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    if fds > base[0]:
+        failures.append(f"leak: {fds - base[0]} more file descriptors open than before the "
+                        f"offloader ({fds} vs {base[0]})")
+    if extra:
+        failures.append(f"leak: threads still running after close(): {extra}")
 
 
 # ----------------------------------------------------------------------------- sweeps
@@ -789,13 +939,13 @@ def poisoned(outcome) -> bool:
     return any(f.startswith(p) for f in outcome.failures for p in _POISON)
 
 
-def _digest():
-    """``{module: sha1}`` of the store modules: a sweep's targets are line numbers, valid
-    only while the files stay as they were when the baseline ran."""
+def _digest(files=None):
+    """``{module: sha1}`` of the traced modules (default: the store's): a sweep's targets
+    are line numbers, valid only while the files stay as they were when the baseline ran."""
     import hashlib
 
     out = {}
-    for path in sorted({os.path.abspath(p) for p in store_files()}):
+    for path in sorted({os.path.abspath(p) for p in (files or store_files())}):
         with open(path, "rb") as f:
             out[short(path)] = hashlib.sha1(f.read()).hexdigest()
     return out
@@ -879,6 +1029,17 @@ def _main(argv=None):
     parser.add_argument("mode", choices=("sweep", "sigint"))
     parser.add_argument("--engine", default="posix")
     parser.add_argument("--select", choices=("first", "last", "full"), default="first")
+    parser.add_argument("--scenario", choices=Scenario.MODES, default="with",
+                        help="how a step enters the offloader (Scenario.MODES)")
+    parser.add_argument("--files", choices=FILE_SETS, default="store",
+                        help="which modules are interrupted: the store's, or the step's "
+                             "above it (STEP_MODULES and the integrations' hooks)")
+    parser.add_argument("--skip-function", default="",
+                        help="comma-separated module:function names whose lines are not "
+                             "interrupted (known, tracked elsewhere)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated file names: interrupt only lines of these (the "
+                             "baseline still traces every file of --files)")
     parser.add_argument("--spill", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--targets-file", default=None,
@@ -902,7 +1063,8 @@ def _main(argv=None):
     faulthandler.dump_traceback_later(args.hang_s, exit=True)
     write = _Writer(args.out)
     torch.set_num_threads(1)
-    sc = Scenario()
+    sc = Scenario(mode=args.scenario)
+    files = traced_files(args.files)
     gc.collect()
     gc.freeze()  # the full collections of each case must not rescan torch's objects
     if args.mode == "sweep":
@@ -911,12 +1073,25 @@ def _main(argv=None):
             with open(tfile) as f:
                 saved = json.load(f)
             tgts = [tuple(t) for t in saved["targets"]]
-            if saved["digest"] != _digest():
+            if saved["digest"] != _digest(files):
                 write("done", stopped="the store modules changed while the sweep ran (their "
                                       "line numbers are its targets): run it again")
                 os._exit(0)
         else:
-            counts = baseline(sc, lambda: make_offloader(args.spill, engine=args.engine))
+            counts = baseline(sc, lambda: make_offloader(args.spill, sc, engine=args.engine),
+                              files=files)
+            if args.only:
+                keep = set(args.only.split(","))
+                counts = {k: n for k, n in counts.items() if os.path.basename(k[0]) in keep}
+            for name in filter(None, args.skip_function.split(",")):
+                import importlib
+                import inspect
+                mod, func = name.split(":")
+                src, first = inspect.getsourcelines(getattr(importlib.import_module(mod), func))
+                path = os.path.abspath(inspect.getsourcefile(importlib.import_module(mod)))
+                skip = range(first, first + len(src))
+                counts = {k: n for k, n in counts.items()
+                          if not (os.path.abspath(k[0]) == path and k[1] in skip)}
             tgts = targets(counts, full=args.select == "full")
             if args.select != "full":
                 tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]
@@ -924,15 +1099,22 @@ def _main(argv=None):
                 tgts = [t for t in tgts if os.path.basename(t[0]) in args.only.split(",")]
             if tfile:
                 with open(tfile + ".tmp", "w") as f:
-                    json.dump(dict(digest=_digest(), targets=tgts), f)
+                    json.dump(dict(digest=_digest(files), targets=tgts), f)
                 os.replace(tfile + ".tmp", tfile)
             write("baseline", lines=len(counts), targets=len(tgts),
                   files=sorted({short(f) for f, _ in counts}))
         failing, stopped = 0, ""
+        # What this process holds with no offloader open (after the baseline's, or one
+        # case's, offloaders were closed): every case must give back what it took.
+        if args.start:  # a resumed child ran no baseline: one plain case first
+            run_case(sc, make_offloader(args.spill, sc, engine=args.engine), None)
+        gc.collect()
+        released = resources()
         for i in range(args.start, len(tgts)):
             faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
-            outcome = run_case(sc, make_offloader(args.spill, engine=args.engine), tgts[i],
-                               step_bound_s=args.step_bound_s, close_bound_s=args.close_bound_s)
+            outcome = run_case(sc, make_offloader(args.spill, sc, engine=args.engine), tgts[i],
+                               step_bound_s=args.step_bound_s, close_bound_s=args.close_bound_s,
+                               released=released)
             write("outcome", **dataclasses.asdict(outcome))
             failing += bool(outcome.failures)
             if poisoned(outcome):
@@ -947,7 +1129,7 @@ def _main(argv=None):
             write("done", stopped="")
         faulthandler.cancel_dump_traceback_later()
     else:
-        fails, info = sigint_loop(sc, make_offloader(args.spill, engine=args.engine),
+        fails, info = sigint_loop(sc, make_offloader(args.spill, sc, engine=args.engine),
                                   args.seconds, seed=args.seed)
         write("sigint", failures=fails, info=info)
         write("done", stopped="")

@@ -103,13 +103,13 @@ def test_only_the_outermost_call_opens_a_pass(make_offloader):
     off = make_offloader(**SMALL)
     off.attach(model)
     seen = []
-    begin = off.begin_forward
+    begin = off._open_forward  # what begin_forward() and the attach hook call
 
-    def counting_begin():
+    def counting_begin(site):
         seen.append(off.in_forward)
-        begin()
+        begin(site)
 
-    off.begin_forward = counting_begin
+    off._open_forward = counting_begin
     model.inner_calls = 0
     assert_same(ref, run_step(model, (x,)))
     assert model.inner_calls == 3

@@ -176,3 +176,38 @@ def test_tools_surface(tmp_path):
     else:
         with pytest.raises(ssdtrain.ConfigError):
             tools.crc32c(0, 0)
+
+
+def test_save_and_restore_validate_input_and_owner(make_offloader, tmp_path):
+    """Wrong types and another offloader's handles get ssdtrain errors
+    saying what was expected (they raised AttributeError, or corrupted both books)."""
+    off = make_offloader(**DISK)
+    other = ssdtrain.Offloader(spill_dir=str(tmp_path), **DISK)
+    x = _activation().detach()
+    with off:
+        handle = off.save(x)
+    for bad in (None, 3, "x", [x]):
+        with pytest.raises(ssdtrain.SSDTrainError, match="save\\(\\) takes a torch.Tensor"):
+            off.save(bad)
+    with pytest.raises(ssdtrain.SSDTrainError, match="not the tensor"):
+        off.restore(x)
+    with pytest.raises(ssdtrain.SSDTrainError, match="takes the handle save\\(\\) returned"):
+        off.restore(None)
+    with pytest.raises(ssdtrain.SSDTrainError, match="another Offloader"):
+        other.restore(handle)
+    off.wait()
+    # Neither offloader's books moved.
+    assert off.live_records() == 1 and off.resident_bytes() >= 0
+    assert other.live_records() == 0 and other.resident_bytes() == 0
+    assert torch.equal(off.restore(handle), x)
+    other.close()
+    with off:
+        small = off.save(torch.arange(8.0))
+    off.close()
+    with pytest.raises(ssdtrain.OffloaderClosedError):
+        off.save(torch.arange(8.0))   # kept tensors too: the offloader is closed
+    with pytest.raises(ssdtrain.OffloaderClosedError):
+        off.restore(small)
+    for call in (lambda: off.set_plan(["keep"]), off.plan):
+        with pytest.raises(ssdtrain.OffloaderClosedError):
+            call()
