@@ -64,8 +64,9 @@ first k and keep the rest, ``ro<k>`` recompute the first k and offload the rest.
 
 Every (R, mode, repeat) is a fresh process, modes interleaved (rotated each
 repeat); ``none`` runs first once to set the budget. Each worker runs
-``--warmup`` steps (3: the budget mode profiles 2 steps, runs one recompute-all
-step, and plans at the start of the 4th) then ``--steps`` measured ones.
+``--warmup`` steps (2; ``--warmup-adaptive`` 4 for ``default`` and ``budget``:
+the budget mode profiles 2 steps, runs one recompute-all step, and plans, probing the
+disk, at the start of the 4th) then ``--steps`` measured ones.
 Output: a markdown table, the targets of issue 22 (reported, never asserted), a
 JSON file with every number, and a PNG of step time and memory against R.
 
@@ -88,7 +89,6 @@ import mmap
 import os
 import platform
 import sys
-import tempfile
 import threading
 import time
 
@@ -150,7 +150,7 @@ def spec_summary(s, min_tensor_bytes):
     pre, post = outside_ops(s)
     ops = pre + block_ops(s) * s["n_layers"] + post
     sizes = []
-    for i, (name, shape, _, saves) in enumerate(ops):
+    for i, (_, shape, _, saves) in enumerate(ops):
         # an op's output is one saved storage when the next op saves its input, or when
         # the op saves its own output (attention)
         nxt = ops[i + 1][3] if i + 1 < len(ops) else []
@@ -535,9 +535,10 @@ def probe(cfg):
             off.wait()
             out["write_gbps"].append(total / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()
-            back = [off.restore(h) for h in reversed(handles)]
+            for h in reversed(handles):
+                off.restore(h)
             out["read_gbps"].append(total / (time.perf_counter() - t0) / 1e9)
-            del back, handles
+            del handles
         out["engine"] = off.stats().engine
     finally:
         off.close()
@@ -649,7 +650,12 @@ def parse_args(argv=None):
     p.add_argument("--budget-fraction", type=float, default=0.3,
                    help="budget mode's memory_budget_bytes as a fraction of none's peak")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="warm-up steps of the static modes (default 2)")
+    p.add_argument("--warmup-adaptive", type=int, default=4,
+                   help="warm-up steps of default and budget (default 4: the budget mode "
+                        "profiles 2 steps, runs one recompute-all step and plans at the "
+                        "start of the 4th, which probes the disk)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     for k, v in DEFAULT_SHAPE.items():
@@ -688,7 +694,7 @@ def main(argv=None):
         if getattr(args, k) is not None:
             shape[k] = getattr(args, k)
     if args.tiny:
-        args.steps, args.warmup = min(args.steps, 1), min(args.warmup, 3)
+        args.steps, args.warmup = min(args.steps, 1), min(args.warmup, 2)
         if args.modes is None:
             args.modes = list(BASE_MODES) + ["ok1", "rk1", "ro1"]
         if args.ratios == [0.5, 1, 2, 4]:
@@ -752,6 +758,8 @@ def main(argv=None):
                 shift = (rep + mi) % len(args.ratios)
                 rs = args.ratios[shift:] + args.ratios[:shift]
                 cfg = dict(base_cfg, mode=mode, budget_bytes=budget,
+                           warmup=args.warmup_adaptive if mode in ("default", "budget")
+                           else args.warmup,
                            points=[{"r": r, "tflops": tflops[r]} for r in rs])
                 res = run_worker(script, "emu", "mode", rep, cfg, env)
                 update()
