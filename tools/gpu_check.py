@@ -23,7 +23,8 @@ without a usable CUDA device (nothing else is run).
 
 Environment: ``GPU_CHECK_DIR``; ``GPU_CHECK_SPILL_DIR`` (the NVMe folder for spill
 files, default a temp folder); ``GPU_CHECK_BUDGET_S`` (the whole run's wall-clock
-budget, default 480); ``GPU_CHECK_SMOKE_ARGS`` (extra arguments for the ~1B run,
+budget, default 480); ``GPU_CHECK_SKIP`` (phases to skip, comma-separated:
+build, tests, check, smoke-small, smoke-1b); ``GPU_CHECK_SMOKE_ARGS`` (extra arguments for the ~1B run,
 e.g. ``--batch-size 2``); ``GPU_CHECK_PYTEST_ARGS`` (extra pytest arguments).
 """
 
@@ -74,6 +75,11 @@ class Phases:
         limit = max(0.0, min(limit_s, left))
         log = os.path.join(self.out_dir, f"{name}.log")
         res = {"phase": name, "command": shlex.join(argv), "log": os.path.basename(log)}
+        if name in os.environ.get("GPU_CHECK_SKIP", "").split(","):
+            res.update(status="skipped", why="GPU_CHECK_SKIP names it", seconds=0.0)
+            self.results.append(res)
+            print(f"[gpu-check] {name}: skipped (GPU_CHECK_SKIP)", flush=True)
+            return res
         if limit < 5:
             res.update(status="skipped", why="the run's time budget is spent", seconds=0.0)
             self.results.append(res)
