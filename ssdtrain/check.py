@@ -257,9 +257,9 @@ def check_model(model: torch.nn.Module, inputs, *, loss_fn: Optional[Callable] =
 
     try:
         restore()
-        ref1, t_ref, _ = _step(model, inputs, loss_fn, device)
+        ref1, _, _ = _step(model, inputs, loss_fn, device)  # also warms up kernels, caches
         restore()
-        ref2, _, _ = _step(model, inputs, loss_fn, device)
+        ref2, t_ref, _ = _step(model, inputs, loss_fn, device)
         deterministic = all(_diff(ref1[k], ref2[k]) == 0 for k in ref1) and ref1.keys() == ref2.keys()
         if offloader is None:
             if spill_dir is None:

@@ -260,15 +260,21 @@ def test_load_keeps_the_saved_address_modulo_512(engine, make_offloader, offset)
     assert torch.equal(back, t)
 
 
-def test_loads_are_allocated_for_the_compute_stream(make_offloader):
+def test_loads_are_allocated_for_the_compute_stream(engine, make_offloader, request):
     """Loads come from the compute stream's pool (rule 5): once backward is done with
     them, allocations of the same size on that stream reuse their memory. The saved
     tensors stay alive (the test holds them), so only the loads can serve those
     allocations; loads allocated on the prefetch stream made reserved memory grow."""
+    if engine == "kvikio":  # seen failing on an H200 (reserved grew by the loads)
+        request.applymarker(pytest.mark.xfail(
+            reason="GPUDirect loads are still allocated on the prefetch stream: a cuFile "
+                   "read into a block of the compute stream's pool would have to wait for "
+                   "that stream first (not built yet)", strict=False))
     k, n = 4, 1 << 20
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    off = make_offloader(min_tensor_bytes=0, keep_tail_bytes=0, prefetch_bytes=k * n * 4)
+    off = make_offloader(engine=engine, min_tensor_bytes=0, keep_tail_bytes=0,
+                         prefetch_bytes=k * n * 4)
     xs = [torch.full((n,), float(i), device="cuda") for i in range(k)]
     anchor, sink = torch.zeros((), requires_grad=True), []
     out = anchor
