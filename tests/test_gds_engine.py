@@ -202,5 +202,17 @@ def test_compat_mode_as_bool_or_enum():
         assert gds._compat_mode_reason(module).startswith(verdict)
 
     assert "compatibility mode" in gds._file_compat_reason(File(True))
+
+
+def test_cufile_driver_is_imported_when_kvikio_did_not(monkeypatch):
+    """``import kvikio`` does not import ``kvikio.cufile_driver`` (seen on an H200): the
+    check imports the submodule itself instead of concluding nothing."""
+    module = types.ModuleType("kvikio")
+    module.defaults = types.SimpleNamespace(compat_mode=lambda: False)
+    driver = types.ModuleType("kvikio.cufile_driver")
+    driver.get = lambda key: {"is_gds_available": False}[key]
+    monkeypatch.setitem(sys.modules, "kvikio", module)
+    monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", driver)
+    assert gds._compat_mode_reason(module).startswith("cuFile runs in its compatibility mode")
     assert gds._file_compat_reason(File(False)) == ""
     assert gds._file_compat_reason(object()) == ""  # kvikio versions without the check

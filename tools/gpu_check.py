@@ -138,7 +138,10 @@ def gds_probe() -> dict:
         return out
     from ssdtrain._device import GDS_PROBE_MEMORY
     from ssdtrain.io import gds
-    driver = getattr(kvikio, "cufile_driver", None)
+    try:
+        import kvikio.cufile_driver as driver  # a submodule `import kvikio` leaves out
+    except Exception:  # noqa: BLE001 - older kvikio
+        driver = None
     for key in ("is_gds_available", "allow_compat_mode"):
         try:
             out[f"cufile {key}"] = driver.get(key)

@@ -18,6 +18,7 @@ torch's CUDA major version). Never needed in CI.
 from __future__ import annotations
 
 import errno as _errno
+import importlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -94,6 +95,11 @@ def _cufile_compat_reason(kvikio) -> str:
     cufile.json). kvikio's compatibility setting does not show this; cuFile's
     ``is_gds_available`` does (kvikio >= 25.02; older releases cannot tell)."""
     driver = getattr(kvikio, "cufile_driver", None)
+    if driver is None:  # a submodule: not imported by `import kvikio` (seen on an H200)
+        try:
+            driver = importlib.import_module(f"{kvikio.__name__}.cufile_driver")
+        except Exception:  # noqa: BLE001 - a kvikio without it cannot tell
+            return ""
     get = getattr(driver, "get", None)
     if not callable(get):
         return ""
