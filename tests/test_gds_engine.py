@@ -202,6 +202,8 @@ def test_compat_mode_as_bool_or_enum():
         assert gds._compat_mode_reason(module).startswith(verdict)
 
     assert "compatibility mode" in gds._file_compat_reason(File(True))
+    assert gds._file_compat_reason(File(False)) == ""
+    assert gds._file_compat_reason(object()) == ""  # kvikio versions without the check
 
 
 def test_cufile_driver_is_imported_when_kvikio_did_not(monkeypatch):
@@ -214,5 +216,3 @@ def test_cufile_driver_is_imported_when_kvikio_did_not(monkeypatch):
     monkeypatch.setitem(sys.modules, "kvikio", module)
     monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", driver)
     assert gds._compat_mode_reason(module).startswith("cuFile runs in its compatibility mode")
-    assert gds._file_compat_reason(File(False)) == ""
-    assert gds._file_compat_reason(object()) == ""  # kvikio versions without the check
