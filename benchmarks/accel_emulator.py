@@ -3,7 +3,7 @@
 
 On a GPU a training step takes milliseconds and the disk is the bottleneck; on this
 CPU a real step takes seconds and the disk keeps up. This benchmark reproduces the
-GPU regime on a CPU host (issue 22, item 1): a GPT-shaped model whose layers save
+GPU regime on a CPU host: a GPT-shaped model whose layers save
 exactly the tensors a real transformer block saves, with real bytes that backward
 checks, while their compute is emulated.
 
@@ -67,7 +67,7 @@ repeat); ``none`` runs first once to set the budget. Each worker runs
 ``--warmup`` steps (2; ``--warmup-adaptive`` 4 for ``default`` and ``budget``:
 the budget mode profiles 2 steps, runs one recompute-all step, and plans, probing the
 disk, at the start of the 4th) then ``--steps`` measured ones.
-Output: a markdown table, the targets of issue 22 (reported, never asserted), a
+Output: a markdown table, the accelerator-regime targets (reported, never asserted), a
 JSON file with every number, and a PNG of step time and memory against R.
 
 Example::
@@ -809,7 +809,7 @@ def _agg(runs, modes, ratios):
 
 
 def targets(agg, modes, ratios, budget, failed=()):
-    """Issue 22's targets, per R: (name, R, value, met)."""
+    """The accelerator-regime targets, per R: (name, R, value, met)."""
     out = []
     static = [m for m in modes if m not in ("default", "budget")]
     for r in ratios:
@@ -908,7 +908,7 @@ def report(args, shape, spec, bw, bw_end, tflops, budget, modes, runs, failed, s
                 f"{'yes' if a['exact'] else 'NO'} |")
     tg = targets(agg, modes, args.ratios, budget, failed)
     say("")
-    say("Targets (issue 22; reported, not asserted):")
+    say("Targets (the accelerator regime's; reported, not asserted):")
     for name, r, value, met in tg:
         verdict = "n/a" if met is None else "met" if met else "NOT met"
         say(f"- {name}" + (f" (R={r:g})" if r is not None else "") + f": {value} -> {verdict}")

@@ -28,6 +28,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <utility>
 
 #include "engine/crc32c.h"
@@ -162,6 +163,21 @@ std::uint32_t crc_at(std::uintptr_t address, std::size_t nbytes, std::uint32_t s
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ssdtrain's native I/O engine (torch-free); use it through ssdtrain.io.native.";
+
+  // A system call that failed outside a request (a worker thread that could not start:
+  // pthread_create's EAGAIN) becomes OSError(errno, message), so ssdtrain.io.native can
+  // name the resource that ran out; pybind11 alone would make it a bare RuntimeError.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::system_error& e) {
+      PyObject* args = Py_BuildValue("(is)", e.code().value(), e.what());
+      if (args != nullptr) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+      }
+    }
+  });
 
   py::class_<PyEngine> engine(m, "Engine");
   engine

@@ -25,7 +25,7 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "integrations"))
 
 from ._config import OffloadConfig, ResolvedConfig
 from ._errors import (ConfigError, InplaceModificationError, IntegrityError,
-                      OffloaderClosedError, SpillIOError, SSDTrainError)
+                      OffloaderClosedError, ResourceError, SpillIOError, SSDTrainError)
 from ._errors import __all__ as _ERROR_NAMES
 from .api import Offloader, RecordView, SavedHandle, Stats, keep_in_memory, offload
 

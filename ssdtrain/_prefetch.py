@@ -18,6 +18,7 @@ import functools
 
 from . import _checksum
 from ._device import device_misalign
+from ._errors import resource_error
 from ._records import GEOMETRY_ALIGN, State
 from ._spill import BLOCK
 from .io.base import then
@@ -30,11 +31,14 @@ _NEAR = 2  # records: a window this close to backward's use is refilled by unpac
 class _Pass:
     """One forward under the offloader: the records it saved, for prefetch."""
 
-    __slots__ = ("records", "queue")
+    __slots__ = ("records", "queue", "reported", "aborted")
 
     def __init__(self):
         self.records = []
         self.queue = None  # deque of records to prefetch, built when forward ends
+        # NOTE [ One event, one error ] in _writeback.py: an error was raised for it; in
+        # its forward (a pack raised: the forward never ended, its graph is garbage).
+        self.reported = self.aborted = False
 
 
 class Prefetch:
@@ -44,6 +48,7 @@ class Prefetch:
         """Forward ended: writes the I/O thread has not started yet start now, the tail
         stays in memory, and prefetch starts in reverse pack order."""
         p, self._current = self._current, None
+        self._ended = p  # an error raised at the end of forward is this pass's
         if p is None or self.closed:
             return
         self._trim_tail_locked()  # what is left is the tail: keep_tail_bytes at most
@@ -134,7 +139,14 @@ class Prefetch:
         misalign, dev = rec.slot.offset % BLOCK, rec.device
         if dev is None:
             lead = rec.lo % GEOMETRY_ALIGN  # NOTE [ View geometry ] in _records.py
-            storage = self._buffers.storage(misalign, lead, rec.nbytes)
+            try:
+                storage = self._buffers.storage(misalign, lead, rec.nbytes)
+            except (OSError, MemoryError) as e:  # ENOMEM, vm.max_map_count: say so
+                err = resource_error(f"no read buffer for record {rec!r}", e,
+                                     nbytes=rec.nbytes)
+                if err is None:
+                    raise
+                raise err from None
             return storage, lead, storage.data_ptr() + lead, storage
         # Lands in staging (or device memory); the storage is set when it is done.
         address, owner = dev.read_buffer(misalign, rec.nbytes)
@@ -161,7 +173,7 @@ class Prefetch:
         engine = self.engine
         if dev is not None and dev.direct:
             rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)  # noqa: E501,E702
-        elif dev is None and self.cfg.verify and getattr(engine, "checksums", False):
+        elif dev is None and self.cfg.verify and engine.capabilities.checksums:
             # The engine's worker takes the CRC of the bytes read (no GIL); the result is
             # compared when the read is completed (_read_done_locked).
             rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, crc=True)  # noqa: E501,E702

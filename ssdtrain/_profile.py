@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import threading
 import time
 import weakref
@@ -624,42 +623,19 @@ def measure_bandwidth(store, nbytes=64 << 20, repeats=2):
     """Time writes and reads of ``nbytes`` through the store's engine and spill file.
 
     One slot of the first spill file, written from and read into a page-aligned
-    buffer, ``repeats`` times; the best of each is kept (the others met noise).
+    buffer, ``repeats`` times; the best of each is kept (the others met noise). The
+    store makes the requests (``Store.time_io``): they own their buffer and slot, so a
+    request still running after ``io_timeout_s`` never writes into freed memory or a
+    reused slot (NOTE [ Memory owned by requests ] in _store.py).
 
     Returns:
         ``(write_bytes_per_s, read_bytes_per_s)``.
+
+    Raises:
+        SpillIOError: a request failed or did not end within ``io_timeout_s``.
     """
-    spill, engine = store.spill, store.engine
-    buf = mmap.mmap(-1, nbytes)
-    try:
-        view = torch.frombuffer(buf, dtype=torch.uint8)
-        view.fill_(0x5A)  # touch every page so the write measures the disk, not faults
-        address = view.data_ptr()
-        with store._lock:  # the allocator is the store's (NOTE [ Store lock discipline ])
-            slot = spill.files[0].alloc(nbytes, 0)
-            store._extra_slots.add(slot)  # a repair meanwhile must keep it
-        try:
-            best_w = best_r = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                engine.write(slot.file, slot.offset, address, nbytes).result(
-                    timeout=store.cfg.io_timeout_s)
-                best_w = min(best_w, time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                engine.read(slot.file, slot.offset, address, nbytes).result(
-                    timeout=store.cfg.io_timeout_s)
-                best_r = min(best_r, time.perf_counter() - t0)
-        finally:
-            with store._lock:
-                store._extra_slots.discard(slot)
-                slot.file.free(slot)
-        del view
-    finally:
-        try:
-            buf.close()
-        except BufferError:
-            pass
-    return nbytes / max(best_w, 1e-9), nbytes / max(best_r, 1e-9)
+    write_s, read_s = store.time_io(nbytes, repeats)
+    return nbytes / max(write_s, 1e-9), nbytes / max(read_s, 1e-9)
 
 
 def step_cost(parts, write_bps, read_bps, cfg) -> StepCost:

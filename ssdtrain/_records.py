@@ -5,7 +5,12 @@ NOTE [ Record state machine ]
 One :class:`Record` per saved storage range; many :class:`Handle` objects may
 point at it (dedup). Its ``state`` changes only through :func:`transition`, which
 checks the move against ``TRANSITIONS`` (an illegal move is a bug: it raises
-``AssertionError``, always, not only under ``python -O``-less runs)::
+``AssertionError``, always, not only under ``python -O``-less runs). The rule is kept by
+code, not by care: ``Record.state`` is a read-only property (assigning it raises
+``AttributeError``), :func:`transition` is the one function that writes the slot behind
+it, and the store calls :func:`transition` only from ``Store._move_locked``, which also
+moves the aggregates that follow the state. ``tests/test_contracts.py`` scans the source
+for any other writer::
 
     state     bytes in memory?  on disk?  I/O in flight?  moves to (event)
     PENDING   yes (the tensor)  no        no              WRITING (tail overflow, plan "offload")
@@ -50,6 +55,7 @@ comes back at its own bytes.
 """
 
 import enum
+import operator
 import weakref
 
 import torch
@@ -103,14 +109,14 @@ def transition(rec, to):
     if to not in TRANSITIONS[rec.state]:
         raise AssertionError(f"ssdtrain: illegal record transition {rec.state.value} -> "
                              f"{to.value} for {rec!r}; please report this bug.")
-    rec.state = to
+    rec._state = to  # the only writer of the state (NOTE [ Record state machine ])
 
 
 class Record:
     """One saved storage range ``[lo, hi)`` and where its bytes are."""
 
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
-                 "ptr", "span", "slot", "future", "submitted", "state", "seq", "tokens", "unseen",
+                 "ptr", "span", "slot", "future", "submitted", "_state", "seq", "tokens", "unseen",
                  "generation", "used", "error", "prefetched", "pinned", "writes", "owner", "crc",
                  "device", "staging", "ready", "produced", "__weakref__")
 
@@ -126,7 +132,7 @@ class Record:
         self.slot = None
         self.future = None              # the request in flight (write or read), if any
         self.submitted = False          # the engine may have the request (set before its call)
-        self.state = State.PENDING
+        self._state = State.PENDING     # read as ``state``; written by transition() alone
         self.seq = seq                  # pack order of the latest handle (prefetch order)
         self.tokens = set()             # weakrefs of live handles: release is idempotent
         self.unseen = set()             # live handles not unpacked since the last load
@@ -142,6 +148,10 @@ class Record:
         self.staging = None             # pinned copy being written (CUDA records)
         self.ready = None               # event: the loaded device copy has landed
         self.produced = None            # event: the saved CUDA tensor is complete (pack)
+
+    state = property(operator.attrgetter("_state"), doc="""The record's :class:`State`:
+        read-only; it changes through :func:`transition` alone (NOTE [ Record state
+        machine ]).""")
 
     @property
     def handles(self):

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 
 from ._align import BLOCK, align_down, align_up  # re-exported: BLOCK lived here first
-from ._errors import ConfigError, SpillIOError
+from ._errors import ConfigError, SpillIOError, resource_error
 
 __all__ = ["BLOCK", "RAM_FILESYSTEMS", "SlotAllocator", "SpillFile", "SpillSet", "Slot",
            "filesystem_type", "default_spill_dir"]
@@ -435,6 +435,11 @@ def default_spill_dir():
 
 
 def _unwritable(directory, e):
+    """The error for an ``OSError`` ``e`` of creating a file in ``directory``: a resource
+    that ran out (EMFILE, ENFILE, ENOMEM) is named as such, not as the directory's fault."""
+    err = resource_error(f"opening a spill file in {directory!r}", e)
+    if err is not None:
+        return err
     return ConfigError(f"ssdtrain: spill_dir {directory!r} is not writable ({e.strerror}, errno "
                        f"{e.errno}); choose a directory this process can create files in.")
 

@@ -81,7 +81,8 @@ record that cannot be staged stays in device memory (KEPT); each is logged once.
 The thread holds the store only while it works (a weak reference otherwise), ends at
 ``close()`` (joined) or when the store is collected, does not exist in a forked child,
 and reports an exception escaping its round (a bug: the round's locked region has
-repaired the store) at the next pack or end of forward, one at a time.
+repaired the store) at the next pack or end of forward, as a failure event (NOTE [ One
+event, one error ] in _writeback.py).
 
 NOTE [ Memory owned by requests ]
 
@@ -91,6 +92,11 @@ future until the request completes. A timeout, ``close()`` or a repair may drop 
 record's references; the memory then lives until the request ends, never less. A
 request whose future was lost (submission interrupted) keeps its memory forever, with
 a warning (``Stats.quarantined_bytes``).
+
+Requests outside records (the adaptive policy's bandwidth probe, :meth:`Store.time_io`)
+follow the same rule through the store: their buffer is owned by the request, and their
+slot (``_extra_slots``) is freed by the store when the last of them has ended (a
+``_SLOT_FREE`` event), never by a caller that stopped waiting.
 """
 
 import collections
@@ -107,7 +113,7 @@ import torch
 
 from . import _fork
 from ._config import ResolvedConfig
-from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
+from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError, resource_error
 from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._policy import TRACKER, is_offloadable_kind
@@ -116,7 +122,8 @@ from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers, unmap_now
 from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, inplace_error,
                        swapped, swapped_error, transition)
-from ._writeback import _READ, _WRITTEN, WriteBack, _copy, _without_frames
+from ._writeback import (_READ, _WRITTEN, WriteBack, _copy, _needed_by, _owning, _without_frames,
+                         failed_future)
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -126,6 +133,7 @@ _DEAD = (State.FAILED, State.FREED)
 _ENGINE = torch.autograd.Variable._execution_engine
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
 _STOP = object()   # tells the store's I/O thread to end
+_SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request left
 _JOIN_S = 10.0     # how long close() waits for the I/O thread to end its round
 
 
@@ -152,7 +160,8 @@ class Store(WriteBack, Prefetch):
         self._passes = []                      # passes whose prefetch is not finished
         self._current = None                   # the pass being recorded (forward running)
         self._seq = 0
-        self._errors = []
+        self._failure = None                   # the pending failure event (_writeback.Failure)
+        self._ended = None                     # the pass whose forward ended last
         self._live = 0
         # Memory dropped under the lock, released outside it by the I/O thread (NOTE [ The
         # store's I/O thread ]): tensors whose last reference this was, read buffers'
@@ -181,7 +190,14 @@ class Store(WriteBack, Prefetch):
         self._finalizer = weakref.finalize(self, _release_in_background, engine, spill,
                                            self._devices, self._kicks, self._worker)
         _fork.register(self, Store._after_fork_in_child)
-        self._worker.start()
+        try:
+            self._worker.start()
+        except RuntimeError as e:  # no thread to be had: the store never ran
+            self._finalizer.detach()
+            self.closed = True
+            _release_resources(engine, spill, self._devices, self._kicks, self._worker)
+            raise (resource_error("could not start the store's I/O thread (ssdtrain-store)",
+                                  e, threads=1) or e) from None
         self._background = True
 
     def replace_engine(self, fn):
@@ -276,8 +292,8 @@ class Store(WriteBack, Prefetch):
 
     def _pack_locked(self, t, storage, key, version, extent, nbytes, choice, leaf=None):
         self._check_open()
-        if self._errors:
-            raise _copy(self._errors.pop(0))
+        if self._failure is not None:  # NOTE [ One event, one error ] in _writeback.py
+            self._raise_event_locked()
         self._seq += 1
         rec = None
         group = self._registry.get(key)
@@ -327,7 +343,7 @@ class Store(WriteBack, Prefetch):
                 pool = self._staging[leaf] = StagingPool(
                     leaf, self.stats, self.cfg.write_behind_bytes + self.cfg.prefetch_bytes)
             dev = self._devices[(leaf, device)] = DeviceTransfers(
-                leaf, device, self.engine.device_memory, pool)
+                leaf, device, self.engine.capabilities.device_memory, pool)
         return dev
 
     # ----------------------------------------------------------------- backward
@@ -371,7 +387,7 @@ class Store(WriteBack, Prefetch):
         """The view of ``rec`` once the read ``fut`` that unpack waited for has ended."""
         self._read_done_locked(rec, fut)
         if rec.state is State.FAILED:
-            raise _in_context(rec.error, rec)
+            self._raise_event_locked(rec)
         if rec.storage is None or rec.state not in SERVABLE:
             raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
                                 f"please report this bug.")
@@ -388,7 +404,7 @@ class Store(WriteBack, Prefetch):
                 "under it (or keep the Offloader open).")
         first = handle.token in rec.unseen
         if rec.state is State.FAILED:
-            raise _in_context(rec.error, rec)
+            self._raise_event_locked(rec)
         src = rec.source
         if src is not None:
             if src._version != rec.version:
@@ -552,17 +568,14 @@ class Store(WriteBack, Prefetch):
     def _background_failed(self, exc):
         """An exception escaped a round of the I/O thread: a bug (the round's locked
         region has repaired the store). It is raised at the next pack or end of forward,
-        never swallowed; while one is pending, later ones are only logged."""
-        _without_frames(exc)  # its frames hold the store
-        log.error("ssdtrain: the store's I/O thread failed: %s: %s", type(exc).__name__, exc)
+        never swallowed; while an event is pending, it joins it (only logged)."""
+        _without_frames(exc)  # its frames hold the store (logged by _event_locked)
         err = SSDTrainError(f"ssdtrain: the store's I/O thread failed: {type(exc).__name__}: "
                             f"{exc}; the store has repaired itself and goes on. Please report "
                             f"this bug.")
         err.__cause__ = exc
-        err.ssdtrain_io_thread = True
-        with self._lock:
-            if not any(getattr(e, "ssdtrain_io_thread", False) for e in self._errors):
-                self._errors.append(err)
+        with self._lock:  # NOTE [ One event, one error ] in _writeback.py
+            self._guarded_locked(self._event_locked, None, err, False)
 
     def _stop_worker(self):
         """End the I/O thread (close(), fork): later work is done inline."""
@@ -591,6 +604,8 @@ class Store(WriteBack, Prefetch):
                     self._released_locked(ev.record, ev)
                 elif ev[0] is _WRITTEN:
                     self._write_done_locked(ev[1], ev[2])
+                elif ev[0] is _SLOT_FREE:
+                    self._free_extra_slot_locked(ev[1])
                 else:
                     self._read_done_locked(ev[1], ev[2])
             except Exception:
@@ -617,7 +632,9 @@ class Store(WriteBack, Prefetch):
     # ----------------------------------------------------------------- lifetimes
     def _move_locked(self, rec, to):
         """``transition`` plus the aggregates that follow the state (resident bytes, the
-        tail and the writes in flight)."""
+        tail and the writes in flight): the one way a record's state changes (NOTE [
+        Record state machine ] in _records.py). During a repair the aggregates it moves
+        are recomputed afterwards (``_recount_locked``), so it is safe there too."""
         frm = rec.state
         transition(rec, to)
         n = rec.nbytes
@@ -697,9 +714,9 @@ class Store(WriteBack, Prefetch):
             if slot is not None:
                 slot.file.free(slot)
             rec.staging = None
-            transition(rec, State.KEPT)
+            self._move_locked(rec, State.KEPT)
         else:
-            transition(rec, State.ON_DISK)
+            self._move_locked(rec, State.ON_DISK)
             rec.storage = rec.ready = None
 
     def _quarantine_locked(self, rec):
@@ -720,14 +737,14 @@ class Store(WriteBack, Prefetch):
         if writing:
             rec.slot = None
             if rec.storage is not None and not rec.storage_changed():
-                transition(rec, State.KEPT)   # the bytes are still in memory: exact
+                self._move_locked(rec, State.KEPT)   # the bytes are still in memory: exact
             else:
                 rec.error = SpillIOError(f"ssdtrain: the write of {rec!r} was interrupted and "
                                          f"its bytes are gone.")
-                transition(rec, State.FAILED)
+                self._move_locked(rec, State.FAILED)
                 rec.storage = rec.source = None
         else:
-            transition(rec, State.ON_DISK)
+            self._move_locked(rec, State.ON_DISK)
             rec.storage = rec.ready = None
 
     def _recount_locked(self):
@@ -789,6 +806,104 @@ class Store(WriteBack, Prefetch):
         if bad:
             raise AssertionError("ssdtrain store invariants broken: " + "; ".join(bad))
 
+    # ------------------------------------------------------- the bandwidth probe
+    def time_io(self, nbytes, repeats):
+        """The best of ``repeats`` times, in seconds, to write and to read ``nbytes``
+        through the engine and one slot of the first spill file: ``(write_s, read_s)``
+        (the adaptive policy's bandwidth probe, ``_profile.measure_bandwidth``).
+
+        The requests own their buffer, and the slot is freed when the last of them has
+        ended (NOTE [ Memory owned by requests ]): a request past ``io_timeout_s`` keeps
+        both however long it runs.
+
+        Raises:
+            SpillIOError: a request failed, or did not end within ``io_timeout_s``.
+        """
+        buf = mmap.mmap(-1, nbytes)
+        view = torch.frombuffer(buf, dtype=torch.uint8)
+        view.fill_(0x5A)  # touch every page so the write measures the disk, not faults
+        owners = (view, buf)
+        with self._lock:
+            slot = self._guarded_locked(self._extra_slot_locked, nbytes)
+        futures = []
+        best = {"write": float("inf"), "read": float("inf")}
+        try:
+            for _ in range(repeats):
+                for op in ("write", "read"):
+                    t0 = time.perf_counter()
+                    fut = self._submit_probe(op, slot, view.data_ptr(), nbytes, owners)
+                    futures.append(fut)
+                    try:
+                        exc = fut.exception(timeout=self.cfg.io_timeout_s)
+                    except FutureTimeout:
+                        raise SpillIOError(
+                            f"ssdtrain: the bandwidth probe's {op} of {nbytes} bytes at offset "
+                            f"{slot.offset} of {slot.file.name} did not finish within "
+                            f"io_timeout_s={self.cfg.io_timeout_s} s; the device may be hung "
+                            f"or overloaded. Check the device (dmesg), or raise io_timeout_s "
+                            f"if it is only slow.", filename=slot.file.directory) from None
+                    if exc is not None:
+                        raise _copy(_without_frames(exc))
+                    best[op] = min(best[op], time.perf_counter() - t0)
+        finally:
+            view = None
+            self._free_extra_slot_after(slot, futures)
+            if all(f.done() for f in futures):
+                owners = None
+                try:
+                    buf.close()  # at once; a request in flight keeps it (its owners)
+                except BufferError:  # exported still: released with its last reference
+                    pass
+        return best["write"], best["read"]
+
+    def _extra_slot_locked(self, nbytes):
+        slot = self.spill.files[0].alloc(nbytes, 0)
+        self._extra_slots.add(slot)  # a repair meanwhile keeps it (_recount_locked)
+        return slot
+
+    def _submit_probe(self, op, slot, address, nbytes, owners):
+        """The probe's engine call; the request owns ``owners`` (its buffer) until it
+        ends."""
+        engine = self.engine
+        do = engine.write if op == "write" else engine.read
+        try:
+            fut = do(slot.file, slot.offset, address, nbytes)
+        except Exception as e:  # noqa: BLE001 - refused: nothing in flight
+            fut = failed_future(e)
+        return _owning(fut, owners)
+
+    def _free_extra_slot_after(self, slot, futures):
+        """Free ``slot`` (outside records) once every request in ``futures`` has ended:
+        now, or from the last one's completion through the inbox (a ``_SLOT_FREE``)."""
+        left = [f for f in futures if not f.done()]
+        if not left:
+            with self._lock:
+                self._guarded_locked(self._free_extra_slot_locked, slot)
+            self._settle()
+            return
+        count = [len(left)]
+        ref = weakref.ref(self)
+        mutex = threading.Lock()
+
+        def ended(_):
+            with mutex:
+                count[0] -= 1
+                last = count[0] == 0
+            s = ref()
+            if last and s is not None and not s._forked:
+                s._inbox.append((_SLOT_FREE, slot, None))
+                if threading.get_ident() != threading.main_thread().ident:
+                    s._settle_nowait()
+        for f in left:
+            f.add_done_callback(ended)
+
+    def _free_extra_slot_locked(self, slot):
+        """Idempotent: the slot goes back to its file once."""
+        if slot in self._extra_slots:
+            self._extra_slots.discard(slot)
+            if not self.closed:
+                slot.file.free(slot)
+
     # -------------------------------------------------------------------- misc
     def records(self):
         """The live records (a debug view for tests and benchmarks)."""
@@ -806,9 +921,10 @@ class Store(WriteBack, Prefetch):
                                        "again.")
 
     def raise_pending_error(self):
+        """Raise the pending failure event, if any (NOTE [ One event, one error ] in
+        _writeback.py)."""
         with self._lock:
-            if self._errors:
-                raise _copy(self._errors.pop(0))
+            self._guarded_locked(self._raise_event_locked)
 
     def snapshot(self):
         """(live records, resident bytes, spill bytes in use) for stats and tests."""
@@ -890,7 +1006,8 @@ class Store(WriteBack, Prefetch):
                         rec.slot = rec.future = None
                         rec.tokens.clear()
                         rec.unseen.clear()
-                        rec.state = State.FREED  # final, whatever it was (close() ends all)
+                        if rec.state is not State.FREED:  # final, whatever it was: close()
+                            self._move_locked(rec, State.FREED)  # ends all (aggregates: below)
                 self._registry.clear()
                 self._tail.clear()
                 self._tail_bytes = 0
@@ -984,20 +1101,17 @@ def _release_in_background(engine, spill, devices, kicks, worker, daemon=False):
         # 134). Release here, in order: nothing else runs any more.
         _release_resources(engine, spill, devices, kicks, worker)
         return
-    threading.Thread(target=_release_resources, args=(engine, spill, devices, kicks, worker),
-                     name="ssdtrain-release", daemon=daemon).start()
+    try:
+        threading.Thread(target=_release_resources, args=(engine, spill, devices, kicks, worker),
+                         name="ssdtrain-release", daemon=daemon).start()
+    except RuntimeError as e:  # no thread to be had ("can't start new thread")
+        if daemon:  # a request may hang: releasing here could hang too; left to the exit
+            log.warning("ssdtrain: the engine and spill files of a closed Offloader were not "
+                        "released: %s", resource_error("no thread for the release", e) or e)
+        else:  # nothing in flight: release here, on the thread that dropped the store
+            _release_resources(engine, spill, devices, kicks, worker)
 
 
 def _nothing():
     pass
 
-
-def _needed_by():
-    """`` (needed by <Node>)`` naming the autograd node running backward, if any."""
-    node = torch._C._current_autograd_node()
-    return "" if node is None else f" (needed by {node.name()} in backward)"
-
-
-def _in_context(err, rec):
-    """``err`` again, its message naming the record and the backward op that needed it."""
-    return _copy(err, f" [record {rec!r}{_needed_by()}]")

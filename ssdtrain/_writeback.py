@@ -1,6 +1,26 @@
 """Write-back: the tail window, starting writes, the throttle, the spill budget and the
 failure policy. A mixin of :class:`ssdtrain._store.Store`; methods whose name ends in
 ``_locked`` run with the store lock held (NOTE [ Store lock discipline ] in _store.py).
+
+NOTE [ One event, one error ]
+
+A failure the store finds on its own (a write that failed, a record beyond
+``max_spill_bytes`` with ``on_spill_full="raise"``, a failed round of the I/O thread) is
+not raised where it is found (an engine thread, the I/O thread): it becomes the pending
+*event* (``Store._failure``, a :class:`Failure`), raised by the next store operation that
+can raise (a pack, the throttle, the end of forward, an unpack of a record it lost).
+Further failures found before that join the same event: one error, which says how many
+records the event touched, not one error per record raised by one pack after another
+(which failed the next steps, each of which fit). Raising it marks the step it is raised
+in as reported (``_Pass.reported``: the forward running, which it aborts, the one that
+just ended, or the one a record of the event belongs to, when backward needed that
+record). A record of a reported step that fails later (its write was still in flight)
+is part of the event already raised when its step was aborted or no graph holds it any
+more: it raises only if backward needs its data (``rec.error``), never again at a later
+step's pack. So after the one error the store is clean: once the failed step's graph
+is gone, the next step that fits runs as if nothing had happened. A later failure of a
+record a live graph holds is a new event; so is one of another step. An error backward
+raises for a record outside the pending event (a failed read) leaves the event pending.
 """
 
 import errno as _errno
@@ -9,6 +29,8 @@ import logging
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
 
 from . import _checksum
 from ._errors import SpillIOError, SSDTrainError
@@ -95,7 +117,7 @@ class WriteBack:
         crc = self.cfg.verify  # the future's result becomes the CRC of what was written
         if rec is None:  # the device waiter thread: the store marked it submitted
             fut = engine.write(slot.file, slot.offset, address, nbytes)
-        elif crc and getattr(engine, "checksums", False):  # by the engine, without the GIL
+        elif crc and engine.capabilities.checksums:  # by the engine, without the GIL
             rec.submitted = True; return engine.write(slot.file, slot.offset, address, nbytes, crc=True)  # noqa: E501,E702
         else:
             rec.submitted = True; fut = engine.write(slot.file, slot.offset, address, nbytes)  # noqa: E702
@@ -120,8 +142,7 @@ class WriteBack:
                 self._move_locked(rec, State.KEPT)
             elif exc is not None:
                 if not self._keep_after_failed_write_locked(rec, exc):
-                    self._errors.append(exc)
-                    log.error("%s", exc)
+                    self._event_locked(rec, exc, lost=True)
                     self._fail_locked(rec, exc)
             elif rec.source._version != rec.version:
                 self._fail_locked(rec, inplace_error(rec.source, rec.source._version,
@@ -227,8 +248,7 @@ class WriteBack:
         """``(done, oldest WRITING record, its future)`` for the throttle; completes the
         oldest write if it is done (its callback may still be queued): then ``oldest`` is
         None and the throttle looks again."""
-        if self._errors:
-            raise _copy(self._errors.pop(0))
+        self._raise_event_locked()
         if not self.closed:
             self._trim_tail_locked()
         if self._writing_bytes <= self.write_behind or self.closed:
@@ -271,18 +291,63 @@ class WriteBack:
         self._keep_locked(rec)
         self.stats.over_budget_bytes += rec.nbytes
         if self.cfg.on_spill_full == "raise":
-            self._errors.append(SpillIOError(
+            self._event_locked(rec, SpillIOError(
                 f"ssdtrain: writing record {rec!r} ({need} bytes of slots) would take the spill "
                 f"files beyond max_spill_bytes={limit} ({used} bytes in use); "
                 f"on_spill_full='raise' stops here. Raise max_spill_bytes, offload less "
                 f"(min_tensor_bytes, keep_tail_bytes), or set on_spill_full='keep' to keep such "
                 f"records in memory.", errno=_errno.ENOSPC,
-                filename=self.spill.files[0].directory))
+                filename=self.spill.files[0].directory), lost=False)
         else:
             self._warn_once("budget", "ssdtrain: max_spill_bytes=%d reached (%d bytes in use); "
                             "records beyond it stay in memory (Stats.over_budget_bytes).",
                             limit, used)
         return True
+
+    # ------------------------------------------- NOTE [ One event, one error ]
+    def _event_locked(self, rec, exc, lost):
+        """A failure of record ``rec`` (``None``: of the store itself), ``lost`` whether
+        its bytes are gone: it joins the pending event, or starts one, unless ``rec``
+        belongs to a step whose error has been raised (then only backward raises it, if it
+        needs the record). Idempotent per record."""
+        step = None if rec is None else rec.owner
+        if step is not None and step.reported and (step.aborted or not rec.tokens):
+            self._warn_once("reported", "%s [a record of a step whose error was already "
+                            "raised: raised again only if backward needs it; further ones are "
+                            "not logged]", exc)
+            return
+        event = self._failure
+        if event is None:
+            event = self._failure = Failure(exc)
+        if event.error is exc or rec is None:  # a failure of the store itself: never silent
+            log.error("%s", exc)
+        if rec is not None:
+            event.records[rec] = lost
+
+    def _raise_event_locked(self, rec=None):
+        """Raise the pending event, if any (it is then forgotten: raised once), or, with
+        ``rec`` (backward needs it), ``rec``'s own error, which reports the event too if
+        ``rec`` is one of its records. The step it is raised in counts as reported (NOTE [
+        One event, one error ])."""
+        event = self._failure
+        if rec is None and event is None:
+            return
+        note = ""
+        if event is not None and (rec is None or rec in event.records):  # raised now
+            self._failure = None
+            note = event.note()
+            if rec is not None:  # backward needed a record of the event
+                step = rec.owner
+            elif self._current is not None:  # the forward running: the raise aborts it
+                step = self._current
+                step.aborted = True
+            else:  # the end of forward
+                step = self._ended
+            if step is not None:
+                step.reported = True
+        if rec is not None:
+            raise _in_context(rec.error, rec, note)
+        raise _copy(event.error, note)
 
     def _keep_locked(self, rec):
         """PENDING -> KEPT: the record stays in memory until its last handle dies."""
@@ -297,6 +362,30 @@ class WriteBack:
 
 _WRITTEN = "written"
 _READ = "read"
+
+
+class Failure:
+    """The pending failure event of a store (NOTE [ One event, one error ]): the first
+    error, and the records it touched (``record -> whether its bytes are lost``)."""
+
+    __slots__ = ("error", "records")
+
+    def __init__(self, error):
+        self.error = error
+        self.records = {}
+
+    def note(self):
+        """What the error adds: how many records the event touched, and what became of
+        them."""
+        n = len(self.records)
+        if not n:
+            return ""
+        lost = sum(self.records.values())
+        fate = "their data is lost" if lost == n else \
+            "kept in memory" if not lost else f"{lost} lost, {n - lost} kept in memory"
+        return (f" [this failure touched {n} record{'s' if n > 1 else ''} of the step "
+                f"({fate}); it is raised once: once this step's graph is gone, later steps "
+                f"that fit run normally]")
 
 
 def failed_future(exc):
@@ -330,6 +419,17 @@ def _without_frames(exc):
         exc.__traceback__ = None
         exc.__context__ = None
     return exc
+
+
+def _needed_by():
+    """`` (needed by <Node>)`` naming the autograd node running backward, if any."""
+    node = torch._C._current_autograd_node()
+    return "" if node is None else f" (needed by {node.name()} in backward)"
+
+
+def _in_context(err, rec, note=""):
+    """``err`` again, its message naming the record and the backward op that needed it."""
+    return _copy(err, f" [record {rec!r}{_needed_by()}]{note}")
 
 
 def _copy(err, note=""):

@@ -1048,8 +1048,6 @@ def _main(argv=None):
     parser.add_argument("--max-failing", type=int, default=10)
     parser.add_argument("--case-timeout-s", type=float, default=60.0,
                         help="dump every thread's stack and exit if one case runs this long")
-    parser.add_argument("--only", default="",
-                        help="sweep only these store modules (comma-separated file names)")
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-bound-s", type=float, default=15.0,

@@ -28,7 +28,7 @@ import threading
 from concurrent.futures import Future
 
 from ssdtrain.io import base as _base
-from ssdtrain.io.base import Engine, io_error
+from ssdtrain.io.base import Engine, EngineWrapper, io_error
 
 __all__ = ["ManualEngine", "Request", "install"]
 
@@ -61,7 +61,7 @@ class Request:
                 f"{getattr(self.file, 'name', self.file)}>")
 
 
-class ManualEngine(Engine):
+class ManualEngine(EngineWrapper):
     """Wraps ``inner``; requests wait in a queue until :meth:`complete` runs them.
 
     Attributes:
@@ -70,12 +70,7 @@ class ManualEngine(Engine):
     """
 
     def __init__(self, inner: Engine):
-        self.inner = inner
-        self.name = inner.name
-        self.device_memory = inner.device_memory
-        backend = getattr(inner, "backend", None)
-        if backend is not None:
-            self.backend = backend
+        super().__init__(inner)  # inner's capabilities, name and back end
         self.log = []
         self._pending = []
         self._ids = itertools.count()

@@ -48,7 +48,7 @@ import torch
 import ssdtrain
 from ssdtrain import _fork
 from ssdtrain.io import native
-from ssdtrain.io.base import Engine
+from ssdtrain.io.base import Engine, EngineWrapper
 from ssdtrain.io.faulty import FaultyEngine
 from ssdtrain.io.posix import PosixEngine
 
@@ -79,7 +79,7 @@ def _one_torch_thread():
 
 
 # --------------------------------------------------------------------- helpers
-class GatedEngine(Engine):
+class GatedEngine(EngineWrapper):
     """Holds every request until :meth:`release`, then runs it on ``inner``.
 
     Makes "writes in flight at the fork" deterministic: the parent forks while the
@@ -88,9 +88,7 @@ class GatedEngine(Engine):
     """
 
     def __init__(self, inner: Engine):
-        self.inner = inner
-        self.name = inner.name
-        self.device_memory = inner.device_memory
+        super().__init__(inner)  # inner's capabilities, name and back end
         self.held = []
         self._open = False
         self._lock = threading.Lock()

@@ -50,7 +50,7 @@ import torch
 import ssdtrain
 from ssdtrain import SpillIOError, _checksum
 from ssdtrain.io import native
-from ssdtrain.io.base import Engine
+from ssdtrain.io.base import Capabilities, Engine, EngineWrapper
 
 _TESTS = str(Path(__file__).resolve().parent)
 _ROOT = str(Path(__file__).resolve().parent.parent)
@@ -78,7 +78,7 @@ def _snapshot(address: int, nbytes: int) -> int:
     return zlib.crc32(copy)
 
 
-class SlowEngine(Engine):
+class SlowEngine(EngineWrapper):
     """Wraps ``inner``; the requests of ``ops`` complete ``delay_s`` after ``inner`` ends
     them, and use their memory until then, as a slow device would.
 
@@ -94,13 +94,12 @@ class SlowEngine(Engine):
     (before finalizers run) and no request outlives the process unnoticed.
     """
 
+    # Its requests take no keyword arguments: no crc=True (the store checksums behind
+    # them) and no device memory (NOTE [ Engine capabilities ] in ssdtrain/io/base.py).
+    capabilities = Capabilities()
+
     def __init__(self, inner: Engine, delay_s: float, ops=("write", "read")):
-        self.inner = inner
-        self.name = inner.name
-        self.device_memory = False
-        backend = getattr(inner, "backend", None)
-        if backend is not None:
-            self.backend = backend
+        super().__init__(inner)
         self.delay_s = delay_s
         self.ops = frozenset(ops)
         self.violations = []

@@ -12,6 +12,8 @@
 #include <mutex>
 #include <new>
 #include <stdexcept>
+#include <string>
+#include <system_error>
 #include <utility>
 
 #include "engine/aligned_buffer.h"
@@ -384,7 +386,15 @@ Engine::Engine(int threads, std::size_t chunk_bytes, Backend backend)
         std::lock_guard<std::mutex> lock(state_->mu);
         ++state_->running;
       }
-      threads_.emplace_back(worker_main, state_, static_cast<std::size_t>(i));
+      try {
+        threads_.emplace_back(worker_main, state_, static_cast<std::size_t>(i));
+      } catch (const std::system_error& e) {
+        // pthread_create's errno (EAGAIN: a limit of threads, or no memory for a stack),
+        // kept as the code so the binding raises OSError(errno) and Python names the
+        // cause (not a back end that "cannot start").
+        throw std::system_error(e.code(), "starting I/O worker thread " + std::to_string(i + 1) +
+                                              " of " + std::to_string(threads));
+      }
     }
   } catch (...) {
     {

@@ -1,11 +1,47 @@
-"""The interface every I/O engine implements."""
+"""The interface every I/O engine implements.
+
+NOTE [ Engine capabilities ]
+
+What an engine's ``write``/``read`` take beyond the four positional arguments is part of
+its declared type, not found by probing: each engine class declares ``capabilities``
+(a :class:`Capabilities`), and :class:`Engine` refuses to make an engine whose class
+does not (``TypeError``). ``checksums``: ``crc=True`` is taken and the future's result
+is then the CRC32C of the request's bytes; ``device_memory``: ``device=True`` is taken
+(CUDA device addresses, GPUDirect Storage). A wrapper (fault injection, tracing)
+derives from :class:`EngineWrapper`, which reports its inner engine's capabilities,
+name and back end and forwards the keyword arguments, so a wrapped engine is driven
+exactly as the bare one (the same CRC path); a wrapper that cannot take what its inner
+engine takes declares narrower ``capabilities`` itself. ``tests/test_contracts.py``
+checks every engine class.
+"""
 
 import abc
+import dataclasses
 import errno as _errno
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
 
 from .. import _fork
-from .._errors import IntegrityError, SpillIOError
+from .._errors import IntegrityError, SpillIOError, resource_error
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What an engine's requests take beyond the address range (NOTE [ Engine
+    capabilities ]).
+
+    Attributes:
+        checksums: ``write``/``read`` take ``crc=True``; the future's result is then the
+            CRC32C of the request's bytes (written, or read) instead of the byte count,
+            taken on the engine's worker without the GIL (the native engine). Without it
+            the store chains the checksum behind the request (:func:`then`).
+        device_memory: ``write``/``read`` also take CUDA device addresses
+            (``device=True``): GPUDirect Storage. Engines without it see host memory only.
+    """
+
+    checksums: bool = False
+    device_memory: bool = False
 
 
 class Engine(abc.ABC):
@@ -14,23 +50,36 @@ class Engine(abc.ABC):
     Every engine is registered with :mod:`ssdtrain._fork` when it is made (here, in
     ``__new__``, so subclasses need not remember to): in a child forked while it is
     alive, :meth:`abandon` is called right after the fork (NOTE [ Engines after fork ]).
+    Each engine class declares its :class:`Capabilities` as ``capabilities`` (NOTE [
+    Engine capabilities ]); one that does not cannot be made.
     """
 
     name: str = "?"
-    device_memory: bool = False
-    """Whether ``write``/``read`` also take CUDA device addresses (``device=True``):
-    GPUDirect Storage. Engines without it see host memory only."""
+    backend: Optional[str] = None
+    """The native engine's back end in use (``"threads"`` or ``"uring"``); None elsewhere."""
 
-    checksums: bool = False
-    """Whether ``write``/``read`` take ``crc=True``: the future's result is then the
-    CRC32C of the request's bytes (written, or read) instead of the byte count, taken
-    on the engine's worker without the GIL (the native engine). Without it the store
-    chains the checksum behind the request (:func:`then`)."""
+    capabilities: Capabilities
+    """Declared by every engine class (NOTE [ Engine capabilities ])."""
 
     def __new__(cls, *args, **kwargs):
+        if not any("capabilities" in k.__dict__ for k in cls.__mro__ if k is not Engine):
+            raise TypeError(f"ssdtrain: engine class {cls.__qualname__} does not declare its "
+                            f"capabilities; give it a `capabilities = Capabilities(...)` class "
+                            f"attribute, or derive a wrapper from ssdtrain.io.base."
+                            f"EngineWrapper (NOTE [ Engine capabilities ]).")
         self = super().__new__(cls)
         _fork.register(self, Engine.abandon_in_child)
         return self
+
+    @property
+    def checksums(self) -> bool:
+        """``capabilities.checksums`` (read-only)."""
+        return self.capabilities.checksums
+
+    @property
+    def device_memory(self) -> bool:
+        """``capabilities.device_memory`` (read-only)."""
+        return self.capabilities.device_memory
 
     @abc.abstractmethod
     def write(self, file, offset: int, address: int, nbytes: int) -> Future:
@@ -61,6 +110,65 @@ class Engine(abc.ABC):
     def abandon_in_child(engine: "Engine") -> None:
         """The :mod:`ssdtrain._fork` callback: ``engine.abandon()``."""
         engine.abandon()
+
+
+class EngineWrapper(Engine):
+    """An engine that delegates to ``inner``: the base of fault injection and tracing
+    wrappers. Its capabilities, name and back end are ``inner``'s (properties, so they
+    cannot drift), and ``write``/``read`` forward every keyword argument (NOTE [ Engine
+    capabilities ]); a subclass overrides the requests it changes."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def backend(self) -> Optional[str]:
+        return self.inner.backend
+
+    def write(self, file, offset, address, nbytes, **kw) -> Future:
+        return self.inner.write(file, offset, address, nbytes, **kw)
+
+    def read(self, file, offset, address, nbytes, **kw) -> Future:
+        return self.inner.read(file, offset, address, nbytes, **kw)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def abandon(self) -> None:
+        self.inner.abandon()
+
+
+def start_pool(threads: int, prefix: str, what: str) -> ThreadPoolExecutor:
+    """A ``ThreadPoolExecutor`` of ``threads`` workers, every one started now.
+
+    ``ThreadPoolExecutor`` starts its threads one per ``submit``, later, when a request
+    is made: a thread that cannot start then fails that request with a bare
+    ``RuntimeError``, or leaves its piece queued with no worker to run it. Started
+    here, a missing thread is found when the engine is made, as a
+    :class:`~ssdtrain.ResourceError` naming the cause (``what``: the engine).
+    """
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=prefix)
+    go = threading.Event()
+    try:
+        for _ in range(threads):  # each blocks until all started: the next needs a new thread
+            pool.submit(go.wait)
+    except RuntimeError as e:
+        go.set()
+        pool.shutdown(wait=True)
+        err = resource_error(f"the {what} could not start its I/O threads", e, threads=threads)
+        if err is None:
+            raise
+        raise err from None
+    go.set()
+    return pool
 
 
 def io_error(verb: str, file, offset: int, nbytes: int, err: int, message: str):

@@ -14,7 +14,8 @@ short      moves the first half of the bytes, then fails: a write with ``EIO``
            ("short write"), a read with ``ENODATA`` (the spill file ends early:
            :class:`~ssdtrain.IntegrityError`)
 corrupt    succeeds, but one byte is flipped: on disk after a write, in memory after
-           a read (``verify=True`` must catch it; without it the data is wrong)
+           a read (on disk during a read whose engine takes the CRC, ``crc=True``)
+           (``verify=True`` must catch it; without it the data is wrong)
 hang       never completes until :meth:`FaultyEngine.shutdown` (a hung device:
            ``io_timeout_s`` must end the wait)
 ========== ==========================================================================
@@ -37,7 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import Engine, io_error, then
+from .base import EngineWrapper, io_error, then
 
 __all__ = ["Fault", "FaultyEngine", "install", "KINDS"]
 
@@ -77,22 +78,24 @@ class Fault:
                                                     or n < self.nth + self.times)
 
 
-class FaultyEngine(Engine):
+class FaultyEngine(EngineWrapper):
     """Wraps ``inner``; requests matched by ``faults`` fail, the others pass through.
+
+    An :class:`~ssdtrain.io.base.EngineWrapper`: it has ``inner``'s capabilities and
+    passes on every keyword argument, so the store drives it exactly as it drives
+    ``inner`` (with the native engine, the CRC is taken by its workers: ``crc=True``).
+    A corrupted request with ``crc=True`` returns the CRC a device would report: of the
+    bytes written before the flip on disk; of the flipped bytes a read delivered (the
+    byte is flipped on disk for that read, and restored after it).
 
     Attributes:
         calls: ``{"write": n, "read": n}``, requests seen so far.
         injected: ``[(op, n, kind)]``, the faults injected so far.
     """
 
-    def __init__(self, inner: Engine, faults=()):
-        self.inner = inner
+    def __init__(self, inner, faults=()):
+        super().__init__(inner)
         self.faults = list(faults)
-        self.name = inner.name
-        self.device_memory = inner.device_memory
-        backend = getattr(inner, "backend", None)
-        if backend is not None:
-            self.backend = backend
         self.calls = {"write": 0, "read": 0}
         self.injected = []
         self._hung = []
@@ -156,11 +159,17 @@ class FaultyEngine(Engine):
             return then(inner, fail)
         # corrupt: the request succeeds; one byte (the middle one) is flipped afterwards.
         at = nbytes // 2
-        if op == "write":
-            return then(do(file, offset, address, nbytes, **kw),
-                        lambda: _flip_on_disk(file, offset + at) or nbytes)
-        return then(do(file, offset, address, nbytes, **kw),
-                    lambda: _flip_in_memory(address + at) or nbytes)
+        if op == "read" and kw.get("crc"):
+            # The engine's CRC must be of the bytes that landed: the device delivers the
+            # wrong byte (flipped on disk for this read, restored once it has ended).
+            _flip_on_disk(file, offset + at)
+            inner = do(file, offset, address, nbytes, **kw)
+            inner.add_done_callback(lambda _: _flip_on_disk(file, offset + at))
+            return inner
+        inner = do(file, offset, address, nbytes, **kw)
+        if op == "write":  # the result (byte count or CRC) is of the bytes written
+            return then(inner, lambda: _flip_on_disk(file, offset + at) or inner.result())
+        return then(inner, lambda: _flip_in_memory(address + at) or inner.result())
 
 
 def install(offloader, *faults: Fault) -> FaultyEngine:

@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from .._errors import ConfigError
-from .base import Engine, io_error
+from .base import Capabilities, Engine, io_error, start_pool
 
 __all__ = ["KvikioEngine", "probe"]
 
@@ -200,7 +200,7 @@ class KvikioEngine(Engine):
     """
 
     name = "kvikio"
-    device_memory = True
+    capabilities = Capabilities(device_memory=True)  # NOTE [ Engine capabilities ] in base.py
 
     def __init__(self, *, io_threads: int = 4, directories=(), memory=None):
         for d in directories:
@@ -213,7 +213,7 @@ class KvikioEngine(Engine):
         self._kvikio = kvikio
         self._files = {}   # SpillFile -> CuFile
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ssdtrain-gds")
+        self._pool = start_pool(io_threads, "ssdtrain-gds", "kvikio engine")  # or ResourceError
 
     def write(self, file, offset, address, nbytes, device=False):
         return self._pool.submit(self._run, "writing", file, offset, address, nbytes, device)

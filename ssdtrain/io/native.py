@@ -19,9 +19,9 @@ from __future__ import annotations
 import weakref
 from concurrent.futures import Future
 
-from .._errors import ConfigError
+from .._errors import ConfigError, SSDTrainError, resource_error
 from .._align import BLOCK
-from .base import Engine, abandoned, io_error
+from .base import Capabilities, Engine, abandoned, io_error
 
 try:
     from .. import _C
@@ -78,6 +78,28 @@ class _Completion:
                                            message))
 
 
+def start_error(exc, backend, io_threads):
+    """The ssdtrain error for ``exc``, raised by ``_C.Engine(...)``: a worker thread that
+    could not start (``OSError`` with ``pthread_create``'s errno, see ``csrc/binding.cpp``)
+    or no memory (``MemoryError``) is a :class:`~ssdtrain.ResourceError` naming it;
+    ``RuntimeError`` with ``backend="uring"`` is io_uring refused by the kernel (a
+    :class:`~ssdtrain.ConfigError`); anything else is reported as it is. ``exc`` itself
+    when it is no ``Exception`` (an interrupt)."""
+    if not isinstance(exc, Exception):
+        return exc
+    err = resource_error(f"the native I/O engine could not start {io_threads} worker "
+                         f"thread(s)", exc, threads=io_threads, thread=isinstance(exc, OSError))
+    if err is not None:
+        return err
+    if isinstance(exc, RuntimeError) and backend == "uring":
+        return ConfigError(f"ssdtrain: the native engine's 'uring' back end cannot start: {exc}. "
+                           f"Use backend='auto' or 'threads'.")
+    if isinstance(exc, ValueError):
+        return ConfigError(f"ssdtrain: the native engine refused its arguments: {exc}.")
+    return SSDTrainError(f"ssdtrain: the native I/O engine could not start "
+                         f"({type(exc).__name__}: {exc}); please report this.")
+
+
 class NativeEngine(Engine):
     """Engine over ``ssdtrain._C``: a native worker pool with io_uring or pread/pwrite.
 
@@ -94,9 +116,11 @@ class NativeEngine(Engine):
     Raises:
         ConfigError: the module is not built, an argument is invalid, or
             ``backend="uring"`` where io_uring cannot be used.
+        ResourceError: a worker thread (or memory) could not be had.
     """
 
     name = "native"
+    capabilities = Capabilities(checksums=True)  # NOTE [ Engine capabilities ] in base.py
 
     def __init__(self, *, io_threads: int = 4, chunk_bytes: int = 16 << 20,
                  backend: str = "auto"):
@@ -111,9 +135,8 @@ class NativeEngine(Engine):
                               f"chunk_bytes={chunk_bytes}.")
         try:
             engine = _C.Engine(io_threads, chunk_bytes, "threads" if backend == "auto" else backend)
-        except RuntimeError as e:  # backend="uring" where the kernel refuses it
-            raise ConfigError(f"ssdtrain: the native engine's {backend!r} back end cannot start: "
-                              f"{e}. Use backend='auto' or 'threads'.") from None
+        except BaseException as e:  # noqa: BLE001 - each cause gets its own error
+            raise start_error(e, backend, io_threads) from None
         self.chunk_bytes = chunk_bytes
         self.backend = engine.backend
         self._engine = engine
@@ -121,8 +144,6 @@ class NativeEngine(Engine):
         # or at interpreter exit (before finalization, when callbacks can still run).
         self._finalizer = weakref.finalize(self, engine.shutdown)
         self._abandoned = False  # last: abandon() skips an engine not fully made
-
-    checksums = True
 
     def write(self, file, offset, address, nbytes, *, crc=False):
         return self._submit(self._engine.submit_write, "writing", file, offset, address, nbytes,

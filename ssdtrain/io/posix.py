@@ -18,11 +18,11 @@ import errno
 import mmap
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from .._errors import SpillIOError
 from .._align import BLOCK, align_down, align_up
-from .base import Engine, abandoned, io_error
+from .base import Capabilities, Engine, abandoned, io_error, start_pool
 
 __all__ = ["PosixEngine"]
 
@@ -73,16 +73,20 @@ class PosixEngine(Engine):
     """Thread-pool engine over ``os.pwrite``/``os.preadv``.
 
     Args:
-        io_threads: worker threads.
+        io_threads: worker threads, all started here.
         chunk_bytes: requests are split at addresses that are multiples of this
             (a multiple of ``BLOCK``) so several workers share a large request.
+
+    Raises:
+        ResourceError: a worker thread could not be started.
     """
 
     name = "posix"
+    capabilities = Capabilities()  # NOTE [ Engine capabilities ] in base.py
 
     def __init__(self, *, io_threads: int = 4, chunk_bytes: int = 16 << 20):
         self.chunk_bytes = chunk_bytes
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ssdtrain-io")
+        self._pool = start_pool(io_threads, "ssdtrain-io", "posix engine")  # or ResourceError
         self._local = threading.local()
         self._abandoned = False
 

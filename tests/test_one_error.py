@@ -1,0 +1,173 @@
+"""One failure event, one error (NOTE [ One event, one error ] in ssdtrain/_writeback.py).
+
+A failed write (disk full, EIO) or a record beyond ``max_spill_bytes`` with
+``on_spill_full="raise"`` raises one ``SpillIOError``, in the step where it happened (at
+the next store operation at the latest), saying how many records it touched. Then the
+store is clean: once that step's graph is gone no record, byte or slot is left, and the
+next steps, which fit, run and are exact. Before the fix one error was queued per
+failed record and raised by later packs one at a time: the next 4-5 steps failed.
+
+Parametrized over the failure kind and over where in the step it is found:
+
+* ``pack``: ``write_behind_bytes=0``, so each write ends before forward goes on; the
+  error is raised inside forward.
+* ``exit``: the store's I/O thread is paused, so every write starts (and fails, or
+  goes over the budget) at the end of forward; the error is raised at the ``with``
+  block's exit, once, for all of them.
+* ``backward``: the writes hang until forward has ended, then fail; backward raises
+  when it needs the first lost record, and the event is reported with it.
+* ``between``: the writes fail after the step's graph was dropped without backward;
+  the next step's first pack raises it, once.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import re
+
+import pytest
+import torch
+
+import ssdtrain
+from ssdtrain.io import faulty
+from ssdtrain.io.faulty import Fault
+
+K = 6          # saved records per step
+BIG, SMALL = 64, 4   # rows: 64 KiB records (the failing step), 4 KiB ones (steps that fit)
+BUDGET = 2 * (68 << 10)  # fits SMALL steps (K x 8 KiB of slots); 2 of a BIG step's K records
+ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "budget": errno.ENOSPC}
+CASES = [(kind, where) for kind in ("ENOSPC", "EIO") for where in
+         ("pack", "exit", "backward", "between")] + [("budget", "pack"), ("budget", "exit")]
+LATER_STEPS = 3
+
+
+def _forward(x):
+    h = x
+    for _ in range(K):
+        h = (h * 1.25).sin()  # sin saves its input: one record per layer
+    return h.sum()
+
+
+def _reference(rows):
+    x = torch.linspace(-1, 1, rows * 256).reshape(rows, 256).requires_grad_()
+    _forward(x).backward()
+    return x.grad
+
+
+def _step(off, rows, *, backward=True):
+    x = torch.linspace(-1, 1, rows * 256).reshape(rows, 256).requires_grad_()
+    with off:
+        loss = _forward(x)
+    if backward:
+        loss.backward()
+    return x.grad
+
+
+def _clean(off):
+    gc.collect()
+    off.wait()
+    assert (off.live_records(), off.resident_bytes(), off.spill_bytes_in_use()) == (0, 0, 0)
+    off._store.check_invariants()
+
+
+def _fail_hung(inj, err):
+    hung = list(inj._hung)
+    assert len(hung) == K, f"expected {K} hung writes, got {len(hung)}"
+    for fut, file, offset, nbytes, verb in hung:
+        fut.set_exception(ssdtrain.SpillIOError(
+            f"ssdtrain: {verb} {nbytes} bytes of {file.name} failed (injected late "
+            f"{errno.errorcode[err]})", errno=err, filename=file.directory))
+    inj._hung.clear()
+
+
+@pytest.mark.parametrize("kind,where", CASES)
+def test_one_failure_raises_once_then_later_steps_are_exact(make_offloader, kind, where):
+    ref_small = _reference(SMALL)
+    cfg = dict(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB", verify=False)
+    if where == "pack":
+        cfg["write_behind_bytes"] = 0
+    if kind == "budget":
+        cfg.update(max_spill_bytes=BUDGET, on_spill_full="raise")
+    off = make_offloader(**cfg)
+    store = off._store
+    inj = None
+    if kind != "budget":
+        hang = where in ("backward", "between")
+        inj = faulty.install(off, Fault("write", "hang" if hang else kind, nth=1, times=None))
+    if where == "exit":
+        store._paused = True  # nothing is written before the end of forward
+
+    errors = []
+    x = torch.linspace(-1, 1, BIG * 256).reshape(BIG, 256).requires_grad_()
+    try:
+        with off:
+            loss = _forward(x)
+        if where == "backward":
+            _fail_hung(inj, ERRNOS[kind])
+            loss.backward()
+        elif where == "between":
+            del loss
+            gc.collect()
+            _fail_hung(inj, ERRNOS[kind])
+    except ssdtrain.SpillIOError as e:
+        errors.append(str(e))
+        assert e.errno == ERRNOS[kind]
+        del e
+    loss = None
+    if inj is not None:
+        inj.faults.clear()  # the disk has room again
+    store._paused = False
+    store._kick()
+    assert x.grad is None, "a gradient computed from lost data"
+
+    if where == "between":  # found after the step: the next store operation raises it
+        assert not errors
+        with pytest.raises(ssdtrain.SpillIOError) as excinfo:
+            _step(off, SMALL)
+        errors.append(str(excinfo.value))
+        del excinfo
+    assert len(errors) == 1, errors
+    msg = errors[0]
+    touched = re.search(r"this failure touched (\d+) records?", msg)
+    assert msg.startswith("ssdtrain:") and touched, msg
+    n = int(touched.group(1))
+    if where in ("exit", "backward", "between"):  # one event: every record that failed
+        assert n == (K - 2 if kind == "budget" else K), msg
+    assert n >= 1
+    _clean(off)
+
+    for _ in range(LATER_STEPS):  # each fits: no error about the first step's records
+        got = _step(off, SMALL)
+        assert torch.equal(got, ref_small)
+    _clean(off)
+    if kind == "budget":
+        assert off.stats().records_written >= LATER_STEPS * K  # the later steps did spill
+
+
+def test_failures_after_the_error_was_raised_do_not_raise_again(make_offloader):
+    """Writes of the failed step still in flight when its error is raised fail later:
+    they are part of the event already reported, never a later step's error."""
+    off = make_offloader(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB")
+    inj = faulty.install(off, Fault("write", "hang", nth=2, times=None),
+                         Fault("write", "EIO", nth=1))
+    off._store._paused = True  # every write starts at the end of forward: the first fails
+    x = torch.linspace(-1, 1, BIG * 256).reshape(BIG, 256).requires_grad_()
+    with pytest.raises(ssdtrain.SpillIOError, match="touched 1 record"):
+        with off:
+            loss = _forward(x)  # the graph lives until the error
+    # The later writes of that step hang; they fail now, after its error was raised.
+    loss = None  # noqa: F841
+    gc.collect()
+    hung = list(inj._hung)
+    assert len(hung) == K - 1
+    off._store._paused = False
+    inj._hung.clear()
+    inj.faults.clear()
+    for fut, file, offset, nbytes, verb in hung:
+        fut.set_exception(ssdtrain.SpillIOError("ssdtrain: injected late EIO", errno=5))
+    _clean(off)
+    ref = _reference(SMALL)
+    for _ in range(LATER_STEPS):
+        assert torch.equal(_step(off, SMALL), ref)
+    _clean(off)
