@@ -3,12 +3,13 @@
 The model is built on the meta device and its forward runs on fake tensors
 (``FakeTensorMode``): shapes, dtypes, strides, storages and version counters are
 real, data is not, and nothing is allocated. The saved-tensor hooks installed for
-the forward replay the decisions of ``Store.pack`` (``ssdtrain/_store.py``) on
-them: the same size threshold, the same "offloadable kind" rule
-(``_policy.is_offloadable_kind``), parameters and buffers recognised by storage
-(``_policy.TRACKER``), the same storage identity and record ranges
-(``_identity.storage_key``, ``byte_extent``, ``record_range``), the tail window
-(``keep_tail_bytes``) and the spill budget. docs/estimate.md has the formulas.
+the forward make the pack decision on them by calling the very functions
+``Store.pack`` calls (NOTE [ The pack decision ] in ``_policy.py``): ``keep_reason``
+(size threshold, kind, leaves, parameters and buffers by storage), ``find_record``
+(dedup), ``record_range``, and a ``TailWindow`` (``keep_tail_bytes``, the spill
+budget). The decision depends on the sequence of saves and releases and on the
+configuration only, never on I/O timing, so the estimate's bytes are the real run's
+exactly. docs/estimate.md has the formulas.
 
 NOTE [ Why fake tensors and not plain meta tensors ]
 Meta tensors have storages and ``_cdata`` identity, so the dedup logic works on
@@ -34,6 +35,10 @@ training step runs:
   values, whether the position ids pack several sequences into a row
   (``masking_utils.find_packed_sequence_indices``); the estimate's inputs never do, so
   it answers "no" (``None``) as eager would.
+  Eager also asks whether a padding mask is all ones (``masking_utils.fast_all``, to
+  skip the mask): the estimate's rows have no padding, so it answers yes.
+  ``PreTrainedModel.warn_if_padding_and_no_attention_mask`` asks whether a row ends
+  in padding only to log a warning: it is skipped.
 * the meta kernel of ``aten._grouped_mm`` (MoE experts) checks the CUDA kernel's
   dtype rule (bf16 only), while the CPU kernel takes any float dtype; on a non-bf16
   input the estimate computes the grouped matmul in bf16 and casts the result back.
@@ -55,6 +60,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -63,9 +69,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._config import OffloadConfig
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
-from ._policy import TRACKER, is_offloadable_kind
+from ._policy import KEEP_BUDGET, TRACKER, TailWindow, is_offloadable_kind, keep_reason
 from ._profile import LayerProfiler, _tensors, default_layers
-from ._spill import BLOCK, align_up
+from ._records import State, find_record
 
 __all__ = ["Measurement", "LayerBytes", "measure", "fakeify", "EstimateError"]
 
@@ -224,24 +230,44 @@ class _Storage:
 
 
 class _Rec:
-    """Mirror of ``_records.Record`` for the pack decisions: range, version, state."""
-    __slots__ = ("key", "lo", "hi", "nbytes", "version", "span", "layer", "state", "live",
-                 "slot")
+    """What the pack decision reads of a ``_records.Record``: range, version, storage
+    size, state (PENDING in the tail window -> ON_DISK (decided: written) | KEPT ->
+    FREED), reserved spill bytes."""
+    __slots__ = ("key", "lo", "hi", "nbytes", "version", "ptr", "span", "layer", "fate",
+                 "live", "reserved")
+
+    @property
+    def state(self):
+        """What the replay decided for it, read by the shared ``find_record``. Named
+        ``fate`` where it is written: only the store's ``transition()`` writes a
+        ``state`` (tests/test_contracts.py)."""
+        return self.fate
 
     def __init__(self, key, lo, hi, version, span, layer):
         self.key, self.lo, self.hi, self.nbytes = key, lo, hi, hi - lo
         self.version, self.span, self.layer = version, span, layer
-        self.state = "pending"   # pending (in the tail) -> written | kept; dead (freed)
+        self.ptr = _NO_ADDRESS
+        self.fate = State.PENDING
         self.live = 0
-        self.slot = 0
+        self.reserved = 0
+
+
+# A fake storage has no address; the store compares a storage's data pointer with its
+# record's only to see a resize_() or set_ between two saves, which no model does.
+_NO_ADDRESS = 0
 
 
 class _Handle:
-    """What the pack hook returns; its death is the graph releasing the saved tensor."""
-    __slots__ = ("t", "sim", "st", "rec", "kept")
+    """What the pack hook returns; its death is the graph releasing the saved tensor.
 
-    def __init__(self, t, sim, st, rec, kept):
-        self.t, self.sim, self.st, self.rec, self.kept = t, sim, st, rec, kept
+    It holds no reference to the tensor (the store's ``Handle`` holds a weak one): a
+    tensor saved by the node that made it (``exp`` saves its output) would hold its node,
+    which holds this handle, a cycle only the garbage collector frees, so the release
+    would come late (or never, before forward ends) where the real run's comes at once."""
+    __slots__ = ("sim", "st", "rec", "kept")
+
+    def __init__(self, sim, st, rec, kept):
+        self.sim, self.st, self.rec, self.kept = sim, st, rec, kept
 
     def __del__(self):
         sim = self.sim
@@ -250,10 +276,9 @@ class _Handle:
 
 
 class _Replay:
-    """The saved-tensor hooks: ``Store.pack``'s decisions on fake tensors.
-
-    Every branch names the line of ``Store.pack`` / ``Store._pack_locked`` /
-    ``WriteBack._trim_tail_locked`` / ``Prefetch._end_pass_locked`` it mirrors."""
+    """The saved-tensor hooks: the pack decision on fake tensors (NOTE [ The pack
+    decision ] in _policy.py), by the functions ``Store.pack`` calls, plus the
+    estimate's own bookkeeping (per layer bytes, storages held for the memory terms)."""
 
     def __init__(self, cfg: OffloadConfig, profiler: Optional[LayerProfiler], m: Measurement):
         self.cfg = cfg
@@ -262,9 +287,7 @@ class _Replay:
         self.m = m     # the Measurement being filled
         self.registry: Dict[int, List[_Rec]] = {}
         self.storages: Dict[int, _Storage] = {}
-        self.tail: "collections.OrderedDict[_Rec, None]" = collections.OrderedDict()
-        self.tail_bytes = 0
-        self.spill_used = 0
+        self.window = TailWindow(cfg.keep_tail_bytes, cfg.max_spill_bytes)
         self._inbox = collections.deque()
 
     def _layer(self):
@@ -295,66 +318,55 @@ class _Replay:
                 st = self.storages[key] = _Storage(storage.nbytes(), layer,
                                                    StorageWeakRef(storage))
             st.live += 1
-        # Store.pack: too small, not a plain strided tensor, a leaf that requires grad,
-        # or a parameter / buffer (TRACKER): kept in memory, counted per pack.
-        if nbytes < self.min_bytes or not offloadable_kind(t) or leaf or \
-                key is None or TRACKER.contains(key):
+        # The pack decision, by the functions Store.pack calls (NOTE [ The pack decision ]).
+        reason, storage, key = keep_reason(t, nbytes, self.min_bytes, TRACKER.contains,
+                                           offloadable_kind)
+        if reason is not None:   # kept in memory, counted per pack
             m.kept_bytes += nbytes
             lb.kept_bytes += nbytes
             if state:
                 m.kept_state_bytes += nbytes
             if st is not None:
                 st.kept_live += 1
-            return _Handle(t, self, st, None, True)
+            return _Handle(self, st, None, True)
         version = t._version
         extent = byte_extent(t)
         span = storage.nbytes()
-        rec = None
-        for r in self.registry.get(key, ()):   # Store._pack_locked: the same record?
-            if r.version == version and r.lo <= extent[0] and extent[1] <= r.hi \
-                    and r.state != "dead" and r.span == span:
-                rec = r
-                break
+        rec = find_record(self.registry.get(key), version, extent, _NO_ADDRESS, span)
         if rec is None:
             lo, hi = record_range(extent, span)
             rec = _Rec(key, lo, hi, version, span, layer)
             self.registry.setdefault(key, []).append(rec)
-            self.tail[rec] = None
-            self.tail_bytes += rec.nbytes
             m.unique_bytes += rec.nbytes
             lb.unique_bytes += rec.nbytes
+            window = self.window
+            window.add(rec)
+            if window.nbytes > window.keep_bytes:
+                self._decide()
         else:
             m.deduplicated_bytes += nbytes
-            if rec.state == "pending":
-                self.tail.move_to_end(rec)
+            self.window.touch(rec)
         rec.live += 1
-        self._trim()
-        return _Handle(t, self, st, rec, False)
+        return _Handle(self, st, rec, False)
 
     def unpack(self, h):   # never called: the estimate runs no backward
-        return h.t
+        raise EstimateError("ssdtrain estimate: the estimate runs forward only; please "
+                            "report this bug.")
 
-    def _trim(self):
-        """WriteBack._trim_tail_locked: write the oldest tail records until the tail fits."""
-        cfg = self.cfg
-        while self.tail_bytes > cfg.keep_tail_bytes and self.tail:
-            rec = next(iter(self.tail))
-            self.tail.pop(rec)
-            self.tail_bytes -= rec.nbytes
-            # WriteBack._over_budget_locked; the slot's misalignment is taken as 0 (a fake
-            # tensor has no address), so a slot may be counted one block short.
-            need = max(BLOCK, align_up(rec.nbytes))
-            if cfg.max_spill_bytes is not None and self.spill_used + need > cfg.max_spill_bytes:
-                rec.state = "kept"
-                self.m.kept_bytes += rec.nbytes
-                self.m.over_budget_bytes += rec.nbytes
-                self._lb(rec.layer).kept_bytes += rec.nbytes
-                continue
-            rec.state = "written"
-            rec.slot = need
-            self.spill_used += need
-            self.m.offloadable_bytes += rec.nbytes
-            self._lb(rec.layer).offloadable_bytes += rec.nbytes
+    def _decide(self):
+        """Store._decide_locked: the window's oldest records leave it, decided."""
+        m = self.m
+        for rec, reason in self.window.overflow():
+            lb = self._lb(rec.layer)
+            if reason == KEEP_BUDGET:
+                rec.fate = State.KEPT
+                m.kept_bytes += rec.nbytes
+                m.over_budget_bytes += rec.nbytes
+                lb.kept_bytes += rec.nbytes
+            else:   # written (Stats.offloaded_bytes counts it however soon it dies)
+                rec.fate = State.ON_DISK
+                m.offloadable_bytes += rec.nbytes
+                lb.offloadable_bytes += rec.nbytes
 
     def _drain(self):
         """Handles the graph released (Store._released_locked / _free_locked)."""
@@ -367,14 +379,11 @@ class _Replay:
                     st.kept_live -= 1
             if rec is not None:
                 rec.live -= 1
-                if rec.live == 0 and rec.state != "dead":
-                    if rec.state == "pending":   # freed before its write: never written
-                        self.tail.pop(rec)
-                        self.tail_bytes -= rec.nbytes
+                if rec.live == 0 and rec.fate is not State.FREED:
+                    if self.window.discard(rec):   # freed before a decision: never written
                         self.m.dropped_bytes += rec.nbytes
-                    elif rec.state == "written":
-                        self.spill_used -= rec.slot
-                    rec.state = "dead"
+                    self.window.release(rec)
+                    rec.fate = State.FREED
                     group = self.registry.get(rec.key)
                     if group is not None and rec in group:
                         group.remove(rec)
@@ -382,13 +391,11 @@ class _Replay:
     def end_pass(self):
         """Prefetch._end_pass_locked: the records still in the tail are kept."""
         self._drain()
-        for rec in list(self.tail):
-            rec.state = "kept"
+        for rec in self.window.close():
+            rec.fate = State.KEPT
             self.m.kept_bytes += rec.nbytes
             self.m.kept_tail_bytes += rec.nbytes
             self._lb(rec.layer).kept_bytes += rec.nbytes
-        self.tail.clear()
-        self.tail_bytes = 0
 
 
 class _InputProbe:
@@ -439,6 +446,18 @@ def _eager_hints():
         # Eager asks the position ids' values whether the rows pack several sequences;
         # the estimate's inputs never do (one sequence per row, positions 0..seq-1).
         patches.append((mu, "find_packed_sequence_indices", lambda position_ids: None))
+    if getattr(mu, "fast_all", None) is not None:
+        # Whether a padding mask is all ones (then SDPA runs is_causal with no mask): the
+        # estimate's inputs are built on the meta device and carry no values; they stand
+        # for rows with no padding, as above.
+        patches.append((mu, "fast_all", lambda tensor: True))
+    mu = sys.modules.get("transformers.modeling_utils")
+    pretrained = getattr(mu, "PreTrainedModel", None)
+    if getattr(pretrained, "warn_if_padding_and_no_attention_mask", None) is not None:
+        # Only a warning, which asks the ids' values whether a row ends in padding; the
+        # estimate's ids carry none, and what it decides is never saved.
+        patches.append((pretrained, "warn_if_padding_and_no_attention_mask",
+                        lambda self, input_ids, attention_mask: None))
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     try:
         for mod, name, value in patches:
@@ -448,6 +467,20 @@ def _eager_hints():
     finally:
         for mod, name, value in saved:
             setattr(mod, name, value)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """torch logs the whole traceback of an operator that fails on fake tensors before
+    it raises; the exception itself reaches the caller (the CLI prints one line, or the
+    traceback with --traceback), so the log would only say it twice, at length."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class _GroupedMMAnyDtype(TorchDispatchMode):
@@ -507,7 +540,8 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
         cfg: the ssdtrain settings whose pack decisions are replayed.
         batch: recorded in the result only.
         gradient_checkpointing: recorded in the result only (``build`` applies it).
-        count_flops: count the forward's FLOPs with ``FlopCounterMode``.
+        count_flops: count the forward's FLOPs with ``FlopCounterMode``, in a forward of
+            its own (the counter changes tensor lifetimes, so never in the measured one).
         layers: a callable ``model -> [(name, module), ...]`` naming the repeated blocks;
             default :func:`ssdtrain._profile.default_layers` (children of ModuleLists).
         device: the device the fake tensors claim (kernel choice follows it).
@@ -540,22 +574,17 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
     prof = LayerProfiler(named, Stats(), 1) if named else None
     probe = _InputProbe(named)
     sim = _Replay(cfg, prof, m)
-    counter = None
-    if count_flops:
-        from torch.utils.flop_counter import FlopCounterMode
-        counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
     out = None
     try:
         if prof is not None:
             prof.open_step(timed=False)
-        with mode, _eager_hints(), \
-                (counter if counter is not None else contextlib.nullcontext()):
-            TRACKER.start()
+        with mode, _eager_hints(), _quiet_fake_tensor_log():
+            TRACKER.start(sim)  # the replay is a user of the tracker while it intercepts
             try:
                 with torch.autograd.graph.saved_tensors_hooks(sim.pack, sim.unpack):
                     out = _call(model, inputs)
             finally:
-                TRACKER.stop()
+                TRACKER.stop(sim)
         if prof is not None:
             prof.end_forward()
         sim.end_pass()
@@ -573,9 +602,32 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
         probe.remove()
         del out
         sim._inbox.clear()
-    if counter is not None:
-        m.flops = float(counter.get_total_flops())
+    if count_flops:
+        m.flops = _count_flops(build, device)
     return m
+
+
+def _count_flops(build, device):
+    """Forward FLOPs of a model built anew, on fake tensors, with no saved-tensor hooks.
+
+    A forward of its own: ``FlopCounterMode`` decomposes operators it has no formula
+    for and tracks modules, which changes which tensors live how long (a saved tensor
+    the real run frees during forward lived on under it), so the pass whose bytes are
+    measured must not run under it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.device("meta"):
+        model, inputs = build()
+    inputs = fakeify(model, inputs, mode, device)
+    counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    out = None
+    try:
+        with mode, _eager_hints(), _quiet_fake_tensor_log(), counter:
+            out = _call(model, inputs)
+    finally:
+        del out
+    return float(counter.get_total_flops())
 
 
 def _memory_terms(m: Measurement, sim: _Replay, probe: _InputProbe):

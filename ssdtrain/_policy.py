@@ -1,4 +1,33 @@
-"""What may be offloaded.
+"""What is offloaded: the pack decision, shared by the store and ``ssdtrain estimate``.
+
+NOTE [ The pack decision ]
+
+``INV-DECIDED``. What happens to a saved tensor is a function of the sequence of saves and releases
+and of the configuration alone, never of when the store's I/O thread gets to a
+record. Three pieces decide it, and both callers (``Store.pack``/``_pack_locked`` in
+``_store.py`` and the estimate's replay in ``_estimate.py``) call the same ones:
+
+1. :func:`keep_reason`: why the tensor stays in memory as it is (``KEEP_SMALL``,
+   ``KEEP_KIND``, ``KEEP_LEAF``, ``KEEP_STATE``), or ``None`` and its storage and key.
+2. :func:`ssdtrain._records.find_record`: the live record that already holds the
+   tensor's bytes (dedup), or ``None`` (a new record).
+3. :class:`TailWindow`: a new record enters the window of the last
+   ``keep_tail_bytes`` of saved bytes (a dedup hit on a record in it moves it to the
+   end: it is used again, late). When the window holds more, its oldest records
+   leave it *at that pack*, each decided once: to be written (it reserves its worst
+   case of spill slots, :func:`slot_bound`), or kept in memory because
+   ``max_spill_bytes`` would be exceeded (``KEEP_BUDGET``). A record freed while in the
+   window was never decided (dropped: nothing to write). When forward ends, what is
+   left in the window is the kept tail (``KEEP_TAIL``).
+
+A record that left the window stays out of it whatever happens next: a later save of
+the same bytes does not bring it back, whether its write has started or not. The
+store's I/O thread only carries out the writes decided (``Store._due``); a record
+freed before its write started is not written. ``Stats.offloaded_bytes`` counts the
+decision (at pack), not the write's end, whose fate (done, skipped, failed) depends on
+timing. So ten runs of one model
+offload the same bytes, and the estimate, which replays the same three pieces on fake
+tensors, gives them exactly.
 
 Parameters and buffers are never offloaded: their owner keeps them in memory
 anyway, so writing them frees nothing. Autograd hands pack hooks plain tensors
@@ -8,13 +37,26 @@ a global module forward pre-hook records the storages of the parameters and
 buffers of every module that runs (:class:`ModuleStateTracker`).
 """
 
+import collections
 import threading
 
 import torch
 
+from ._align import BLOCK, align_up
 from ._identity import StorageWeakRef, storage_key
 
-__all__ = ["ModuleStateTracker", "TRACKER", "is_offloadable_kind"]
+__all__ = ["ModuleStateTracker", "TRACKER", "is_offloadable_kind", "keep_reason", "TailWindow",
+           "slot_bound", "KEEP_SMALL", "KEEP_KIND", "KEEP_LEAF", "KEEP_STATE", "KEEP_TAIL",
+           "KEEP_BUDGET", "KEEP_CAPTURE"]
+
+# Why a saved tensor or a record stays in memory (NOTE [ The pack decision ]).
+KEEP_SMALL = "small"    # fewer bytes than min_tensor_bytes
+KEEP_KIND = "kind"      # not a plain strided CPU/CUDA tensor with a storage
+KEEP_LEAF = "leaf"      # a leaf that requires grad (autograd saves the tensor itself)
+KEEP_STATE = "state"    # a parameter or buffer of a module that ran
+KEEP_TAIL = "tail"      # in the tail window when forward ended
+KEEP_BUDGET = "budget"  # writing it would exceed max_spill_bytes
+KEEP_CAPTURE = "capture"  # saved during a CUDA graph capture (NOTE [ Device records ], rule 8)
 
 
 def is_offloadable_kind(t: torch.Tensor) -> bool:
@@ -26,6 +68,133 @@ def is_offloadable_kind(t: torch.Tensor) -> bool:
     return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) \
         and t.layout == torch.strided and t.device.type in ("cpu", "cuda") \
         and not t.is_quantized and not t.is_conj() and not t.is_neg()
+
+
+def keep_reason(t, nbytes, min_bytes, is_state, offloadable=is_offloadable_kind):
+    """The first step of the pack decision (NOTE [ The pack decision ]).
+
+    Args:
+        t: the saved tensor; ``nbytes`` its bytes (``numel * element_size``).
+        min_bytes: ``max(1, min_tensor_bytes)``.
+        is_state: ``storage key -> bool``, whether a storage is a parameter's or a
+            buffer's (``TRACKER.contains``).
+        offloadable: the kind rule; the estimate passes its version for fake tensors.
+
+    Returns:
+        ``(reason, None, None)`` if ``t`` stays in memory as it is (a ``KEEP_*``
+        constant), else ``(None, storage, key)``: it goes to a record.
+    """
+    if nbytes < min_bytes:
+        return KEEP_SMALL, None, None
+    if not offloadable(t):
+        return KEEP_KIND, None, None
+    if t.requires_grad and t.grad_fn is None:
+        return KEEP_LEAF, None, None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage: never offloaded
+        return KEEP_KIND, None, None
+    key = storage_key(storage)
+    if is_state(key):
+        return KEEP_STATE, None, None
+    return None, storage, key
+
+
+def slot_bound(nbytes: int) -> int:
+    """The most spill bytes a record of ``nbytes`` can take: its slot starts at the
+    record's address modulo ``BLOCK`` (NOTE [ Zero-copy O_DIRECT from unaligned
+    tensors ]), unknown to a decision that must not depend on addresses, so the budget
+    counts the worst misalignment."""
+    return align_up(nbytes + BLOCK - 1)
+
+
+class TailWindow:
+    """The records of forward not decided yet: the last ``keep_tail_bytes`` of saved
+    bytes, oldest use first, and the spill budget of those decided to be written
+    (NOTE [ The pack decision ]). Pure bookkeeping over objects with ``nbytes`` and
+    ``reserved`` attributes; the store calls it under its lock.
+
+    Attributes:
+        records: the records in the window, oldest use first.
+        nbytes: their bytes.
+        reserved: spill bytes reserved by records decided to be written and not yet
+            released (:meth:`release`).
+    """
+
+    __slots__ = ("keep_bytes", "limit", "records", "nbytes", "reserved")
+
+    def __init__(self, keep_tail_bytes: int, max_spill_bytes=None):
+        self.keep_bytes = keep_tail_bytes
+        self.limit = max_spill_bytes
+        self.records = collections.OrderedDict()
+        self.nbytes = 0
+        self.reserved = 0
+
+    def add(self, rec) -> None:
+        """A new record: the newest of the window."""
+        self.records[rec] = None
+        self.nbytes += rec.nbytes
+
+    def touch(self, rec) -> None:
+        """A save served by ``rec`` (dedup): if it is in the window, it is the newest
+        again. A record that left the window stays out."""
+        if rec in self.records:
+            self.records.move_to_end(rec)
+
+    def discard(self, rec) -> bool:
+        """``rec`` leaves the window without a decision (freed: dropped, or kept by a
+        plan); whether it was in it."""
+        if self.records.pop(rec, 0) is None:
+            self.nbytes -= rec.nbytes
+            return True
+        return False
+
+    def over(self) -> bool:
+        """Whether the window holds more than ``keep_tail_bytes`` (a decision is due)."""
+        return self.nbytes > self.keep_bytes
+
+    def overflow(self, outside: int = 0):
+        """The records that leave the window now, oldest first, with their decision:
+        ``(rec, None)`` to be written (its :func:`slot_bound` reserved), ``(rec,
+        KEEP_BUDGET)`` kept because the reservation would take the spill tier beyond
+        ``max_spill_bytes``. ``outside``: spill bytes in use that belong to no record
+        (a bandwidth probe, quarantined slots)."""
+        out = []
+        recs = self.records
+        while self.nbytes > self.keep_bytes and recs:
+            rec, _ = recs.popitem(last=False)
+            self.nbytes -= rec.nbytes
+            reason = None
+            if self.limit is not None:
+                need = slot_bound(rec.nbytes)
+                if self.reserved + outside + need > self.limit:
+                    reason = KEEP_BUDGET
+                else:
+                    self.reserved += need
+                    rec.reserved = need
+            out.append((rec, reason))
+        return out
+
+    def close(self):
+        """Forward ended: the records still in the window (the kept tail), oldest first;
+        the window is empty after."""
+        recs = list(self.records)
+        self.records.clear()
+        self.nbytes = 0
+        return recs
+
+    def release(self, rec) -> None:
+        """``rec`` no longer needs spill slots (freed, or kept after all)."""
+        if rec.reserved:
+            self.reserved -= rec.reserved
+            rec.reserved = 0
+
+    def rebuild(self, window, reserved) -> None:
+        """After a repair: ``window`` (records, oldest use first) and the reserved bytes,
+        recomputed from the records."""
+        self.records = collections.OrderedDict((r, None) for r in window)
+        self.nbytes = sum(r.nbytes for r in window)
+        self.reserved = reserved
 
 
 class ModuleStateTracker:

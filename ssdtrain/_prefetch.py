@@ -51,8 +51,8 @@ class Prefetch:
         self._ended = p  # an error raised at the end of forward is this pass's
         if p is None or self.closed:
             return
-        self._trim_tail_locked()  # what is left is the tail: keep_tail_bytes at most
-        for rec in list(self._tail):
+        self._start_due_locked()  # what pack decided and the I/O thread has not started
+        for rec in self._window.close():  # the kept tail: keep_tail_bytes at most
             self._keep_locked(rec)
             # The kept tail is what backward uses first: it fills the window, so
             # kept + prefetched bytes stay within prefetch_bytes (not their sum).

@@ -13,7 +13,7 @@ moves the aggregates that follow the state. ``tests/test_contracts.py`` scans th
 for any other writer::
 
     state     bytes in memory?  on disk?  I/O in flight?  moves to (event)
-    PENDING   yes (the tensor)  no        no              WRITING (tail overflow, plan "offload")
+    PENDING   yes (the tensor)  no        no              WRITING (left the tail window: due)
                                                           KEPT    (forward ended, plan "keep",
                                                                    max_spill_bytes reached)
                                                           FAILED  (its write was due and the
@@ -62,8 +62,8 @@ import torch
 
 from ._identity import byte_extent
 
-__all__ = ["State", "TRANSITIONS", "RESIDENT", "Record", "Handle", "Token", "Kept", "transition",
-           "GEOMETRY_ALIGN"]
+__all__ = ["State", "TRANSITIONS", "RESIDENT", "DEAD", "Record", "Handle", "Token", "Kept",
+           "transition", "find_record", "GEOMETRY_ALIGN"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
@@ -71,7 +71,8 @@ GEOMETRY_ALIGN = 16  # the largest element size torch has (complex128); NOTE [ V
 
 
 class State(enum.Enum):
-    PENDING = "pending"    # in the tail window; write not started; bytes in memory
+    PENDING = "pending"    # in the tail window, or decided to be written (``Store._due``) and
+                           # its write not started; bytes in memory
     WRITING = "writing"    # write in flight; bytes in memory
     KEPT = "kept"          # stays in memory until freed
     ON_DISK = "on_disk"    # only on disk
@@ -103,6 +104,27 @@ RESIDENT = frozenset({_S.PENDING, _S.WRITING, _S.KEPT, _S.LOADING, _S.LOADED})
 SERVABLE = frozenset({_S.PENDING, _S.WRITING, _S.KEPT, _S.LOADED})
 """States whose bytes can be handed to backward at once (no read)."""
 
+DEAD = frozenset({_S.FAILED, _S.FREED})
+"""States whose record serves no new save (dedup)."""
+
+
+def find_record(group, version, extent, ptr, span):
+    """The record of ``group`` (the live records of one storage key) that holds the
+    bytes ``extent`` of the storage in this state, or ``None``: the dedup step of the
+    pack decision (NOTE [ The pack decision ] in _policy.py), for the store and the
+    estimate alike.
+
+    Same key, same version counter (no in-place write since), the same data pointer
+    and size (no ``resize_``/``set_`` since: NOTE [ Storage identity ]), an extent
+    inside the record's ``[lo, hi)``, and a record that is not FAILED or FREED."""
+    if group:
+        start, end = extent
+        for r in group:
+            if r.version == version and r.lo <= start and end <= r.hi and r.ptr == ptr \
+                    and r.span == span and r.state not in DEAD:
+                return r
+    return None
+
 
 def transition(rec, to):
     """Move ``rec`` to state ``to``; raises ``AssertionError`` on an illegal move."""
@@ -118,7 +140,7 @@ class Record:
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "ptr", "span", "slot", "future", "submitted", "_state", "seq", "tokens", "unseen",
                  "generation", "used", "error", "prefetched", "pinned", "writes", "owner", "crc",
-                 "device", "staging", "ready", "produced", "__weakref__")
+                 "device", "staging", "ready", "produced", "due", "reserved", "__weakref__")
 
     def __init__(self, key, sref, lo, hi, version, source, seq, storage):
         self.key, self.sref = key, sref
@@ -148,6 +170,8 @@ class Record:
         self.staging = None             # pinned copy being written (CUDA records)
         self.ready = None               # event: the loaded device copy has landed
         self.produced = None            # event: the saved CUDA tensor is complete (pack)
+        self.due = False                # left the tail window to be written (Store._due)
+        self.reserved = 0               # spill bytes the decision reserved (TailWindow)
 
     state = property(operator.attrgetter("_state"), doc="""The record's :class:`State`:
         read-only; it changes through :func:`transition` alone (NOTE [ Record state

@@ -48,10 +48,12 @@ NOTE [ The store's I/O thread ]
 
 pack and unpack run on the thread that, on a GPU machine, launches every kernel. They
 decide and record (the keep/offload decision, identity and dedup, the record and its
-handle) and leave requests to the store's I/O thread ("ssdtrain-store", one per
-store): pack puts a record in the tail window and, when the tail is longer than
-``keep_tail_bytes``, wakes the thread (a ``SimpleQueue.put``), which starts the oldest
-writes (``_trim_tail_locked``); unpack serves a record that is in memory and wakes the
+handle: NOTE [ The pack decision ] in _policy.py) and leave requests to the store's I/O
+thread ("ssdtrain-store", one per store): pack puts a record in the tail window and,
+when the window holds more than ``keep_tail_bytes``, decides its oldest records then
+and there (written or kept), puts those to be written in ``_due`` and wakes the thread
+(a ``SimpleQueue.put``), which starts their writes (``_start_due_locked``). The thread
+decides nothing: what is written does not depend on when it runs. unpack serves a record that is in memory and wakes the
 thread when the prefetch window has room, which starts the next reads (``_pump_locked``).
 The thread also drains what arrives after a hook's locked section (and what an
 engine thread could not drain, the lock being busy) and releases the graveyard; the
@@ -61,8 +63,8 @@ the graveyard. It takes the lock once per request and yields the GIL between
 requests, so a hook waits for one request's submission at most.
 
 Whatever the thread has not done yet is done by whoever needs it done, on its own
-thread: the end of forward (once per pass, not per tensor) starts the tail's overdue
-writes (what stays is the kept tail, ``keep_tail_bytes`` at most) and the first
+thread: the end of forward (once per pass, not per tensor) starts the due writes (what
+stays in the window is the kept tail, ``keep_tail_bytes`` at most) and the first
 window's reads (backward's first unpacks come at once, in whatever order its graph
 takes); the throttle starts overdue writes before it waits (they count against
 ``write_behind_bytes``, so memory stays bounded however far the thread lags);
@@ -116,12 +118,12 @@ from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError, resource_error
 from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
-from ._policy import TRACKER, is_offloadable_kind
+from ._policy import KEEP_CAPTURE, TRACKER, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers, unmap_now
-from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, inplace_error,
-                       swapped, swapped_error, transition)
+from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, find_record,
+                       inplace_error, swapped, swapped_error, transition)
 from ._writeback import (_READ, _WRITTEN, WriteBack, _copy, _needed_by, _owning, _without_frames,
                          failed_future)
 
@@ -129,7 +131,7 @@ __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
 log = logging.getLogger("ssdtrain")
 
-_DEAD = (State.FAILED, State.FREED)
+_IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
 _STOP = object()   # tells the store's I/O thread to end
@@ -153,8 +155,12 @@ class Store(WriteBack, Prefetch):
         self._writing = collections.OrderedDict()  # WRITING records, oldest first
         self._writing_bytes = 0
         self._registry = {}                    # storage key -> [Record]
-        self._tail = collections.OrderedDict()  # PENDING records, oldest first
-        self._tail_bytes = 0
+        # NOTE [ The pack decision ] in _policy.py: the PENDING records are in the tail
+        # window (not decided yet) or due (decided to be written, write not started).
+        self._min_bytes = max(1, config.min_tensor_bytes)
+        self._window = TailWindow(config.keep_tail_bytes, config.max_spill_bytes)
+        self._due = collections.OrderedDict()  # PENDING records to be written, oldest first
+        self._due_bytes = 0
         self._resident = 0
         self._ahead = 0                        # prefetched bytes not yet consumed
         self._passes = []                      # passes whose prefetch is not finished
@@ -260,22 +266,16 @@ class Store(WriteBack, Prefetch):
             raise
 
     def pack(self, t):
-        """The saved-tensor pack hook."""
+        """The saved-tensor pack hook (NOTE [ The pack decision ] in _policy.py)."""
         stats = self.stats
         nbytes = t.numel() * t.element_size()
         stats.packed_bytes += nbytes
-        if nbytes < max(1, self.cfg.min_tensor_bytes) or not is_offloadable_kind(t) \
-                or (t.requires_grad and t.grad_fn is None):
-            stats.kept_bytes += nbytes
-            return Kept(t)
-        leaf = leaf_of(t, self.loopback)
+        reason, storage, key = keep_reason(t, nbytes, self._min_bytes, _IS_STATE)
+        leaf = None if reason is not None else leaf_of(t, self.loopback)
         if leaf is not None and leaf.capturing(leaf.device(t)):
             # A CUDA graph capture: no event, no staging (NOTE [ Device records ], rule 8).
-            stats.kept_bytes += nbytes
-            return Kept(t)
-        storage = t.untyped_storage()
-        key = storage_key(storage)
-        if TRACKER.contains(key):
+            reason = KEEP_CAPTURE
+        if reason is not None:
             stats.kept_bytes += nbytes
             return Kept(t)
         version = t._version
@@ -295,15 +295,9 @@ class Store(WriteBack, Prefetch):
         if self._failure is not None:  # NOTE [ One event, one error ] in _writeback.py
             self._raise_event_locked()
         self._seq += 1
-        rec = None
         group = self._registry.get(key)
-        if group is not None:
-            ptr, span = storage.data_ptr(), storage.nbytes()
-            for r in group:
-                if r.version == version and r.lo <= extent[0] and extent[1] <= r.hi \
-                        and r.state not in _DEAD and r.ptr == ptr and r.span == span:
-                    rec = r
-                    break
+        rec = None if group is None else \
+            find_record(group, version, extent, storage.data_ptr(), storage.nbytes())
         if rec is None:
             lo, hi = record_range(extent, storage.nbytes())
             rec = Record(key, StorageWeakRef(storage), lo, hi, version, t.detach(), self._seq,
@@ -313,26 +307,50 @@ class Store(WriteBack, Prefetch):
                 rec.produced = rec.device.produced()
             self._registry.setdefault(key, []).append(rec)
             self._live += 1
-            self._tail[rec] = None
-            self._tail_bytes += rec.nbytes
             self._add_resident(rec.nbytes)
             self.stats.unique_bytes += rec.nbytes
             if self.layers is not None:
                 self.layers.attribute(rec.nbytes)
             if choice == "keep":  # "offload" and no plan: the tail window (NOTE [ Applying a plan ])
                 self._keep_locked(rec)
+            else:
+                window = self._window
+                window.add(rec)
+                if window.nbytes > window.keep_bytes:
+                    self._decide_locked()
         else:
             self.stats.deduplicated_bytes += nbytes
             rec.seq = self._seq
             rec.used = False
-            if rec.state is State.PENDING:
-                self._tail.move_to_end(rec)
+            self._window.touch(rec)
         if self._current is not None:
             self._current.records.append(rec)
             rec.owner = self._current
         handle = Handle(rec, t, extent[0], version, self._inbox.append)
         rec.tokens.add(handle.token); rec.unseen.add(handle.token)  # noqa: E702 (NOTE [ Store lock discipline ])
-        return handle  # a tail beyond keep_tail_bytes: written by the I/O thread
+        return handle  # records due to be written: written by the I/O thread
+
+    def _decide_locked(self):
+        """The tail window holds more than ``keep_tail_bytes``: its oldest records are
+        decided now, in pack, never later (NOTE [ The pack decision ] in _policy.py)."""
+        outside = 0 if self.cfg.max_spill_bytes is None else self._outside_spill_bytes()
+        for rec, reason in self._window.overflow(outside):
+            if reason is None:
+                rec.due = True
+                self._due[rec] = None
+                self._due_bytes += rec.nbytes
+                # Counted as decided, not as the write ends: how the write fares (done,
+                # skipped because the record died first, failed) depends on timing.
+                self.stats.offloaded_bytes += rec.nbytes
+            else:
+                self._over_budget_locked(rec)
+
+    def _outside_spill_bytes(self):
+        """Spill bytes in use that belong to no record: the bandwidth probe's slot and
+        quarantined slots (they count against ``max_spill_bytes`` too)."""
+        slots = list(self._extra_slots) + [q[3] for q in _QUARANTINE if q[3] is not None
+                                           and q[3].file in self.spill.files]
+        return sum(slot.nblocks for slot in slots) * BLOCK
 
     def _transfers(self, leaf, device):
         dev = self._devices.get((leaf, device))
@@ -543,7 +561,7 @@ class Store(WriteBack, Prefetch):
         into, else the next prefetch read. Whether more may be due."""
         if self.closed or self._paused:
             return False
-        return self._trim_tail_locked(1) or self._pump_locked(1)
+        return self._start_due_locked(1) or self._pump_locked(1)
 
     def _bury(self):
         """Release the memory dropped under the lock (never call this with it held). Any
@@ -640,8 +658,14 @@ class Store(WriteBack, Prefetch):
         n = rec.nbytes
         if (frm in RESIDENT) != (to in RESIDENT):
             self._add_resident(n if to in RESIDENT else -n)
-        if frm is State.PENDING and self._tail.pop(rec, 0) is None:
-            self._tail_bytes -= n
+        if frm is State.PENDING:  # it leaves the tail window, or the due writes
+            if not rec.due:
+                self._window.discard(rec)
+            elif self._due.pop(rec, 0) is None:
+                self._due_bytes -= n
+            rec.due = False
+        if rec.reserved and (to is State.KEPT or to is State.FREED):
+            self._window.release(rec)  # no slot any more: the spill budget gets it back
         if frm is State.WRITING and self._writing.pop(rec, 0) is None:
             self._writing_bytes -= n
         if to is State.WRITING:
@@ -657,6 +681,7 @@ class Store(WriteBack, Prefetch):
                 rec.prefetched = False
                 self._ahead -= rec.nbytes
             self._move_locked(rec, State.FREED)
+        self._window.release(rec)  # a free cut short and resumed: idempotent
         slot, rec.slot = rec.slot, None
         if slot is not None and not self.closed:
             slot.file.free(slot)
@@ -714,6 +739,7 @@ class Store(WriteBack, Prefetch):
             if slot is not None:
                 slot.file.free(slot)
             rec.staging = None
+            self._window.release(rec)
             self._move_locked(rec, State.KEPT)
         else:
             self._move_locked(rec, State.ON_DISK)
@@ -753,10 +779,15 @@ class Store(WriteBack, Prefetch):
         for r in recs:
             if r.prefetched and r.state not in RESIDENT:
                 r.prefetched = False
-        tail = sorted((r for r in recs if r.state is State.PENDING), key=lambda r: r.seq)
+        pending = sorted((r for r in recs if r.state is State.PENDING), key=lambda r: r.seq)
         writing = sorted((r for r in recs if r.state is State.WRITING), key=lambda r: r.seq)
-        self._tail = collections.OrderedDict((r, None) for r in tail)
-        self._tail_bytes = sum(r.nbytes for r in tail)
+        for r in recs:
+            if r.state is not State.PENDING:
+                r.due = False
+        self._window.rebuild([r for r in pending if not r.due], sum(r.reserved for r in recs))
+        due = [r for r in pending if r.due]
+        self._due = collections.OrderedDict((r, None) for r in due)
+        self._due_bytes = sum(r.nbytes for r in due)
         self._writing = collections.OrderedDict((r, None) for r in writing)
         self._writing_bytes = sum(r.nbytes for r in writing)
         self._resident = sum(r.nbytes for r in recs if r.state in RESIDENT)
@@ -782,9 +813,17 @@ class Store(WriteBack, Prefetch):
             check(self._live == len(recs), f"live {self._live} != {len(recs)} records")
             res = sum(r.nbytes for r in recs if r.state in RESIDENT)
             check(self._resident == res, f"resident {self._resident} != {res}")
-            tail = [r for r in recs if r.state is State.PENDING]
-            check(set(map(id, self._tail)) == set(map(id, tail)), "tail != PENDING records")
-            check(self._tail_bytes == sum(r.nbytes for r in tail), "tail bytes")
+            window, due = self._window.records, self._due
+            pending = [r for r in recs if r.state is State.PENDING]
+            check(set(map(id, window)) | set(map(id, due)) == set(map(id, pending))
+                  and not set(map(id, window)) & set(map(id, due)),
+                  "tail window + due != PENDING records")
+            check(all(r.due for r in due) and not any(r.due for r in window), "due flags")
+            check(self._window.nbytes == sum(r.nbytes for r in window), "tail window bytes")
+            check(self._due_bytes == sum(r.nbytes for r in due), "due bytes")
+            check(self._window.reserved == sum(r.reserved for r in recs), "reserved spill bytes")
+            check(self._window.limit is None or self._window.reserved <= self._window.limit,
+                  "reserved spill bytes beyond max_spill_bytes")
             wr = [r for r in recs if r.state is State.WRITING]
             check(set(map(id, self._writing)) == set(map(id, wr)), "writing != WRITING records")
             check(self._writing_bytes == sum(r.nbytes for r in wr), "writing bytes")
@@ -968,7 +1007,7 @@ class Store(WriteBack, Prefetch):
         would: the writes and prefetch reads that are due, so that ``wait()`` returns with
         them done."""
         if start and not self.closed:
-            self._trim_tail_locked()
+            self._start_due_locked()
             self._pump_locked()
         pending = []
         # Copies: completing a write whose handles are gone frees its record, which
@@ -1009,8 +1048,9 @@ class Store(WriteBack, Prefetch):
                         if rec.state is not State.FREED:  # final, whatever it was: close()
                             self._move_locked(rec, State.FREED)  # ends all (aggregates: below)
                 self._registry.clear()
-                self._tail.clear()
-                self._tail_bytes = 0
+                self._window.rebuild([], 0)
+                self._due.clear()
+                self._due_bytes = 0
                 self._writing.clear()
                 self._writing_bytes = 0
                 self._passes.clear()

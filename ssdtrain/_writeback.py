@@ -1,5 +1,5 @@
-"""Write-back: the tail window, starting writes, the throttle, the spill budget and the
-failure policy. A mixin of :class:`ssdtrain._store.Store`; methods whose name ends in
+"""Write-back: starting the writes the pack decision made (NOTE [ The pack decision ] in
+_policy.py), the throttle, the spill budget's verdicts and the failure policy. A mixin of :class:`ssdtrain._store.Store`; methods whose name ends in
 ``_locked`` run with the store lock held (NOTE [ Store lock discipline ] in _store.py).
 
 NOTE [ One event, one error ]
@@ -34,8 +34,9 @@ import torch
 
 from . import _checksum
 from ._errors import SpillIOError, SSDTrainError
+from ._policy import slot_bound
 from ._records import State, inplace_error, swapped_error
-from ._spill import BLOCK, align_up
+from ._spill import BLOCK
 from .io.base import then
 
 log = logging.getLogger("ssdtrain")
@@ -44,26 +45,25 @@ log = logging.getLogger("ssdtrain")
 class WriteBack:
     """Everything between a record's pack and the end of its write."""
 
-    def _trim_tail_locked(self, limit=None):
-        """Start writing the oldest tail records until the tail fits ``keep_tail_bytes``,
-        at most ``limit`` of them (all with None). Returns whether it stopped at
-        ``limit`` with the tail still too long. The store's I/O thread calls it one
-        record at a time; end of forward, ``flush()`` and the throttle call it for all
-        (NOTE [ The store's I/O thread ] in _store.py)."""
+    def _start_due_locked(self, limit=None):
+        """Start the writes pack decided (``Store._due``), oldest first, at most ``limit``
+        of them (all with None). Returns whether it stopped at ``limit`` with more due.
+        The store's I/O thread calls it one record at a time; end of forward, ``flush()``
+        and the throttle call it for all (NOTE [ The store's I/O thread ] in _store.py).
+        What is written was decided already: when this runs changes nothing of it."""
         done = 0
-        while self._tail_bytes > self.cfg.keep_tail_bytes and self._tail:
+        due = self._due
+        while due:
             if limit is not None and done >= limit:
                 return True
-            rec = next(iter(self._tail))
-            if not self._over_budget_locked(rec):
-                self._start_write_locked(rec)
+            self._start_write_locked(next(iter(due)))  # it leaves ``due`` (_move_locked)
             done += 1
         return False
 
     def _write_overdue(self):
-        """Whether the tail holds records beyond ``keep_tail_bytes`` (writes not started
-        yet). Read without the lock: a hint for waking the I/O thread."""
-        return self._tail_bytes > self.cfg.keep_tail_bytes
+        """Whether writes are due and not started. Read without the lock: a hint for
+        waking the I/O thread."""
+        return self._due_bytes > 0
 
     def _start_write_locked(self, rec):
         """PENDING -> WRITING: allocate a slot and submit the write.
@@ -151,7 +151,6 @@ class WriteBack:
                 self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
                                                      "replaced while it was being written"))
             else:
-                self.stats.offloaded_bytes += rec.nbytes
                 self.stats.records_written += 1
                 if self.cfg.verify and (rec.device is None or not rec.device.direct):
                     rec.crc = fut.result()  # of the bytes written (host memory or staging)
@@ -170,7 +169,7 @@ class WriteBack:
         """The I/O thread, before it takes the lock: when the next write or prefetch read
         due is a device record's, make sure its staging pool has a buffer for it, so that
         the pinned allocation (milliseconds) runs outside the lock (NOTE [ Device
-        records ]). Reads the tail and the prefetch queue without the lock: a hint."""
+        records ]). Reads the due writes and the prefetch queue without the lock: a hint."""
         if not self._staging:
             return
         for rec in (self._next_write_hint(), self._next_read_hint()):
@@ -183,7 +182,7 @@ class WriteBack:
 
     def _next_write_hint(self):
         try:
-            return next(iter(self._tail)) if self._write_overdue() else None
+            return next(iter(self._due)) if self._write_overdue() else None
         except (StopIteration, RuntimeError):  # emptied or changed meanwhile
             return None
 
@@ -211,10 +210,9 @@ class WriteBack:
 
     def _over_write_behind(self):
         """Whether more than the write-behind limit in force is written or due to be
-        (writes in flight plus tail records beyond ``keep_tail_bytes`` whose write the I/O
-        thread has not started yet). Read without the lock: :meth:`_throttle` looks again."""
-        return self._writing_bytes + max(0, self._tail_bytes - self.cfg.keep_tail_bytes) \
-            > self.write_behind
+        (writes in flight plus due writes the I/O thread has not started yet). Read
+        without the lock: :meth:`_throttle` looks again."""
+        return self._writing_bytes + self._due_bytes > self.write_behind
 
     def _throttle(self):
         """Wait until the writes in flight fit in ``write_behind_bytes``: start every write
@@ -250,7 +248,7 @@ class WriteBack:
         None and the throttle looks again."""
         self._raise_event_locked()
         if not self.closed:
-            self._trim_tail_locked()
+            self._start_due_locked()
         if self._writing_bytes <= self.write_behind or self.closed:
             return True, None, None
         oldest = next(iter(self._writing))
@@ -278,31 +276,27 @@ class WriteBack:
         return True
 
     def _over_budget_locked(self, rec):
-        """``max_spill_bytes``: keep ``rec`` in memory (or queue the error) if writing it
-        would take the spill slots in use beyond the budget. Returns whether it did."""
+        """``max_spill_bytes``: the pack decision keeps ``rec`` in memory, as writing it
+        would take the spill tier beyond the budget (``TailWindow.overflow``); queue the
+        error too with ``on_spill_full="raise"``."""
         limit = self.cfg.max_spill_bytes
-        if limit is None:
-            return False
-        misalign = 0 if rec.device is not None else (rec.storage.data_ptr() + rec.base) % BLOCK
-        need = max(BLOCK, align_up(misalign + rec.nbytes))
-        used = self.spill.used_bytes()
-        if used + need <= limit:
-            return False
+        need = slot_bound(rec.nbytes)
+        used = self._window.reserved
         self._keep_locked(rec)
         self.stats.over_budget_bytes += rec.nbytes
         if self.cfg.on_spill_full == "raise":
             self._event_locked(rec, SpillIOError(
-                f"ssdtrain: writing record {rec!r} ({need} bytes of slots) would take the spill "
-                f"files beyond max_spill_bytes={limit} ({used} bytes in use); "
+                f"ssdtrain: writing record {rec!r} (up to {need} bytes of slots) would take the "
+                f"spill files beyond max_spill_bytes={limit} ({used} bytes reserved by records "
+                f"being written or on disk); "
                 f"on_spill_full='raise' stops here. Raise max_spill_bytes, offload less "
                 f"(min_tensor_bytes, keep_tail_bytes), or set on_spill_full='keep' to keep such "
                 f"records in memory.", errno=_errno.ENOSPC,
                 filename=self.spill.files[0].directory), lost=False)
         else:
-            self._warn_once("budget", "ssdtrain: max_spill_bytes=%d reached (%d bytes in use); "
+            self._warn_once("budget", "ssdtrain: max_spill_bytes=%d reached (%d bytes reserved); "
                             "records beyond it stay in memory (Stats.over_budget_bytes).",
                             limit, used)
-        return True
 
     # ------------------------------------------- NOTE [ One event, one error ]
     def _event_locked(self, rec, exc, lost):

@@ -33,7 +33,11 @@ class Stats:
     deduplicated_bytes: int = 0
     """Bytes of packs served by an existing record instead of a new one."""
     offloaded_bytes: int = 0
-    """Bytes written to the spill tier (each record once)."""
+    """Bytes sent to the spill tier (each record once), counted when pack decides it
+    (NOTE [ The pack decision ] in ``_policy.py``): the same in every run of the same
+    model, and what ``ssdtrain estimate`` gives. A record that dies before its write
+    starts is not written (``records_written`` counts the writes done); one whose write
+    fails is counted here too, and raises or is kept (``on_spill_error``)."""
     kept_bytes: int = 0
     """Bytes kept in memory: small tensors, parameters and buffers, other devices and
     kinds, and the tail of forward (``keep_tail_bytes``)."""

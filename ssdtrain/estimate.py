@@ -51,6 +51,19 @@ DTYPES = {
 
 _SEARCH_LIMIT = 1 << 16   # largest micro-batch the search considers
 
+# The range each hardware number may take: wide enough for any machine there is or will
+# be soon, narrow enough that the formulas never overflow, underflow to 0 or give inf or
+# NaN (a subnormal step time, 1e300 TFLOP/s). Outside it the number is a typo.
+HARDWARE_RANGES = {
+    "ssd_write_gbps": (1e-6, 1e6, "GB/s per drive", "7"),
+    "ssd_read_gbps": (1e-6, 1e6, "GB/s per drive", "7"),
+    "step_seconds": (1e-9, 1e9, "seconds", "0.5"),
+    "tflops": (1e-6, 1e9, "TFLOP/s", "400"),
+    "ssd_tbw": (1e-6, 1e9, "TB written", "7000"),
+    "bytes_per_param": (1e-3, 1e6, "bytes per parameter", "16"),
+}
+MAX_SSDS = 1 << 20
+
 
 @dataclass
 class Hardware:
@@ -78,14 +91,25 @@ class Hardware:
     def __post_init__(self):
         if self.device_memory is not None:
             self.device_memory = parse_bytes(self.device_memory, name="device_memory")
-        for name in ("ssd_write_gbps", "ssd_read_gbps", "step_seconds", "tflops", "ssd_tbw",
-                     "bytes_per_param"):
+        for name, (lo, hi, unit, example) in HARDWARE_RANGES.items():
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or v <= 0):
-                raise ConfigError(f"ssdtrain estimate: {name} must be a number > 0, got {v!r}.")
-        if isinstance(self.ssds, bool) or not isinstance(self.ssds, int) or self.ssds < 1:
-            raise ConfigError(f"ssdtrain estimate: ssds must be an int >= 1, got {self.ssds!r}.")
+            if v is None:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"ssdtrain estimate: {name} ({flag}) must be a number of "
+                                  f"{unit}, got {v!r}.")
+            if not (math.isfinite(v) and lo <= v <= hi):
+                what = ("is not a finite number" if not math.isfinite(v) else
+                        "must be > 0" if v <= 0 else
+                        "is too small to be real" if v < lo else "is too large to be real")
+                raise ConfigError(f"ssdtrain estimate: {name} ({flag}) {what}: got {v!r}, "
+                                  f"expected {unit} between {lo:g} and {hi:g} (e.g. {flag} "
+                                  f"{example}).")
+        if isinstance(self.ssds, bool) or not isinstance(self.ssds, int) \
+                or not 1 <= self.ssds <= MAX_SSDS:
+            raise ConfigError(f"ssdtrain estimate: ssds (--ssds) must be a whole number of "
+                              f"drives between 1 and {MAX_SSDS}, got {self.ssds!r}.")
 
     @property
     def given(self) -> bool:
@@ -164,6 +188,47 @@ def _hf_class(cfg):
                       f"{type(cfg).__name__}.")
 
 
+# Names that mark a model input or a sub-config as another modality than text.
+_MODALITIES = (("vision", ("pixel", "image", "vision", "visual", "video", "backbone")),
+               ("audio", ("audio", "speech", "acoustic", "input_features", "input_values",
+                          "spectrogram", "wave")))
+
+
+def non_text_inputs(cls, cfg=None):
+    """``None`` for a text model (its main input is ``input_ids`` and no sub-config is
+    another modality's), else ``(kind, inputs)``: ``"vision"``, ``"audio"`` or
+    ``"multimodal"``, and what ``--hf-config`` cannot make (it builds ``input_ids`` and
+    ``labels`` only): the forward's inputs of the other modalities, else the sub-configs
+    that describe them."""
+    main = getattr(cls, "main_input_name", "input_ids")
+    subs = list(getattr(cfg if cfg is not None else getattr(cls, "config_class", None),
+                        "sub_configs", None) or ())
+    try:
+        params = list(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+
+    def kind_of(name):
+        for kind, marks in _MODALITIES:
+            if any(m in name for m in marks):
+                return kind
+        return None
+    inputs = [p for p in params if kind_of(p) is not None and p != "self"
+              and not p.endswith(("_layer", "_strategy", "_layers"))]   # options, not inputs
+    subs = [n for n in subs if kind_of(n) is not None]
+    kinds = {kind_of(n) for n in subs + inputs}
+    if main != "input_ids":
+        kinds.add(kind_of(main) or "non-text")
+    if not kinds:
+        return None
+    if not inputs:
+        inputs = [f"the inputs its {n} describes" for n in subs]
+    if main != "input_ids" and main not in inputs:
+        inputs.insert(0, main)
+    kind = "multimodal" if main == "input_ids" or len(kinds) > 1 else kinds.pop()
+    return kind, inputs
+
+
 def _config_dtype(cfg):
     d = getattr(cfg, "dtype", None)
     if d is None:   # older transformers; newer ones warn on reading torch_dtype
@@ -186,6 +251,16 @@ def hf_factory(config) -> Callable:
     """
     cfg = config if not isinstance(config, (str, os.PathLike)) else _load_hf_config(config)
     cls = _hf_class(cfg)
+    other = non_text_inputs(cls, cfg)
+    if other is not None:
+        kind, inputs = other
+        raise ConfigError(
+            f"ssdtrain estimate: {type(cfg).__name__} ({getattr(cfg, 'model_type', '?')!r}) is "
+            f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} model: {cls.__name__} needs "
+            + (", ".join(inputs) if inputs else "inputs other than token ids")
+            + " as well as or instead of input_ids, and a config alone builds token ids and "
+            f"labels only. Estimate it with --factory module:function returning (model, "
+            f"inputs) with those inputs (docs/estimate.md, 'Models that are not text').")
 
     def make(batch: int = 1, seq: Optional[int] = None, dtype=None,
              gradient_checkpointing: bool = False):
@@ -355,10 +430,10 @@ class Estimate:
         if self.tb_written_per_day is not None:
             out["tb_written_per_day"] = self.tb_written_per_day
         if self.drive_years is not None:   # inf (nothing written) is null: JSON has no inf
-            out["drive_years"] = None if math.isinf(self.drive_years) else self.drive_years
+            out["drive_years"] = self.drive_years
         if self.notes:
             out["notes"] = list(self.notes)
-        return out
+        return _finite(out)
 
     def table(self) -> str:
         """A readable report (markdown tables)."""
@@ -758,7 +833,7 @@ def _parser(prog="ssdtrain estimate"):
                         "optimizer state (default 16: mixed-precision Adam)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--traceback", action="store_true",
-                   help="show the full traceback when the model fails on fake tensors")
+                   help="on an error, show Python's full traceback instead of one line")
     return p
 
 
@@ -788,12 +863,21 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
         est = estimate(model, batch=a.batch, seq=a.seq, dtype=dtype,
                        gradient_checkpointing=a.gradient_checkpointing, config=cfg, hardware=hw)
     except ConfigError as e:
+        if a.traceback:
+            raise
         p.print_usage(sys.stderr)
         print(f"{p.prog}: error: {_strip(e)}", file=sys.stderr)
         return 2
     except EstimateError as e:
+        if a.traceback:
+            raise
         print(f"{p.prog}: error: {_strip(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if a.traceback:
+            raise
+        print(f"{p.prog}: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:   # the model's own code failed on fake tensors
         if a.traceback:
             raise
@@ -801,7 +885,7 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
               f"{type(e).__name__}: {e} (--traceback shows where)", file=sys.stderr)
         return 1
     if a.json:
-        print(json.dumps(est.to_json(), indent=2, default=_json_default))
+        print(json.dumps(est.to_json(), indent=2, default=_json_default, allow_nan=False))
     else:
         print(est.table())
     return 0
@@ -813,6 +897,19 @@ def _strip(e):
         if s.startswith(prefix):
             return s[len(prefix):]
     return s
+
+
+def _finite(o):
+    """``o`` with every float that is not finite as ``None``: JSON has no inf or NaN.
+    (The hardware ranges keep the formulas finite; this is the last guard, e.g. a model
+    that writes nothing lasts forever: ``drive_years`` is ``None``.)"""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _json_default(o):

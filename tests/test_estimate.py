@@ -349,3 +349,101 @@ def test_llama_8b_at_seq_4096_runs_on_the_meta_device():
     assert out["unique_bytes"] > 20 << 30
     assert len({lb["unique_bytes"] for lb in out["layers"][1:]}) == 1   # identical blocks
     assert peak_kib < 2 * 1024 * 1024   # KiB (the largest child so far): under 2 GiB
+
+
+# ---------------------------------------------------------- the CLI and user errors
+_FAILS_ON_FAKE = '''
+import torch
+
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + torch.ones(3, 5)   # a shape error in the user's model
+
+
+def make(batch=2):
+    return M(), (torch.randn(batch, 8),)
+'''
+
+
+def test_cli_model_failing_on_fake_tensors_prints_one_line(tmp_path):
+    """torch logs a 20-line traceback of the failing operator before it raises; the CLI
+    prints one line (exit 1), and the traceback only with --traceback."""
+    (tmp_path / "userfac.py").write_text(_FAILS_ON_FAKE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "ssdtrain", "estimate", "--factory", "userfac:make"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env,
+                       timeout=300)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "broadcast" in lines[0] and "--traceback" in lines[0], r.stderr
+    r = subprocess.run(cmd + ["--traceback"], capture_output=True, text=True,
+                       cwd=str(tmp_path), env=env, timeout=300)
+    assert r.returncode != 0 and "Traceback (most recent call last)" in r.stderr
+    assert "userfac.py" in r.stderr   # where: the user's forward
+
+
+@pytest.mark.parametrize("flag,value,what", [
+    ("--tflops", "1e300", "too large"), ("--step-seconds", "1e-320", "too small"),
+    ("--tflops", "nan", "not a finite"), ("--step-seconds", "inf", "not a finite"),
+    ("--ssd-write-gbps", "0", "> 0"), ("--ssd-read-gbps", "-3", "> 0"),
+    ("--ssd-tbw", "1e400", "not a finite"), ("--bytes-per-param", "1e-320", "too small"),
+    ("--ssds", "0", "between 1 and"), ("--ssds", "1000000000", "between 1 and"),
+])
+def test_cli_rejects_hardware_numbers_that_make_no_sense(flag, value, what, capsys):
+    """Before: --tflops 1e300 raised ZeroDivisionError, --step-seconds 1e-320 gave NaN."""
+    assert E.main(["--factory", "models:gpt", flag, value, "--json"]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and what in err and "Traceback" not in err, err
+    assert "usage:" in err
+
+
+def _finite_json(text):
+    def bad(name):
+        raise AssertionError(f"--json printed {name}")
+    return json.loads(text, parse_constant=bad)
+
+
+@pytest.mark.parametrize("hw", [
+    ["--tflops", "1e9", "--ssd-write-gbps", "1e-6", "--ssd-read-gbps", "1e6"],
+    ["--step-seconds", "1e-9", "--ssd-tbw", "1e-6", "--ssds", "1048576"],
+    ["--step-seconds", "1e9", "--ssd-tbw", "1e9", "--bytes-per-param", "1e6",
+     "--device-memory", "1GiB"],
+], ids=["fast-device", "fast-step", "slow-step"])
+def test_cli_json_is_finite_at_the_edges_of_the_ranges(hw, capsys):
+    for extra in ([], ["--min-tensor-bytes", "1GiB"]):   # the second writes nothing
+        assert E.main(["--factory", "models:gpt", "--json"] + hw + extra) == 0
+        out = _finite_json(capsys.readouterr().out)
+        if "--ssd-tbw" in hw and extra:
+            assert out["drive_years"] is None   # nothing written: lasts forever
+
+
+@pytest.mark.parametrize("name,kind,needs", [
+    ("ViTConfig", "vision", "pixel_values"),
+    ("Wav2Vec2Config", "audio", "input_values"),
+    ("WhisperConfig:WhisperForConditionalGeneration", "audio", "input_features"),
+    ("LlavaConfig", "multimodal", "pixel_values"),
+])
+def test_cli_says_which_inputs_a_config_that_is_not_text_needs(name, kind, needs, tmp_path,
+                                                                capsys):
+    """Before: "'NoneType' object has no attribute 'dtype'" (a vision model given token
+    ids). Now: exit 2, the kind of model and the inputs it needs, and what to do."""
+    tf = pytest.importorskip("transformers")
+    cls_name, _, arch = name.partition(":")
+    cfg = getattr(tf, cls_name)()
+    if arch:
+        cfg.architectures = [arch]
+    path = _write_config(cfg, tmp_path / "config.json")
+    assert E.main(["--hf-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"a {kind} model" in err or f"an {kind} model" in err, err
+    assert needs in err and "--factory" in err and "Traceback" not in err
+
+
+def test_cli_traceback_flag_keeps_the_traceback_for_user_errors():
+    with pytest.raises(ssdtrain.ConfigError, match="tflops"):
+        E.main(["--factory", "models:gpt", "--tflops", "1e300", "--traceback"])

@@ -199,7 +199,7 @@ def test_throttle_starts_overdue_writes(make_offloader):
 
     def between(where):
         if where == "forward":
-            overdue = store._tail_bytes + store._writing_bytes
+            overdue = store._due_bytes + store._writing_bytes
             peak[0] = max(peak[0], overdue)
     xs = _tensors(24)  # 6 MiB in 256 KiB records
     with _held_back(off):
