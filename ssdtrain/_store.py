@@ -839,7 +839,7 @@ class Store(WriteBack, Prefetch):
             used = sum(r.slot.nblocks for r in recs if r.slot is not None)
             quarantined = sum(q[3].nblocks for q in _QUARANTINE
                               if q[3] is not None and q[3].file in self.spill.files)
-            alloc = sum(f.allocator.used for f in self.spill.files) if not self.closed else used
+            alloc = sum(f.allocator.used for f in self.spill.files)
             check(alloc == used + quarantined, f"spill blocks {alloc} != {used} + {quarantined}")
         self._settle()
         if bad:
@@ -940,8 +940,7 @@ class Store(WriteBack, Prefetch):
         """Idempotent: the slot goes back to its file once."""
         if slot in self._extra_slots:
             self._extra_slots.discard(slot)
-            if not self.closed:
-                slot.file.free(slot)
+            slot.file.free(slot)  # bookkeeping only: also after close(), which kept it
 
     # -------------------------------------------------------------------- misc
     def records(self):
@@ -1048,14 +1047,15 @@ class Store(WriteBack, Prefetch):
                         if rec.state is not State.FREED:  # final, whatever it was: close()
                             self._move_locked(rec, State.FREED)  # ends all (aggregates: below)
                 self._registry.clear()
-                self._window.rebuild([], 0)
-                self._due.clear()
-                self._due_bytes = 0
-                self._writing.clear()
-                self._writing_bytes = 0
                 self._passes.clear()
-                self._resident = self._ahead = self._live = 0
                 self._inbox.clear()
+                # Every aggregate is recomputed from what is left, as a repair does, the
+                # spill allocator included: the records' slots go back (no slot is handed
+                # out after close, so a request still in flight keeps its blocks' bytes),
+                # the probe's and quarantined slots stay. Zeroing the counters by hand
+                # forgot the allocator, and spill_bytes_in_use() kept the slots of every
+                # record a graph held at close() for good.
+                self._recount_locked()
                 self._buffers.trim()  # idle read buffers are memory too: not kept until GC
             self._stop_worker()
             self._bury()
