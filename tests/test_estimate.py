@@ -338,7 +338,7 @@ def test_module_entry_point_bad_config_exits_2():
 
 
 def test_llama_8b_at_seq_4096_runs_on_the_meta_device():
-    """The README example: an 8B config at sequence 4096 needs no real memory (the child's
+    """The estimate example of docs/guide.md: an 8B config at sequence 4096 needs no real memory (the child's
     peak RSS stays well under the 15 GiB of bf16 weights alone, let alone activations)."""
     pytest.importorskip("transformers")
     r = _run_cli("estimate", "--hf-config", str(LLAMA_8B), "--seq", "4096", "--json")

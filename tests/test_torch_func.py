@@ -1,4 +1,4 @@
-"""torch.func transforms inside `with offloader:` (README, Failure behaviour)."""
+"""torch.func transforms inside `with offloader:` (docs/guide.md, Failure behaviour)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 
 def test_torch_func_refusal_gets_a_note(make_offloader):
     """torch.func.grad refuses saved-tensor hooks with torch's own error; ssdtrain says
-    what to do about it (README, Failure behaviour)."""
+    what to do about it (docs/guide.md, Failure behaviour)."""
     off = make_offloader()
     x = torch.randn(100)
     with pytest.raises(RuntimeError, match="saved tensor hooks") as info:
