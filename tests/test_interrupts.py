@@ -110,10 +110,11 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # Selection (deterministic), and why every line is reached: a mode's targets are the
 # lines its baseline runs on the training thread in the files listed for it, each at
 # its first (or last) run. "with" sweeps api.py, _forward.py and _policy.py (every
-# line a `with offloader:` step runs); "attach" sweeps every step module at the last
-# run of each line (its own _attach.py, and api/_forward/_policy lines reached from
-# its hooks, whose repairs differ); "adaptive" sweeps _adaptive.py and _profile.py
-# (profile, recompute-all, plan and probe steps all run inside the armed steps);
+# line a `with offloader:` step runs); "attach" sweeps its own _attach.py at the last
+# run of each line (the api/_forward/_policy lines reached from its hooks, whose
+# repairs differ, are in the full sweep: the suite's time); "adaptive" sweeps _adaptive.py
+# (profile, recompute-all, plan and probe steps all run inside the armed steps;
+# _profile.py's lines are in the full sweep, for the suite's time);
 # "deepspeed" sweeps the adapter's engine-forward hook. The planner (_planner.py,
 # pure arithmetic run hundreds of times per plan) and the bandwidth probe's slot
 # bookkeeping (_profile.measure_bandwidth, its slot is not yet interrupt-safe) are in
@@ -121,8 +122,8 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # first, middle and last run of every line, both engines).
 STEP_SWEEPS = {
     "with": dict(engine="posix", select="first", only="api.py,_forward.py,_policy.py"),
-    "attach": dict(engine="native", select="last", only=""),
-    "adaptive": dict(engine="posix", select="first", only="_adaptive.py,_profile.py",
+    "attach": dict(engine="native", select="last", only="_attach.py"),
+    "adaptive": dict(engine="posix", select="first", only="_adaptive.py",
                      skip="ssdtrain._profile:measure_bandwidth"),
     "deepspeed": dict(engine="posix", select="first", only="deepspeed.py"),
 }
