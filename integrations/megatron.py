@@ -241,19 +241,20 @@ class _LayerMeter:
 
     def begin(self, index):
         self.end()
-        self.index = index
         stats = self.session.offloader.stats()
         self.start = [getattr(stats, f) for f in _COUNTERS]
+        self.index = index  # set last: an interrupt before leaves nothing to end
         self.session._entry(index).passes += 1
 
     def end(self):
-        if self.index is None:
+        index, start = self.index, self.start
+        if index is None:
             return
+        self.index = None  # cleared first: an interrupt below never ends a layer twice
         stats = self.session.offloader.stats()
-        entry = self.session._entry(self.index)
-        for field, before in zip(_COUNTERS, self.start):
+        entry = self.session._entry(index)
+        for field, before in zip(_COUNTERS, start):
             setattr(entry, field, getattr(entry, field) + getattr(stats, field) - before)
-        self.index = self.start = None
 
 
 class _BlockOffloadContext:
@@ -282,8 +283,8 @@ class _BlockOffloadContext:
 
     # ----------------------------------------------------------- per forward
     def _block_pre_forward(self, block, args):
-        if self._open:  # the previous forward was interrupted between two layers
-            self._close(None)
+        if self._open or self._intercept is not None:
+            self._abandon()  # the previous forward ended without ending its pass
         self._next = 0
         for layer in block.layers:
             self.session._entry(_layer_index(layer, block))
@@ -356,23 +357,44 @@ class _BlockOffloadContext:
         return layer
 
     # ------------------------------------------------------------- helpers
+    # NOTE [ Interrupted block forwards ]
+    # A KeyboardInterrupt (or any error) can end a block's forward between any two
+    # lines here, also inside ``__enter__``, after which the layer's ``with`` calls no
+    # ``__exit__``. Each step is therefore recorded *before* it is taken (``_open``
+    # before ``begin_forward()``, ``_intercept`` before the intercept is entered), and
+    # the next block forward (or ``disable``) that finds either set ends whatever
+    # the offloader has open with ``Offloader._abandon_forward``, whose undos are
+    # idempotent (NOTE [ Forward phases ] in ssdtrain/_forward.py). Without it, a
+    # pass opened by ``begin_forward()`` (no ``with`` site) stays open for good, and
+    # every later forward raises "already open".
     def _begin(self):
-        self.session.offloader.begin_forward()
         self._open = True
+        self.session.offloader.begin_forward()
 
     def _start_intercept(self):
-        cm = self.session.offloader.intercept()
+        self._intercept = cm = self.session.offloader.intercept()
         cm.__enter__()
-        self._intercept = cm
+
+    def _abandon(self):
+        """End what an interrupted forward left open (NOTE [ Interrupted block forwards ])."""
+        self._intercept = None
+        self._full = False
+        self._meter.end()
+        self._open = False
+        self.session.offloader._abandon_forward()
 
     def _stop_intercept(self, exc_type, exc, tb):
-        cm, self._intercept = self._intercept, None
-        cm.__exit__(exc_type, exc, tb)
+        # Cleared after the exit (an exit of an intercept already left does nothing).
+        self._intercept.__exit__(exc_type, exc, tb)
+        self._intercept = None
 
     def _close(self, exc):
-        self._open = False
+        # ``_open`` is cleared only once the pass is ended (an interrupt before leaves
+        # it set for the next forward's _abandon); a write error end_forward() raises
+        # comes after the pass is closed.
         if exc is None:
             self.session.offloader.end_forward()
+            self._open = False
             return
         # The forward already failed: end the pass, but let the original error win.
         try:
@@ -382,9 +404,14 @@ class _BlockOffloadContext:
                 exc.add_note(f"ssdtrain: ending the forward pass also raised: {e}")
             else:
                 log.error("ssdtrain: ending the forward pass also raised: %s", e)
+        self.session.offloader._abandon_forward()  # what an interrupt left open, if any
+        self._open = False
 
     def _detach(self):
-        """Turn into a no-op (the config was disabled): remove hook and wrappers."""
+        """Turn into a no-op (the config was disabled): end a pass an interrupted forward
+        left open, remove hook and wrappers."""
+        if self._open or self._intercept is not None:
+            self._abandon()
         self._hook.remove()
         block = self._block()
         if block is not None:

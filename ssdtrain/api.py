@@ -242,6 +242,22 @@ class Offloader:
                         "now.")
             self._close_forward(raise_pending=False)
 
+    def _abandon_forward(self) -> None:
+        """End this thread's open forward, whatever phase an interrupt left it in, without
+        raising the pending write error (the next store operation raises it): for an
+        integration that opened the pass with :meth:`begin_forward` and finds, at its next
+        step or when it is disabled, that the step ended without ending it (NOTE [ Forward
+        phases ]: a pass without a site is ended only by its owner). Each move is one of
+        the idempotent undos, so an abandon cut short is abandoned again."""
+        fwd = self._forward
+        if fwd.phase is Phase.IDLE or not fwd.owned_here():
+            return
+        self._settle_forward()
+        if fwd.phase is Phase.INTERCEPTING:
+            self._hook_off()
+        if fwd.phase is Phase.OPEN:
+            self._close_forward(raise_pending=False)
+
     def _settle_forward(self) -> None:
         """Finish a transition cut short (NOTE [ Forward phases ]): a hooking or unhooking
         ends with the hooks off (OPEN), an opening or closing with the pass closed (IDLE).
