@@ -363,7 +363,7 @@ class _BlockOffloadContext:
     # ``__exit__``. Each step is therefore recorded *before* it is taken (``_open``
     # before ``begin_forward()``, ``_intercept`` before the intercept is entered), and
     # the next block forward (or ``disable``) that finds either set ends whatever
-    # the offloader has open with ``Offloader._abandon_forward``, whose undos are
+    # the offloader has open with ``Offloader.abort_forward``, whose undos are
     # idempotent (NOTE [ Forward phases ] in ssdtrain/_forward.py). Without it, a
     # pass opened by ``begin_forward()`` (no ``with`` site) stays open for good, and
     # every later forward raises "already open".
@@ -381,7 +381,7 @@ class _BlockOffloadContext:
         self._full = False
         self._meter.end()
         self._open = False
-        self.session.offloader._abandon_forward()
+        self.session.offloader.abort_forward()
 
     def _stop_intercept(self, exc_type, exc, tb):
         # Cleared after the exit (an exit of an intercept already left does nothing).
@@ -404,7 +404,7 @@ class _BlockOffloadContext:
                 exc.add_note(f"ssdtrain: ending the forward pass also raised: {e}")
             else:
                 log.error("ssdtrain: ending the forward pass also raised: %s", e)
-        self.session.offloader._abandon_forward()  # what an interrupt left open, if any
+        self.session.offloader.abort_forward()  # what an interrupt left open, if any
         self._open = False
 
     def _detach(self):

@@ -242,13 +242,28 @@ class Offloader:
                         "now.")
             self._close_forward(raise_pending=False)
 
-    def _abandon_forward(self) -> None:
-        """End this thread's open forward, whatever phase an interrupt left it in, without
-        raising the pending write error (the next store operation raises it): for an
-        integration that opened the pass with :meth:`begin_forward` and finds, at its next
-        step or when it is disabled, that the step ended without ending it (NOTE [ Forward
-        phases ]: a pass without a site is ended only by its owner). Each move is one of
-        the idempotent undos, so an abandon cut short is abandoned again."""
+    def abort_forward(self) -> None:
+        """End this thread's open forward pass, whatever an interrupt left half done,
+        without raising a pending write error (the next store operation raises it).
+
+        For code that opens passes with :meth:`begin_forward` and :meth:`intercept`
+        itself: a ``KeyboardInterrupt`` between those calls can leave the pass open (or
+        intercepting) with no ``with`` block to close it, and the next
+        :meth:`begin_forward` would raise "already open". Call it where the step is
+        retried (the Megatron adapter does at each block forward after an interrupted
+        one). Does nothing when no pass is open, or when another live thread owns it.
+        Interrupting it is safe: it is finished by the next call (NOTE [ Forward
+        phases ]).
+
+        Example::
+
+            try:
+                off.begin_forward()
+                ...
+                off.end_forward()
+            except KeyboardInterrupt:
+                off.abort_forward()
+        """
         fwd = self._forward
         if fwd.phase is Phase.IDLE or not fwd.owned_here():
             return
