@@ -376,6 +376,8 @@ def worker(mode, cfg, out_path):
             off.wait()
             result["final_stats"] = dataclasses.asdict(off.stats())
             result["live_records_end"] = off.live_records()
+            if cfg.get("trace"):
+                result["trace"] = _traced_step(model, idx, targets, off, cfg["trace"])
     finally:
         if off is not None:
             off.close()
@@ -383,6 +385,40 @@ def worker(mode, cfg, out_path):
             shutil.rmtree(scratch, ignore_errors=True)
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def _traced_step(model, idx, targets, off, path):
+    """One more step (not measured) under ``torch.profiler``, its Chrome trace written to
+    ``path``: ssdtrain's ranges (docs/guide.md, "Seeing ssdtrain in a profiler trace")
+    beside torch's ops. Every thread is recorded (``profile_all_threads``), so the ranges
+    of ssdtrain's I/O thread are in it too. Returns ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    model.zero_grad(set_to_none=True)
+    with profile(activities=activities, record_shapes=True,
+                 experimental_config=torch.profiler._ExperimentalConfig(
+                     profile_all_threads=True)) as prof:
+        with off:
+            loss = model(idx, targets)
+        loss.backward()
+        off.wait()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof.export_chrome_trace(path)
+    return path
+
+
+def _trace_paths(path, modes):
+    """``--trace PATH``: where each ssdtrain mode's traced step goes (``PATH`` for
+    ``ssdtrain``, ``PATH`` with ``.<mode>`` before its suffix for the others)."""
+    if path is None:
+        return {}
+    stem, suffix = os.path.splitext(path)
+    return {m: path if m == "ssdtrain" else f"{stem}.{m}{suffix or '.json'}"
+            for m in modes if m.startswith("ssdtrain")}
 
 
 # ----------------------------------------------------------------------------------- parent
@@ -608,6 +644,12 @@ def build_parser():
     r.add_argument("--json", default=DEFAULT_JSON,
                    help="where to write every raw number (default benchmarks/results/"
                         "step_overhead.json)")
+    r.add_argument("--trace", metavar="PATH",
+                   help="write a Chrome/Perfetto trace (torch.profiler, every thread) of one "
+                        "more step of the first repeat of each ssdtrain mode, after its "
+                        "measured steps and not counted in them: PATH for 'ssdtrain', "
+                        "PATH.<mode>.json for the others (ssdtrain's ranges: docs/guide.md, "
+                        "'Seeing ssdtrain in a profiler trace')")
     o = p.add_argument_group("ssdtrain (default: ssdtrain's own defaults / SSDTRAIN_* variables)")
     add_offload_arguments(o, "OffloadConfig.min_tensor_bytes in KiB (also torch_save's "
                              "threshold)")
@@ -650,6 +692,7 @@ def main(argv=None):
                "spill_dir": spill_dir, "spill_fs": fstype, "spill_device": device,
                "spill_mount": mount}
 
+    traces = _trace_paths(args.trace and os.path.abspath(args.trace), args.modes)
     runs = []
     total = args.repeats * len(args.modes) * len(thread_counts)
     update, write, close = progress(total)
@@ -659,7 +702,10 @@ def main(argv=None):
             order = thread_counts if repeat % 2 == 0 else thread_counts[::-1]
             for n in order:
                 for mode in args.modes:
-                    result = run_worker(__file__, "step_overhead", mode, repeat, cfgs[n], envs[n])
+                    cfg = cfgs[n]
+                    if repeat == 0 and n == args.threads and mode in traces:
+                        cfg = dict(cfg, trace=traces[mode])
+                    result = run_worker(__file__, "step_overhead", mode, repeat, cfg, envs[n])
                     result["compute_threads"] = n
                     runs.append(result)
                     if "error" in result:
@@ -749,6 +795,10 @@ def main(argv=None):
           f"{machine.get('torch', '?')} with {machine.get('torch_threads', '?')} threads, python "
           f"{machine['python']}, spill_dir {spill_dir} on {fstype or '?'} ({device or '?'})")
     print(f"Command: {command}")
+    for r in all_runs:
+        if r.get("trace"):
+            print(f"Trace ({r['mode']}, one more step after repeat 1): {r['trace']} (open in "
+                  f"https://ui.perfetto.dev or chrome://tracing)")
     if targets:
         print()
         print("Targets (ssdtrain modes vs none at the same thread count; reported, not "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["LEAF", "GDS_PROBE_MEMORY", "default_device", "synchronize", "rng_state",
-           "set_rng_state"]
+           "set_rng_state", "nvtx_push", "nvtx_pop"]
 
 
 class _Cuda:
@@ -133,3 +133,20 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     torch.random.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ------------------------------------------------------- NVTX (NOTE [ Profiler ranges ])
+def nvtx_push(name: str) -> bool:
+    """Open the NVTX range ``name`` on this thread where CUDA is in use (initialized in
+    this process; never initializes it); whether one was opened. Only while a profiler
+    runs (``_trace.begin``): Nsight Systems shows it beside torch's ``emit_nvtx()``
+    ranges."""
+    if not torch.cuda.is_initialized():
+        return False
+    torch.cuda.nvtx.range_push(name)
+    return True
+
+
+def nvtx_pop() -> None:
+    """Close the innermost NVTX range :func:`nvtx_push` opened on this thread."""
+    torch.cuda.nvtx.range_pop()

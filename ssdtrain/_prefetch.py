@@ -16,7 +16,7 @@ again until a new pack uses it (``Record.used``).
 import collections
 import functools
 
-from . import _checksum
+from . import _checksum, _trace
 from ._device import device_misalign
 from ._errors import resource_error
 from ._records import GEOMETRY_ALIGN, State
@@ -155,17 +155,18 @@ class Prefetch:
     def _start_read_locked(self, rec, buf=None):
         """ON_DISK -> LOADING: a read buffer (``buf``, or one made here) and the read; the
         request owns the buffer."""
-        storage, lead, address, owner = self._read_buffer_locked(rec) if buf is None else buf
-        slot = rec.slot
-        rec.storage, rec.base = storage, lead
-        rec.submitted = False
-        self._move_locked(rec, State.LOADING)
-        try:
-            fut = self._submit_read(rec, slot, address, owner)
-        except Exception as e:  # refused: nothing in flight, the read fails
-            fut = failed_future(e)
-        rec.future = _owning(fut, (owner,))
-        rec.future.add_done_callback(self._callback(rec, _READ))
+        with _trace.span(_trace.READ, rec.nbytes, rec.seq):  # NOTE [ Profiler ranges ]
+            storage, lead, address, owner = self._read_buffer_locked(rec) if buf is None else buf
+            slot = rec.slot
+            rec.storage, rec.base = storage, lead
+            rec.submitted = False
+            self._move_locked(rec, State.LOADING)
+            try:
+                fut = self._submit_read(rec, slot, address, owner)
+            except Exception as e:  # refused: nothing in flight, the read fails
+                fut = failed_future(e)
+            rec.future = _owning(fut, (owner,))
+            rec.future.add_done_callback(self._callback(rec, _READ))
 
     def _submit_read(self, rec, slot, address, buf):
         """The engine call; ``rec.submitted`` is set on the same line, just before it."""

@@ -113,7 +113,7 @@ from concurrent.futures import wait as _wait_futures
 
 import torch
 
-from . import _fork
+from . import _fork, _trace
 from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError, resource_error
 from ._device import leaf_of
@@ -133,6 +133,8 @@ log = logging.getLogger("ssdtrain")
 
 _IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
+_PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in _trace.py
+_NAME_THREAD = getattr(torch._C, "_set_thread_name", None)  # pthread_setname_np
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
 _STOP = object()   # tells the store's I/O thread to end
 _SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request left
@@ -248,9 +250,10 @@ class Store(WriteBack, Prefetch):
 
     def end_pass(self):
         """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
-        with self._lock:
-            self._guarded_locked(self._end_pass_locked)
-        self._settle()
+        with _trace.span(_trace.END_FORWARD):
+            with self._lock:
+                self._guarded_locked(self._end_pass_locked)
+            self._settle()
 
     def _guarded_locked(self, fn, *args):
         """``fn(*args)`` after draining the inbox; any exception out of it (an interrupt
@@ -269,26 +272,33 @@ class Store(WriteBack, Prefetch):
         """The saved-tensor pack hook (NOTE [ The pack decision ] in _policy.py)."""
         stats = self.stats
         nbytes = t.numel() * t.element_size()
-        stats.packed_bytes += nbytes
-        reason, storage, key = keep_reason(t, nbytes, self._min_bytes, _IS_STATE)
-        leaf = None if reason is not None else leaf_of(t, self.loopback)
-        if leaf is not None and leaf.capturing(leaf.device(t)):
-            # A CUDA graph capture: no event, no staging (NOTE [ Device records ], rule 8).
-            reason = KEEP_CAPTURE
-        if reason is not None:
-            stats.kept_bytes += nbytes
-            return Kept(t)
-        version = t._version
-        extent = byte_extent(t)
-        layers = self.layers
-        choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
-        with self._lock:
-            handle = self._guarded_locked(self._pack_locked, t, storage, key, version, extent,
-                                         nbytes, choice, leaf)
-        self._after_hook(self._write_overdue())
-        if self._over_write_behind():
-            self._throttle()
-        return handle
+        # One attribute read while no profiler runs (NOTE [ Profiler ranges ] in _trace.py).
+        span = _trace.begin(_trace.PACK, {"bytes": nbytes}) \
+            if _PROFILER._is_profiler_enabled else None
+        try:
+            stats.packed_bytes += nbytes
+            reason, storage, key = keep_reason(t, nbytes, self._min_bytes, _IS_STATE)
+            leaf = None if reason is not None else leaf_of(t, self.loopback)
+            if leaf is not None and leaf.capturing(leaf.device(t)):
+                # A CUDA graph capture: no event, no staging (NOTE [ Device records ], rule 8).
+                reason = KEEP_CAPTURE
+            if reason is not None:
+                stats.kept_bytes += nbytes
+                return Kept(t)
+            version = t._version
+            extent = byte_extent(t)
+            layers = self.layers
+            choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
+            with self._lock:
+                handle = self._guarded_locked(self._pack_locked, t, storage, key, version,
+                                             extent, nbytes, choice, leaf)
+            self._after_hook(self._write_overdue())
+            if self._over_write_behind():
+                self._throttle()
+            return handle
+        finally:
+            if span is not None:
+                _trace.end(span)
 
     def _pack_locked(self, t, storage, key, version, extent, nbytes, choice, leaf=None):
         self._check_open()
@@ -368,38 +378,48 @@ class Store(WriteBack, Prefetch):
     def unpack(self, handle):
         """The saved-tensor unpack hook."""
         if type(handle) is Kept:
+            if _PROFILER._is_profiler_enabled:  # NOTE [ Profiler ranges ] in _trace.py
+                with _trace.begin(_trace.UNPACK, {"kept": 1}):
+                    return handle.unpack()
             return handle.unpack()
-        self._at_backward_end()
-        rec = handle.record
-        t = handle.tensor_ref()
-        base = None if handle.base_ref is None else handle.base_ref()
-        if t is not None:
-            if t._version != handle.version:
-                raise inplace_error(t, t._version, handle.version)
-            s = t.untyped_storage()
-            if storage_key(s) != rec.key:
-                return swapped(t)
-        elif base is not None:
-            s = base.untyped_storage()
-        else:
-            s = None
-        if base is not None and base._version != handle.version:
-            raise inplace_error(base, base._version, handle.version)
-        if s is not None and (s.data_ptr() != rec.ptr or s.nbytes() != rec.span):
-            raise swapped_error(t if t is not None else base, "its storage was resized or "
-                                "replaced (untyped_storage().resize_() or set_)")
-        with self._lock:
-            view, fut = self._guarded_locked(self._unpack_locked, rec, handle)
-        self._after_hook(self._read_due())
-        if view is not None:
+        span = _trace.begin(_trace.UNPACK, {"bytes": handle.record.nbytes,
+                                            "record": handle.record.seq}) \
+            if _PROFILER._is_profiler_enabled else None
+        try:
+            self._at_backward_end()
+            rec = handle.record
+            t = handle.tensor_ref()
+            base = None if handle.base_ref is None else handle.base_ref()
+            if t is not None:
+                if t._version != handle.version:
+                    raise inplace_error(t, t._version, handle.version)
+                s = t.untyped_storage()
+                if storage_key(s) != rec.key:
+                    return swapped(t)
+            elif base is not None:
+                s = base.untyped_storage()
+            else:
+                s = None
+            if base is not None and base._version != handle.version:
+                raise inplace_error(base, base._version, handle.version)
+            if s is not None and (s.data_ptr() != rec.ptr or s.nbytes() != rec.span):
+                raise swapped_error(t if t is not None else base, "its storage was resized or "
+                                    "replaced (untyped_storage().resize_() or set_)")
+            with self._lock:
+                view, fut = self._guarded_locked(self._unpack_locked, rec, handle)
+            self._after_hook(self._read_due())
+            if view is not None:
+                return view
+            # LOADING and this handle not yet unpacked in this generation: nothing can drop
+            # the bytes between the read's end and their use below.
+            self._wait(rec, fut)
+            with self._lock:
+                view = self._guarded_locked(self._loaded_locked, rec, handle, fut)
+            self._after_hook(self._read_due())
             return view
-        # LOADING and this handle not yet unpacked in this generation: nothing can drop
-        # the bytes between the read's end and their use below.
-        self._wait(rec, fut)
-        with self._lock:
-            view = self._guarded_locked(self._loaded_locked, rec, handle, fut)
-        self._after_hook(self._read_due())
-        return view
+        finally:
+            if span is not None:
+                _trace.end(span)
 
     def _loaded_locked(self, rec, handle, fut):
         """The view of ``rec`` once the read ``fut`` that unpack waited for has ended."""
@@ -477,7 +497,8 @@ class Store(WriteBack, Prefetch):
         try:
             # exception(), not result(): raising the request's error here would give it a
             # traceback whose frames hold this handle (see _without_frames).
-            fut.exception(timeout=self.cfg.io_timeout_s)
+            with _trace.span(_trace.WAIT_READ, rec.nbytes, rec.seq):
+                fut.exception(timeout=self.cfg.io_timeout_s)
         except FutureTimeout:
             raise self._timeout_error(rec, "reading", f"{_needed_by()}; the device may be hung "
                                       f"or overloaded. Check the device (dmesg), or raise "
@@ -567,14 +588,17 @@ class Store(WriteBack, Prefetch):
         """Release the memory dropped under the lock (never call this with it held). Any
         thread may call it, several at once."""
         grave = self._graveyard
-        while grave:
-            try:
-                item = grave.popleft()
-            except IndexError:  # another thread took the last one
-                return
-            if type(item) is mmap.mmap:
-                unmap_now(item)
-            item = None
+        if not grave:
+            return
+        with _trace.span(_trace.RELEASE):
+            while grave:
+                try:
+                    item = grave.popleft()
+                except IndexError:  # another thread took the last one
+                    return
+                if type(item) is mmap.mmap:
+                    unmap_now(item)
+                item = None
 
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
@@ -977,6 +1001,10 @@ class Store(WriteBack, Prefetch):
         (``io_timeout_s``) for all of them. With ``start``, the writes and prefetch reads
         that are due are started first (as the I/O thread would), so that they are done
         too; ``close()`` passes False: it would only throw them away."""
+        with _trace.span(_trace.FLUSH):
+            self._flush(timeout, start)
+
+    def _flush(self, timeout, start):
         deadline = time.monotonic() + (self.cfg.io_timeout_s if timeout is None else timeout)
         while True:
             with self._lock:
@@ -1081,6 +1109,8 @@ class Store(WriteBack, Prefetch):
 def _work(ref, kicks):
     """The store's I/O thread (NOTE [ The store's I/O thread ]): a round of work per wake;
     holds the store only during a round, so an unreachable store is collected."""
+    if _NAME_THREAD is not None:  # the OS's name, which profilers and top -H show
+        _NAME_THREAD("ssdtrain-store")
     while True:
         item = kicks.get()  # releases the GIL while it waits
         while item is not _STOP and not kicks.empty():  # one round for the kicks so far

@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from . import _checksum
+from . import _checksum, _trace
 from ._errors import SpillIOError, SSDTrainError
 from ._policy import slot_bound
 from ._records import State, inplace_error, swapped_error
@@ -72,41 +72,43 @@ class WriteBack:
         state moves before the submission: a record seen WRITING with no future is one
         whose submission was interrupted (``Store._repair_locked`` handles it).
         """
-        if rec.storage_changed():
-            # resize_()/set_ after pack: the bytes are gone; writing (or staging a device
-            # record) would read freed memory.
-            self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
-                                                 "replaced (untyped_storage().resize_() or set_)"))
-            return
-        dev, ready = rec.device, None
-        if dev is None:
-            address = rec.storage.data_ptr() + rec.base
-        else:  # NOTE [ Device records ] in _device.py
-            try:
-                address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes,
-                                                            rec.produced)
-            except Exception as e:  # noqa: BLE001 - no pinned memory for the staging copy
-                self._keep_locked(rec)  # in device memory, exact; nothing was submitted
-                self._warn_once("staging", "ssdtrain: a device record could not be staged for "
-                                "writing (%s: %s); such records stay in device memory.",
-                                type(e).__name__, e)
+        with _trace.span(_trace.WRITE, rec.nbytes, rec.seq):  # NOTE [ Profiler ranges ]
+            if rec.storage_changed():
+                # resize_()/set_ after pack: the bytes are gone; writing (or staging a device
+                # record) would read freed memory.
+                self._fail_locked(rec, swapped_error(
+                    rec.source, "its storage was resized or replaced "
+                                "(untyped_storage().resize_() or set_)"))
                 return
-        rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
-        rec.submitted = False
-        self._move_locked(rec, State.WRITING)
-        rec.writes += 1
-        owners = (rec.source, rec.storage, rec.staging)
-        try:
-            if ready is None:
-                fut = self._submit_write(rec, rec.slot, address, rec.nbytes, False)
-            else:  # submitted by the device waiter thread once the copy is done
-                rec.submitted = True
-                fut = dev.after(ready, functools.partial(self._submit_write, None, rec.slot,
-                                                         address, rec.nbytes, dev.direct))
-        except Exception as e:  # refused (e.g. the engine was shut down): nothing in flight
-            fut = failed_future(e)
-        rec.future = _owning(fut, owners)
-        rec.future.add_done_callback(self._callback(rec, _WRITTEN))
+            dev, ready = rec.device, None
+            if dev is None:
+                address = rec.storage.data_ptr() + rec.base
+            else:  # NOTE [ Device records ] in _device.py
+                try:
+                    address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes,
+                                                                rec.produced)
+                except Exception as e:  # noqa: BLE001 - no pinned memory for the staging copy
+                    self._keep_locked(rec)  # in device memory, exact; nothing was submitted
+                    self._warn_once("staging", "ssdtrain: a device record could not be staged for "
+                                    "writing (%s: %s); such records stay in device memory.",
+                                    type(e).__name__, e)
+                    return
+            rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
+            rec.submitted = False
+            self._move_locked(rec, State.WRITING)
+            rec.writes += 1
+            owners = (rec.source, rec.storage, rec.staging)
+            try:
+                if ready is None:
+                    fut = self._submit_write(rec, rec.slot, address, rec.nbytes, False)
+                else:  # submitted by the device waiter thread once the copy is done
+                    rec.submitted = True
+                    fut = dev.after(ready, functools.partial(self._submit_write, None, rec.slot,
+                                                             address, rec.nbytes, dev.direct))
+            except Exception as e:  # refused (e.g. the engine was shut down): nothing in flight
+                fut = failed_future(e)
+            rec.future = _owning(fut, owners)
+            rec.future.add_done_callback(self._callback(rec, _WRITTEN))
 
     def _submit_write(self, rec, slot, address, nbytes, on_device):
         """The engine call. ``rec.submitted`` is set on the same line, just before it: a
@@ -219,6 +221,7 @@ class WriteBack:
         that is due (this thread waits anyway), then wait for the oldest write's future,
         never under the lock; ``io_timeout_s`` for each write."""
         t0 = time.perf_counter()
+        span = _trace.span(_trace.WAIT_WRITE, self._writing_bytes + self._due_bytes)
         try:
             while True:
                 with self._lock:
@@ -238,6 +241,7 @@ class WriteBack:
                         f"finish within io_timeout_s={self.cfg.io_timeout_s} s; the device may be "
                         f"hung or overloaded.", filename=oldest.slot.file.directory) from None
         finally:
+            span.__exit__(None, None, None)
             self.stats.write_stall_seconds += time.perf_counter() - t0
             if self._graveyard:  # writes it completed dropped memory
                 self._kick()

@@ -63,15 +63,18 @@ def test_step_overhead_tiny(tmp_path, spill_dir):
 
 def test_step_overhead_compute_threads_tiny(tmp_path, spill_dir):
     """The accelerator analog (--compute-threads 1) runs beside the all-cores mode, with the
-    keep_tail_bytes=0 variant, each compared with none at its own thread count."""
+    keep_tail_bytes=0 variant, each compared with none at its own thread count; with
+    --trace, each ssdtrain mode writes a Chrome trace of one more step holding
+    ssdtrain's ranges (which thread records which: tests/test_trace.py)."""
     out = tmp_path / "step_overhead.json"
+    trace = tmp_path / "step.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in
                                          env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "step_overhead.py"), "--tiny",
          "--repeats", "1", "--steps", "1", "--threads", "2", "--compute-threads", "1",
-         "--spill-dir", str(spill_dir), "--json", str(out)],
+         "--spill-dir", str(spill_dir), "--json", str(out), "--trace", str(trace)],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -98,4 +101,17 @@ def test_step_overhead_compute_threads_tiny(tmp_path, spill_dir):
     assert all(r["offload_config"]["keep_tail_bytes"] == 0 for r in tail0)
     assert any(t["name"].startswith("accelerator analog (1 compute threads), step time <= 1.02x")
                for t in result["targets"])
+
+    # --trace: one file per ssdtrain mode, from its first repeat at --threads, named in
+    # the output; the measured steps are not the traced one (1 step measured above).
+    paths = {"ssdtrain": trace, "ssdtrain_tail0": tmp_path / "step.ssdtrain_tail0.json"}
+    for mode, path in paths.items():
+        assert f"Trace ({mode}, one more step after repeat 1): {path}" in proc.stdout
+        names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+        for name in ("ssdtrain::pack", "ssdtrain::unpack", "ssdtrain::write",
+                     "ssdtrain::end_forward", "ssdtrain::flush"):
+            assert name in names, (mode, name)
+    traced = [r for r in result["runs"] if r.get("trace")]
+    assert sorted((r["mode"], r["compute_threads"]) for r in traced) == \
+        [("ssdtrain", 2), ("ssdtrain_tail0", 2)]
     assert list(spill_dir.iterdir()) == []
