@@ -116,7 +116,7 @@ def main(argv=None):
                 "check": "sparse", "launch_us": args.launch_us, "launch_fraction": None,
                 "steps": args.steps, "warmup": args.warmup, "budget_bytes": None}
     static = ["none", "checkpoint", f"rk{n}", "offload_all"]
-    update, write, close = progress(2 + len(static) * args.repeats + len(args.ratios))
+    update, write, close = progress(2 + (len(static) + len(args.ratios)) * args.repeats)
     failed, runs, predictions = [], [], {}
     try:
         bw = run_worker(script, "plan", "probe", 0, dict(base_cfg), env)
@@ -146,9 +146,11 @@ def main(argv=None):
             plans[r] = "plan-" + "".join(c[0] for c in planned.plan.choices)
             write(f"R={r:g}: {step_s[r] * 1e3:.0f} ms per step predicted for none; plan "
                   f"{plans[r][5:]} within {budget / MiB:.0f} MiB")
-        jobs = [(m, args.ratios) for m in static] * args.repeats + \
-            [(plans[r], [r]) for r in args.ratios]
-        for rep, (mode, rs) in enumerate(jobs):
+        # one fresh process per (mode, repeat), the order rotated each repeat
+        one = [(m, args.ratios) for m in static] + [(plans[r], [r]) for r in args.ratios]
+        jobs = [(rep, job) for rep in range(args.repeats)
+                for job in one[rep % len(one):] + one[:rep % len(one)]]
+        for rep, (mode, rs) in jobs:
             res = run_worker(script, "plan", "mode", rep, dict(base_cfg, mode=mode, points=[
                 {"r": r, "tflops": tflops[r]} for r in rs]), env)
             update()

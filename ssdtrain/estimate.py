@@ -407,6 +407,7 @@ class Estimate:
             "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
             "gradient_checkpointing": m.gradient_checkpointing,
             "forward_flops": m.flops,
+            "layer_forward_flops": m.layer_flops,
             "settings": {"min_tensor_bytes": self.config.min_tensor_bytes,
                          "keep_tail_bytes": self.config.keep_tail_bytes,
                          "prefetch_bytes": self.config.prefetch_bytes,
@@ -818,8 +819,8 @@ def _hardware_math(est: Estimate, m: Measurement, hw: Hardware, gc: bool):
 # The budget for activations: --memory-budget, else --device-memory minus what the
 # estimate puts on the device besides activations (weights, gradients, optimizer state:
 # trainable x bytes_per_param, frozen parameters, buffers), else none. The three
-# references are predicted with the same StepCost and the same write-behind throttle
-# settings, as a static configuration runs them (no budget throttle): keep-all is
+# references are predicted with the same StepCost, at the configured settings as a
+# static configuration runs them (no budget throttle): keep-all is
 # "none" (no block offloaded or recomputed, so no layer I/O; its memory has the head's
 # records as no offload holds them), recompute-all is ssdtrain's (its inputs offloaded,
 # as ``set_plan`` with "recompute" does), offload-all is every block offloaded. The

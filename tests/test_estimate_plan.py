@@ -170,6 +170,7 @@ def test_cli_plan_json(capsys):
         assert row["step_s"] > 0
     assert plan["predicted"]["peak_bytes"] <= plan["budget_bytes"]
     assert plan["references"]["none"]["layers"] == "K x4"
+    assert len(out["layer_forward_flops"]) == 4 and out["layer_forward_flops"][0] > 0
 
 
 @pytest.mark.parametrize("hw", [
