@@ -86,13 +86,50 @@ def parse_args(argv=None):
                        help=f"model shape (default {v})")
     p.add_argument("--tiny", action="store_true", help="a tiny run (seconds), for the tests")
     p.add_argument("--spill-dir", default=None)
-    p.add_argument("--json", default=DEFAULT_JSON)
+    p.add_argument("--json", default=None,
+                   help="write every number here (default benchmarks/results/"
+                        "plan_vs_emulator.json; with --report-only: only when given)")
     p.add_argument("--md", default=None, help="also write the report (markdown) here")
+    p.add_argument("--report-only", metavar="JSON", default=None,
+                   help="print the report of a saved run's JSON again (no runs)")
+    p.add_argument("--from-emulator", metavar="JSON", default=None,
+                   help="no runs: predict every static mode (and the budget mode's plan) of "
+                        "an accel_emulator.py JSON with its numbers, beside its measurements")
     return p.parse_args(argv)
+
+
+def _estimate(shape):
+    """The estimate of the emulator's model (keep_tail_bytes 0, as the emulator's static
+    modes run), and the emulator's own count of its offload bytes and FLOPs."""
+    import ssdtrain
+    from ssdtrain.estimate import estimate
+    cfg = ssdtrain.OffloadConfig(keep_tail_bytes=0)
+    est = estimate(gpt_factory(shape), batch=shape["batch"], seq=shape["seq"], dtype="float32",
+                   config=cfg)
+    return est, emu.spec_summary(shape, cfg.min_tensor_bytes)
+
+
+def _at(est, step_seconds, bw):
+    """``est`` with the emulator's numbers as its hardware."""
+    from ssdtrain.estimate import Hardware
+    return dataclasses.replace(est, hardware=Hardware(
+        step_seconds=step_seconds, ssd_write_gbps=bw["write"], ssd_read_gbps=bw["read"]))
+
+
+def _plan(est, step_seconds, bw, fraction):
+    at = _at(est, step_seconds, bw)
+    budget = int(fraction * at.plan().references["none"].peak_bytes)
+    return at.plan(budget)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.report_only:
+        with open(args.report_only) as f:
+            return report(args, json.load(f))
+    if args.from_emulator:
+        return from_emulator(args, args.from_emulator)
+    args.json = args.json or DEFAULT_JSON
     shape = dict(emu.TINY_SHAPE if args.tiny else emu.DEFAULT_SHAPE)
     for k in shape:
         if getattr(args, k) is not None:
@@ -102,12 +139,7 @@ def main(argv=None):
         if args.ratios == [1.0, 4.0]:
             args.ratios = [1.0]
     n = shape["n_layers"]
-    import ssdtrain
-    from ssdtrain.estimate import Hardware, estimate
-    cfg = ssdtrain.OffloadConfig(keep_tail_bytes=0)
-    spec = emu.spec_summary(shape, cfg.min_tensor_bytes)
-    est = estimate(gpt_factory(shape), batch=shape["batch"], seq=shape["seq"], dtype="float32",
-                   config=cfg)
+    est, spec = _estimate(shape)
     spill_dir, own = work_dir(args.spill_dir, "ssdtrain-plan-", "plan_vs_emulator",
                               "--spill-dir")
     env = worker_env(REPO_ROOT)
@@ -117,7 +149,8 @@ def main(argv=None):
                 "steps": args.steps, "warmup": args.warmup, "budget_bytes": None}
     static = ["none", "checkpoint", f"rk{n}", "offload_all"]
     update, write, close = progress(2 + (len(static) + len(args.ratios)) * args.repeats)
-    failed, runs, predictions = [], [], {}
+    failed, runs = [], []
+    device, _, fstype = mount_of(spill_dir)
     try:
         bw = run_worker(script, "plan", "probe", 0, dict(base_cfg), env)
         update()
@@ -137,15 +170,10 @@ def main(argv=None):
             compute = max(want - overhead, 0.2 * want)
             tflops[r] = 3 * spec["forward_flops"] / compute / 1e12
             step_s[r] = compute + overhead
-            hw = Hardware(step_seconds=step_s[r], ssd_write_gbps=bw["write"],
-                          ssd_read_gbps=bw["read"])
-            at_r = dataclasses.replace(est, hardware=hw)
-            budget = int(args.budget_fraction * at_r.plan().references["none"].peak_bytes)
-            planned = at_r.plan(budget)
-            predictions[r] = planned
+            planned = _plan(est, step_s[r], bw, args.budget_fraction)
             plans[r] = "plan-" + "".join(c[0] for c in planned.plan.choices)
             write(f"R={r:g}: {step_s[r] * 1e3:.0f} ms per step predicted for none; plan "
-                  f"{plans[r][5:]} within {budget / MiB:.0f} MiB")
+                  f"{plans[r][5:]} within {planned.budget_bytes / MiB:.0f} MiB")
         # one fresh process per (mode, repeat), the order rotated each repeat
         one = [(m, args.ratios) for m in static] + [(plans[r], [r]) for r in args.ratios]
         jobs = [(rep, job) for rep in range(args.repeats)
@@ -168,8 +196,13 @@ def main(argv=None):
         if own:
             import shutil
             shutil.rmtree(spill_dir, ignore_errors=True)
-    return report(args, shape, spec, est, bw, overhead, tflops, step_s, plans, predictions,
-                  runs, failed, spill_dir)
+    data = {"command": command_line(), "shape": shape, "ratios": args.ratios,
+            "budget_fraction": args.budget_fraction, "bandwidth": bw, "overhead_s": overhead,
+            "disk": f"{fstype or '?'} {device or '?'}",
+            "tflops": {str(k): v for k, v in tflops.items()},
+            "step_seconds": {str(k): v for k, v in step_s.items()},
+            "plans": {str(k): v for k, v in plans.items()}, "runs": runs, "failed": failed}
+    return report(args, data)
 
 
 def _measured(runs, mode, r):
@@ -179,53 +212,74 @@ def _measured(runs, mode, r):
     return {"step_s": median([s["step_s"] for s in ss]),
             "stall_s": median([s["stall_s"] for s in ss]),
             "peak_bytes": max(s["peak_bytes"] for s in ss),
-            "exact": all(s["exact"] for s in ss)}
+            "exact": all(s["exact"] for s in ss), "repeats": len(ss)}
 
 
-def report(args, shape, spec, est, bw, overhead, tflops, step_s, plans, predictions, runs,
-           failed, spill_dir):
+def report(args, data):
+    """The table: predictions (recomputed from ``data``: the estimate is deterministic)
+    beside the measurements; the target; JSON unless re-rendering (``--report-only``)."""
+    from ssdtrain.estimate import predict_choices
+    shape, bw, runs = data["shape"], data["bandwidth"], data["runs"]
     n = shape["n_layers"]
-    device, _, fstype = mount_of(spill_dir)
+    est, spec = _estimate(shape)
     lines = []
     say = lines.append
     say(f"Emulated GPT: {n} layers, batch {shape['batch']}, seq {shape['seq']}, d_model "
         f"{shape['d_model']}, vocab {shape['vocab']}, fp32. Offloaded per step: emulator "
-        f"{spec['offload_bytes'] / MiB:.1f} MiB, estimate "
-        f"{(est.measurement.unique_bytes) / MiB:.1f} MiB unique "
-        f"(keep_tail_bytes 0).")
-    say(f"Disk (spill_dir on {fstype or '?'} {device or '?'}): write {bw['write']:.2f} GB/s, "
-        f"read {bw['read']:.2f} GB/s (the emulator's probe). Step overhead at no compute "
-        f"{overhead * 1e3:.0f} ms, in --step-seconds.")
+        f"{spec['offload_bytes'] / MiB:.1f} MiB, estimate {est.unique_bytes / MiB:.1f} MiB "
+        f"unique (keep_tail_bytes 0).")
+    say(f"Disk (spill_dir on {data['disk']}): write {bw['write']:.2f} GB/s, read "
+        f"{bw['read']:.2f} GB/s (the emulator's probe). Step overhead at no compute "
+        f"{data['overhead_s'] * 1e3:.0f} ms, in --step-seconds.")
+    say("")
+    say("predicted: `--step-seconds` = the emulator's compute at R + its overhead; "
+        "`none-cal.`: the same model with `--step-seconds` = none's measured step at that R "
+        "(the device's speed measured without offload; a diagnostic, not the target).")
     say("")
     say("| R | TFLOP/s | --step-seconds | mode | blocks | predicted step (ms) | measured step "
-        "(ms) | error | predicted stall (ms) | measured stall (ms) | predicted peak (MiB) "
-        "| measured peak (MiB) | budget (MiB) | exact |")
+        "(ms) | error | none-cal. (ms) | error | predicted stall (ms) | measured stall (ms) "
+        "| predicted peak (MiB) | measured peak (MiB) | budget (MiB) | exact |")
     say("| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | --- |")
+        "| ---: | ---: | ---: | --- |")
     rows = []
-    for r in args.ratios:
-        planned = predictions[r]
+    for r in data["ratios"]:
+        step_s = data["step_seconds"][str(r)]
+        planned = _plan(est, step_s, bw, data["budget_fraction"])
+        plan_mode = data["plans"][str(r)]
+        assert plan_mode[5:] == "".join(c[0] for c in planned.plan.choices), plan_mode
+        none_meas = _measured(runs, "none", r)
+        cal = _at(est, none_meas["step_s"], bw) if none_meas else None
         refs = planned.references
-        pairs = [("none", refs["none"], "K" * n), ("checkpoint", refs["checkpoint_all"], "R" * n),
-                 (f"rk{n}", refs["checkpoint_all"], "R" * n),
-                 ("offload_all", refs["offload_all"], "O" * n),
-                 (plans[r], planned.plan.prediction, plans[r][5:].upper())]
-        for mode, pred, blocks in pairs:
+        pairs = [("none", refs["none"], "keep"), ("checkpoint", refs["checkpoint_all"],
+                                                   "recompute"),
+                 (f"rk{n}", refs["checkpoint_all"], "recompute"),
+                 ("offload_all", refs["offload_all"], "offload"),
+                 (plan_mode, planned.plan.prediction, None)]
+        for mode, pred, uniform in pairs:
+            choices = planned.plan.choices if uniform is None else (uniform,) * n
+            blocks = "".join(c[0] for c in choices).upper()
             meas = _measured(runs, mode, r)
+            alt = predict_choices(cal, choices) if cal is not None else None
+            if alt is not None and mode == "none":
+                alt = cal.plan().references["none"]
             row = {"r": r, "mode": mode, "blocks": blocks, "predicted_step_s": pred.step_s,
                    "predicted_stall_s": pred.stall_s, "predicted_peak_bytes": pred.peak_bytes,
-                   "is_plan": mode == plans[r]}
+                   "is_plan": uniform is None,
+                   "none_calibrated_step_s": None if alt is None else alt.step_s}
+            m = meas or {}
             if meas is not None:
                 row.update(measured_step_s=meas["step_s"], measured_stall_s=meas["stall_s"],
                            measured_peak_bytes=meas["peak_bytes"], exact=meas["exact"],
-                           error=pred.step_s / meas["step_s"] - 1)
+                           repeats=meas["repeats"], error=pred.step_s / meas["step_s"] - 1)
+                if alt is not None:
+                    row["none_calibrated_error"] = alt.step_s / meas["step_s"] - 1
             rows.append(row)
-            m = meas or {}
-            say(f"| {r:g} | {tflops[r]:.3g} | {step_s[r]:.3f} | "
-                f"{'**plan**' if row['is_plan'] else mode} | {blocks} | "
-                f"{pred.step_s * 1e3:.0f} | "
+            say(f"| {r:g} | {data['tflops'][str(r)]:.3g} | {step_s:.3f} | "
+                f"{'**plan**' if row['is_plan'] else mode} | {blocks} | {pred.step_s * 1e3:.0f} | "
                 + (f"{m['step_s'] * 1e3:.0f} | {row['error'] * 100:+.0f}% | " if m else
                    "FAILED | | ")
+                + (f"{alt.step_s * 1e3:.0f} | {row['none_calibrated_error'] * 100:+.0f}% | "
+                   if m and alt is not None else " | | ")
                 + f"{pred.stall_s * 1e3:.0f} | "
                 + (f"{m['stall_s'] * 1e3:.0f} | " if m else " | ")
                 + f"{pred.peak_bytes / MiB:.1f} | "
@@ -235,20 +289,97 @@ def report(args, shape, spec, est, bw, overhead, tflops, step_s, plans, predicti
     say("")
     say("`checkpoint` is torch.utils.checkpoint without ssdtrain; `rk<n>` is ssdtrain "
         "recomputing every block (its inputs offloaded), which is what the estimate's "
-        "checkpoint-all predicts.")
+        "checkpoint-all predicts. Measured: the median over repeats of each run's median "
+        "step; peak: the largest.")
     say("")
     say(f"Target: the plan's predicted step within {TARGET:.0%} of measured:")
-    met_all = True
     for row in rows:
         if row["is_plan"] and "error" in row:
             met = abs(row["error"]) <= TARGET
-            met_all &= met
+            budget = _plan(est, data["step_seconds"][str(row["r"])], bw,
+                           data["budget_fraction"]).budget_bytes
             say(f"- R={row['r']:g} {row['blocks']}: {row['error'] * 100:+.0f}% -> "
                 f"{'met' if met else 'NOT met'}")
-            fits = row["measured_peak_bytes"] <= predictions[row["r"]].budget_bytes
+            fits = row["measured_peak_bytes"] <= budget
             say(f"- R={row['r']:g} measured peak {row['measured_peak_bytes'] / MiB:.1f} MiB "
-                f"within the plan's budget {predictions[row['r']].budget_bytes / MiB:.0f} MiB "
-                f"-> {'met' if fits else 'NOT met'}")
+                f"within the plan's budget {budget / MiB:.0f} MiB -> "
+                f"{'met' if fits else 'NOT met'}")
+    say("")
+    say(f"Command: {data['command']}")
+    text = "\n".join(lines)
+    print(text)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text + "\n")
+    if not args.json:
+        return 0
+    return finish("plan_vs_emulator", args.json, dict(data, spec=spec, rows=rows),
+                  data["failed"])
+
+
+def choices_of(mode, plan, n):
+    """The per-block choices an accel_emulator mode runs (None: not a static plan)."""
+    if mode in ("none",):
+        return ("keep",) * n
+    if mode in ("checkpoint", "default", "offload_all"):
+        return (("recompute",) if mode == "checkpoint" else ("offload",)) * n
+    if mode == "budget":   # the adaptive policy's plan in force (k / o / r per layer)
+        return tuple(emu.PLAN_LETTERS[c] for c in plan) if plan else None
+    if mode.startswith("plan-") or mode[:2] in ("ok", "rk", "ro"):
+        return tuple(emu.plan_for(mode, n))
+    return None
+
+
+def from_emulator(args, path):
+    """Predict each (mode, R) of an accel_emulator.py run with the numbers it measured
+    (its probe's bandwidth, its TFLOP/s per R and step overhead: ``--step-seconds`` as
+    in :func:`main`) and print them beside what it measured. ``default`` is predicted
+    as offload-all with ssdtrain's default 128 MiB tail, ``checkpoint`` as ssdtrain's
+    recompute-all, ``budget`` as a static run of the plan the adaptive policy chose
+    (its own prediction, from its profile, is shown beside)."""
+    import ssdtrain
+    from ssdtrain.estimate import predict_choices
+    with open(path) as f:
+        d = json.load(f)
+    shape, n = d["shape"], d["shape"]["n_layers"]
+    est, spec = _estimate(shape)
+    bw = {"write": d["bandwidth_start"]["write"], "read": d["bandwidth_start"]["read"]}
+    lines = []
+    say = lines.append
+    say(f"Predicted by the estimate from {os.path.relpath(path, REPO_ROOT)}'s numbers: disk "
+        f"{bw['write']:.2f} GB/s write, {bw['read']:.2f} GB/s read; step overhead "
+        f"{d['overhead_s'] * 1e3:.0f} ms; --step-seconds = 3 x forward FLOPs / TFLOP/s + "
+        f"overhead. Measured: that run's table (one repeat).")
+    say("")
+    say("| R | --step-seconds | mode | blocks | predicted step (ms) | measured step (ms) | "
+        "error | adaptive's own prediction (ms) | predicted peak (MiB) | measured peak (MiB) |")
+    say("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for row in d["summary"]:
+        choices = choices_of(row["mode"], row.get("plan"), n)
+        if choices is None:
+            continue
+        r = row["r"]
+        step_s = 3 * spec["forward_flops"] / (d["tflops"][f"{r:g}"] * 1e12) + d["overhead_s"]
+        at = _at(est, step_s, bw)
+        if row["mode"] == "default":
+            at = dataclasses.replace(at, config=ssdtrain.OffloadConfig())
+        pred = predict_choices(at, choices)
+        err = pred.step_s / row["step_s"] - 1
+        own = row.get("predicted_step_s")
+        rows.append({"r": r, "mode": row["mode"], "blocks": "".join(c[0] for c in choices),
+                     "step_seconds": step_s, "predicted_step_s": pred.step_s,
+                     "measured_step_s": row["step_s"], "error": err,
+                     "adaptive_predicted_step_s": own, "predicted_peak_bytes": pred.peak_bytes,
+                     "measured_peak_bytes": row["peak_bytes"]})
+        say(f"| {r:g} | {step_s:.3f} | {row['mode']} | {rows[-1]['blocks'].upper()} | "
+            f"{pred.step_s * 1e3:.0f} | {row['step_s'] * 1e3:.0f} | {err * 100:+.0f}% | "
+            + (f"{own * 1e3:.0f}" if own else "") + f" | {pred.peak_bytes / MiB:.1f} | "
+            f"{row['peak_bytes'] / MiB:.1f} |")
+    say("")
+    within = [x for x in rows if abs(x["error"]) <= TARGET]
+    say(f"Within {TARGET:.0%}: {len(within)} of {len(rows)} (mode, R) rows: "
+        + ", ".join(f"{x['mode']} R={x['r']:g}" for x in within) + ".")
     say("")
     say(f"Command: {command_line()}")
     text = "\n".join(lines)
@@ -256,12 +387,10 @@ def report(args, shape, spec, est, bw, overhead, tflops, step_s, plans, predicti
     if args.md:
         with open(args.md, "w") as f:
             f.write(text + "\n")
-    return finish("plan_vs_emulator", args.json, {
-        "command": command_line(), "shape": shape, "spec": spec, "bandwidth": bw,
-        "overhead_s": overhead, "tflops": {str(k): v for k, v in tflops.items()},
-        "step_seconds": {str(k): v for k, v in step_s.items()},
-        "plans": {str(r): predictions[r].to_json() for r in args.ratios},
-        "rows": rows, "runs": runs}, failed)
+    if args.json:
+        return finish("plan_vs_emulator", args.json, {"command": command_line(),
+                                                       "source": path, "rows": rows}, [])
+    return 0
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ from ._errors import ConfigError
 from ._estimate import EstimateError, Measurement, measure
 
 __all__ = ["estimate", "Estimate", "Hardware", "EstimateError", "hf_factory", "load_factory",
-           "main", "DTYPES", "PlanEstimate", "make_plan", "plan_costs", "compact_plan"]
+           "main", "DTYPES", "PlanEstimate", "make_plan", "plan_costs", "predict_choices",
+           "compact_plan"]
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -1008,6 +1009,24 @@ def plan_budget(est: "Estimate", memory_budget=None):
         return max(0, est.hardware.device_memory - static), \
             f"device memory - {_b(static)} weights, gradients, optimizer state"
     return None, "none given"
+
+
+def predict_choices(est: "Estimate", choices):
+    """The cost model's prediction for a plan of your own: one of ``"keep"``,
+    ``"offload"``, ``"recompute"`` per block, first block first (``plan.choices`` of
+    ``--json``), at the configured settings, as ``set_plan`` runs it.
+
+    Returns:
+        The planner's ``Prediction`` (``step_s``, ``stall_s``, ``recompute_s``,
+        ``peak_bytes``, ``written_bytes``, ``kept_bytes``).
+
+    Raises:
+        ConfigError, EstimateError: as :func:`plan_costs`.
+        ValueError: a wrong number of choices or an unknown choice.
+    """
+    from ._planner import predict
+    layers, step = plan_costs(est)
+    return predict(layers, tuple(choices), step)
 
 
 def make_plan(est: "Estimate", memory_budget=None, *, max_plans: int = 6561) -> PlanEstimate:

@@ -250,3 +250,22 @@ def test_emulator_runs_a_plan_mode(spill_dir):
     assert out["failures"] == []
     assert out["steps"][-1]["plan"] == "ro"
     assert all(s["checks"] > 0 and s["check_failures"] == 0 for s in out["steps"])
+
+
+def test_predictions_beside_a_recorded_emulator_run(tmp_path, capsys):
+    """plan_vs_emulator --from-emulator predicts every static mode of a recorded
+    accel_emulator run (and the adaptive policy's plan) from that run's numbers; the
+    predicted peaks (a function of bytes, not of timing) are those the emulator's
+    allocator tracked, within 10%, for keeping, recomputing and mixing."""
+    import plan_vs_emulator as pve
+    src = ROOT / "docs" / "results" / "accel_emulator.json"
+    out = tmp_path / "pve.json"
+    assert pve.main(["--from-emulator", str(src), "--json", str(out)]) == 0
+    assert "| predicted step (ms) | measured step (ms) | error |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    recorded = json.loads(src.read_text())["summary"]
+    assert {(r["mode"], r["r"]) for r in rows} == {(s["mode"], s["r"]) for s in recorded}
+    for row in rows:
+        assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0
+        if row["mode"] in ("none", "checkpoint", "budget") or row["mode"].startswith("rk"):
+            assert abs(row["predicted_peak_bytes"] / row["measured_peak_bytes"] - 1) <= 0.10, row
