@@ -861,7 +861,9 @@ class PlanEstimate:
     budget_bytes: Optional[int]
     budget_from: str
     """Where the budget came from (``--memory-budget``, device memory, or none)."""
-    _configured_write_behind: int = 0
+    configured_write_behind_bytes: int = 0
+    """The configured ``write_behind_bytes`` (the plan may need less:
+    ``plan.write_behind_bytes``)."""
 
     @property
     def fits(self) -> bool:
@@ -918,11 +920,11 @@ class PlanEstimate:
                  + " (K keep, O offload, R recompute, first block first)", ""]
         lines += _md(rows, right=range(2, 9))
         wb = self.plan.write_behind_bytes
-        if self.plan.prediction.written_bytes > wb and wb < self._configured_write_behind:
+        if self.plan.prediction.written_bytes > wb and wb < self.configured_write_behind_bytes:
             lines.append("")
             lines.append(f"the plan keeps its writes in flight within the budget with "
                          f"write_behind_bytes {_b(wb)} (configured "
-                         f"{_b(self._configured_write_behind)}): run it with "
+                         f"{_b(self.configured_write_behind_bytes)}): run it with "
                          f"OffloadConfig(write_behind_bytes={wb}) and set_plan, or "
                          f"policy='adaptive' with memory_budget_bytes.")
         if not self.fits:
@@ -1055,7 +1057,7 @@ def make_plan(est: "Estimate", memory_budget=None, *, max_plans: int = 6561) -> 
                                     fixed_bytes=step.fixed_bytes + step.head_bytes)
         refs[name] = predict(layers, choices, s)
     return PlanEstimate(plan=best, references=refs, budget_bytes=budget, budget_from=source,
-                        _configured_write_behind=step.write_behind_bytes)
+                        configured_write_behind_bytes=step.write_behind_bytes)
 
 
 # ---------------------------------------------------------------------------- CLI
