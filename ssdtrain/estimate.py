@@ -6,8 +6,11 @@ meta device, runs one forward on fake tensors with ssdtrain's own pack decisions
 bytes saved, deduplicated, offloaded and kept; with hardware numbers also the SSD
 bandwidth needed to hide the I/O behind compute, the largest micro-batch that fits
 device memory with no offload, full recompute and ssdtrain, and the drives' write
-volume and endurance. Nothing is allocated: an 8B-parameter model at sequence 4096
-estimates in seconds on a laptop. Formulas: docs/estimate.md.
+volume and endurance; with ``--plan`` the adaptive policy's keep / offload /
+recompute plan per block within a memory budget, and its predicted step time and peak
+memory beside none, checkpoint-all and offload-all (NOTE [ Plan from the estimate ]).
+Nothing is allocated: an 8B-parameter model at sequence 4096 estimates in seconds on a
+laptop. Formulas: docs/estimate.md.
 
 Example::
 
@@ -17,8 +20,10 @@ Example::
 
     from ssdtrain.estimate import estimate, Hardware
     est = estimate("examples/configs/llama-8b.json", seq=4096,
-                   hardware=Hardware(device_memory="139GiB", tflops=400))
+                   hardware=Hardware(device_memory="139GiB", tflops=400,
+                                     ssd_write_gbps=6, ssds=4))
     print(est.table()); est.to_json()
+    print(est.plan().table())   # budget: device memory - weights, gradients, optimizer
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class Hardware:
     """Bytes of accelerator memory one training process may use (``"80GiB"`` accepted)."""
     ssd_write_gbps: Optional[float] = None
     ssd_read_gbps: Optional[float] = None
+    """The plan (``Estimate.plan``) takes the write bandwidth when this is not given."""
     step_seconds: Optional[float] = None
     """Compute time of one micro-batch, forward + backward (no I/O)."""
     tflops: Optional[float] = None
