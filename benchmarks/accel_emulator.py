@@ -60,7 +60,9 @@ ssdtrain); ``offload_all`` (static, ``keep_tail_bytes=0``); ``default``
 ``memory_budget_bytes`` = ``--budget-fraction`` of none's tracked peak, layers via
 ``track``); and static mixes through ``set_plan`` with ``keep_tail_bytes=0``:
 ``ok<k>`` offload the first k layers and keep the rest, ``rk<k>`` recompute the
-first k and keep the rest, ``ro<k>`` recompute the first k and offload the rest.
+first k and keep the rest, ``ro<k>`` recompute the first k and offload the rest;
+``plan-<letters>`` any plan, one of k / o / r per layer (``plan_vs_emulator.py``
+runs ``ssdtrain estimate --plan``'s plans so).
 
 Every (R, mode, repeat) is a fresh process, modes interleaved (rotated each
 repeat); ``none`` runs first once to set the budget. Each worker runs
@@ -482,8 +484,21 @@ def build_model(cfg):
     return Model()
 
 
+PLAN_LETTERS = {"k": "keep", "o": "offload", "r": "recompute"}
+
+
+def is_plan_mode(mode, n):
+    """Whether ``mode`` is ``plan-<letters>``: one of k / o / r per layer, first layer
+    first (a plan of ``ssdtrain estimate --plan``, run through ``set_plan``)."""
+    letters = mode[5:].lower() if mode.startswith("plan-") else ""
+    return len(letters) == n and all(c in PLAN_LETTERS for c in letters)
+
+
 def plan_for(mode, n):
-    """The set_plan choices of a static mix ``ok<k>``, ``rk<k>``, ``ro<k>``."""
+    """The set_plan choices of a static mix ``ok<k>``, ``rk<k>``, ``ro<k>``, or of a
+    ``plan-<letters>`` mode (:func:`is_plan_mode`)."""
+    if mode.startswith("plan-"):
+        return [PLAN_LETTERS[c] for c in mode[5:].lower()]
     family, k = mode[:2], int(mode[2:])
     first = {"ok": "offload", "rk": "recompute", "ro": "recompute"}[family]
     rest = {"ok": "keep", "rk": "keep", "ro": "offload"}[family]
@@ -704,9 +719,10 @@ def main(argv=None):
                                               for k in args.mix_ks if 0 < k < n]
     for m in modes:
         if m not in BASE_MODES and not (m[:2] in ("ok", "rk", "ro") and m[2:].isdigit()
-                                        and 0 < int(m[2:]) <= n):
-            raise SystemExit(f"accel_emulator: unknown mode {m!r}: use {', '.join(BASE_MODES)} "
-                             f"or ok<k>/rk<k>/ro<k> with 1 <= k <= {n}")
+                                        and 0 < int(m[2:]) <= n) and not is_plan_mode(m, n):
+            raise SystemExit(f"accel_emulator: unknown mode {m!r}: use {', '.join(BASE_MODES)}, "
+                             f"ok<k>/rk<k>/ro<k> with 1 <= k <= {n}, or plan-<one of k, o, r "
+                             f"per layer>")
     if "none" not in modes:
         modes = ["none"] + modes
     import torch  # noqa: F401  (parent: only for min_tensor_bytes' default)

@@ -168,6 +168,7 @@ class Measurement:
     kept_state_bytes: int = 0      # per-pack kept bytes of parameters, buffers, leaves
     buffer_bytes: int = 0
     flops: Optional[float] = None  # forward FLOPs (FlopCounterMode), None if not counted
+    layer_flops: Optional[List[float]] = None   # forward FLOPs per block (same count)
     model_name: str = ""
 
 
@@ -603,17 +604,20 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
         del out
         sim._inbox.clear()
     if count_flops:
-        m.flops = _count_flops(build, device)
+        m.flops, m.layer_flops = _count_flops(build, device, layers)
     return m
 
 
-def _count_flops(build, device):
-    """Forward FLOPs of a model built anew, on fake tensors, with no saved-tensor hooks.
+def _count_flops(build, device, layers=None):
+    """Forward FLOPs of a model built anew, on fake tensors, with no saved-tensor hooks:
+    ``(total, [per block])``, the blocks named as in :func:`measure`.
 
     A forward of its own: ``FlopCounterMode`` decomposes operators it has no formula
     for and tracks modules, which changes which tensors live how long (a saved tensor
     the real run frees during forward lived on under it), so the pass whose bytes are
-    measured must not run under it."""
+    measured must not run under it. A block's FLOPs are the counter's total after its
+    forward minus before it (forward hooks; a block called twice counts both calls),
+    so the blocks and what lies outside them add up to the total."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -621,13 +625,27 @@ def _count_flops(build, device):
         model, inputs = build()
     inputs = fakeify(model, inputs, mode, device)
     counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    named = list((layers or default_layers)(model))
+    per_layer = [0.0] * len(named)
+    open_at = {}
+    hooks = []
+    for i, (_, module) in enumerate(named):
+        def pre(mod, args, i=i):
+            open_at.setdefault(i, []).append(counter.get_total_flops())
+
+        def post(mod, args, output, i=i):
+            per_layer[i] += counter.get_total_flops() - open_at[i].pop()
+        hooks.append(module.register_forward_pre_hook(pre))
+        hooks.append(module.register_forward_hook(post))
     out = None
     try:
         with mode, _eager_hints(), _quiet_fake_tensor_log(), counter:
             out = _call(model, inputs)
     finally:
         del out
-    return float(counter.get_total_flops())
+        for h in hooks:
+            h.remove()
+    return float(counter.get_total_flops()), [float(f) for f in per_layer]
 
 
 def _memory_terms(m: Measurement, sim: _Replay, probe: _InputProbe):

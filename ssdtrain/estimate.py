@@ -6,8 +6,11 @@ meta device, runs one forward on fake tensors with ssdtrain's own pack decisions
 bytes saved, deduplicated, offloaded and kept; with hardware numbers also the SSD
 bandwidth needed to hide the I/O behind compute, the largest micro-batch that fits
 device memory with no offload, full recompute and ssdtrain, and the drives' write
-volume and endurance. Nothing is allocated: an 8B-parameter model at sequence 4096
-estimates in seconds on a laptop. Formulas: docs/estimate.md.
+volume and endurance; with ``--plan`` the adaptive policy's keep / offload /
+recompute plan per block within a memory budget, and its predicted step time and peak
+memory beside none, checkpoint-all and offload-all (NOTE [ Plan from the estimate ]).
+Nothing is allocated: an 8B-parameter model at sequence 4096 estimates in seconds on a
+laptop. Formulas: docs/estimate.md.
 
 Example::
 
@@ -17,8 +20,10 @@ Example::
 
     from ssdtrain.estimate import estimate, Hardware
     est = estimate("examples/configs/llama-8b.json", seq=4096,
-                   hardware=Hardware(device_memory="139GiB", tflops=400))
+                   hardware=Hardware(device_memory="139GiB", tflops=400,
+                                     ssd_write_gbps=6, ssds=4))
     print(est.table()); est.to_json()
+    print(est.plan().table())   # budget: device memory - weights, gradients, optimizer
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from ._errors import ConfigError
 from ._estimate import EstimateError, Measurement, measure
 
 __all__ = ["estimate", "Estimate", "Hardware", "EstimateError", "hf_factory", "load_factory",
-           "main", "DTYPES"]
+           "main", "DTYPES", "PlanEstimate", "make_plan", "plan_costs", "predict_choices",
+           "compact_plan"]
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -76,6 +82,7 @@ class Hardware:
     """Bytes of accelerator memory one training process may use (``"80GiB"`` accepted)."""
     ssd_write_gbps: Optional[float] = None
     ssd_read_gbps: Optional[float] = None
+    """The plan (``Estimate.plan``) takes the write bandwidth when this is not given."""
     step_seconds: Optional[float] = None
     """Compute time of one micro-batch, forward + backward (no I/O)."""
     tflops: Optional[float] = None
@@ -407,6 +414,7 @@ class Estimate:
             "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
             "gradient_checkpointing": m.gradient_checkpointing,
             "forward_flops": m.flops,
+            "layer_forward_flops": m.layer_flops,
             "settings": {"min_tensor_bytes": self.config.min_tensor_bytes,
                          "keep_tail_bytes": self.config.keep_tail_bytes,
                          "prefetch_bytes": self.config.prefetch_bytes,
@@ -506,6 +514,12 @@ class Estimate:
             lines.append("")
             lines.append(f"note: {n}")
         return "\n".join(lines)
+
+    def plan(self, memory_budget=None, *, max_plans: int = 6561) -> "PlanEstimate":
+        """The per-block keep / offload / recompute plan for this estimate and its
+        predicted step time and peak activation memory beside none, checkpoint-all and
+        offload-all (:func:`make_plan`; ``ssdtrain estimate --plan``)."""
+        return make_plan(self, memory_budget, max_plans=max_plans)
 
     def _provided(self, which):
         h = self.hardware
@@ -785,6 +799,273 @@ def _hardware_math(est: Estimate, m: Measurement, hw: Hardware, gc: bool):
         est.drive_years = math.inf if per_drive == 0 else hw.ssd_tbw / per_drive / 365.0
 
 
+# ------------------------------------------------------------------------ the plan
+# NOTE [ Plan from the estimate ]
+# ``ssdtrain estimate --plan`` runs the adaptive policy's planner (_planner.plan and
+# _planner.predict, the same functions, no copy) on costs built from the estimate
+# instead of a profile:
+#
+# * per block: ``saved_bytes`` = its unique bytes (the records first created in it,
+#   what ssdtrain would write if it offloads the block), ``input_bytes`` = its input
+#   storages, ``recompute_bytes`` = its activation bytes (what a recompute creates and
+#   holds, small tensors included); forward time = its forward FLOPs / TFLOP/s (or its
+#   share of the forward FLOPs x --step-seconds / 3), backward 2x, a recompute the
+#   forward again;
+# * the rest: outside the blocks, forward time from the FLOPs outside them, backward
+#   2x (all of it before the blocks' backward: the head's, the embedding's is small);
+#   ``head_bytes`` = the unique bytes outside the blocks (before and after them: the
+#   embedding's records are normally small token ids); ``fixed_bytes`` = the storages
+#   kept per pack (small tensors, other kinds), held in every plan; no time after the
+#   last backward (no optimizer, data or launch overhead: fold those into
+#   --step-seconds); no CPU cost per byte of I/O (``fwd_s_per_byte`` 0: it is a
+#   property of the host that only a run measures);
+# * the disk: ``ssds x --ssd-write-gbps``, ``ssds x --ssd-read-gbps`` (default: the
+#   write bandwidth); ssdtrain's prefetch window, write-behind limit and tail from the
+#   settings.
+#
+# The budget for activations: --memory-budget, else --device-memory minus what the
+# estimate puts on the device besides activations (weights, gradients, optimizer state:
+# trainable x bytes_per_param, frozen parameters, buffers), else none. The three
+# references are predicted with the same StepCost, at the configured settings as a
+# static configuration runs them (no budget throttle): keep-all is
+# "none" (no block offloaded or recomputed, so no layer I/O; its memory has the head's
+# records as no offload holds them), recompute-all is ssdtrain's (its inputs offloaded,
+# as ``set_plan`` with "recompute" does), offload-all is every block offloaded. The
+# search predicts each plan with the write-behind limit lowered to fit the budget
+# (``_planner.write_behind_for``; the adaptive policy runs it so); the table says when
+# the plan needs that limit (``OffloadConfig(write_behind_bytes=...)`` with
+# ``set_plan``). The uniform plans are in every search's family and a lower limit
+# never slows a plan whose unthrottled peak fits (its writes in flight never reach
+# the lower limit), so the plan's predicted step is never slower than a reference
+# that fits the budget.
+PLAN_LETTERS = {"keep": "K", "offload": "O", "recompute": "R"}
+REFERENCES = (("none", "keep"), ("checkpoint_all", "recompute"), ("offload_all", "offload"))
+
+
+def compact_plan(choices) -> str:
+    """Run-length form of a plan: ``("offload", "offload", "keep")`` -> ``"O x2, K x1"``."""
+    runs = []
+    for c in choices:
+        letter = PLAN_LETTERS[c]
+        if runs and runs[-1][0] == letter:
+            runs[-1][1] += 1
+        else:
+            runs.append([letter, 1])
+    return ", ".join(f"{letter} x{n}" for letter, n in runs) or "(no blocks)"
+
+
+@dataclass
+class PlanEstimate:
+    """What :meth:`Estimate.plan` predicts: the planner's choice per block, and the same
+    cost model's step time and peak activation memory for it and the three references
+    (NOTE [ Plan from the estimate ] in ``ssdtrain/estimate.py``)."""
+
+    plan: Any
+    """The planner's plan (``choices``, ``prediction``, ``fits``, ``table()``)."""
+    references: Dict[str, Any]
+    """``"none"``, ``"checkpoint_all"``, ``"offload_all"`` -> their predictions."""
+    budget_bytes: Optional[int]
+    budget_from: str
+    """Where the budget came from (``--memory-budget``, device memory, or none)."""
+    configured_write_behind_bytes: int = 0
+    """The configured ``write_behind_bytes`` (the plan may need less:
+    ``plan.write_behind_bytes``)."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether the plan's predicted peak fits the budget (always True without one)."""
+        return bool(self.plan.fits)
+
+    def reference_fits(self, name) -> bool:
+        p = self.references[name]
+        return self.budget_bytes is None or p.peak_bytes <= self.budget_bytes
+
+    def _rows(self):
+        n = len(self.plan.choices)
+        yield "plan", self.plan.choices, self.plan.prediction, self.fits
+        for name, choice in REFERENCES:
+            yield name, (choice,) * n, self.references[name], self.reference_fits(name)
+
+    def to_json(self) -> dict:
+        """The ``"plan"`` object of ``--json`` (every number finite)."""
+        def pred(p, choices, fits):
+            return {"layers": compact_plan(choices), "step_s": p.step_s, "stall_s": p.stall_s,
+                    "recompute_s": p.recompute_s, "peak_bytes": p.peak_bytes,
+                    "written_bytes": p.written_bytes, "kept_bytes": p.kept_bytes, "fits": fits}
+        s = self.plan.step
+        rows = {name: pred(p, c, f) for name, c, p, f in self._rows()}
+        out = {"choices": list(self.plan.choices),
+               "names": [layer.name for layer in self.plan.layers],
+               "compact": compact_plan(self.plan.choices), "fits": self.fits,
+               "budget_bytes": self.budget_bytes, "budget_from": self.budget_from,
+               "predicted": rows.pop("plan"), "references": rows,
+               "plans_searched": self.plan.plans_searched,
+               "write_bps": s.write_bps, "read_bps": s.read_bps,
+               "write_behind_bytes": s.write_behind_bytes}
+        return _finite(out)
+
+    def table(self) -> str:
+        """The plan and the references, one row each (markdown)."""
+        none = self.references["none"].step_s
+        budget = "no budget" if self.budget_bytes is None else \
+            f"budget {_b(self.budget_bytes)} ({self.budget_from})"
+        labels = {"plan": "**plan**", "none": "none (keep all)",
+                  "checkpoint_all": "checkpoint-all (recompute all)",
+                  "offload_all": "offload-all"}
+        rows = [("", "blocks", "step (ms)", "vs none", "stalls (ms)", "recompute (ms)",
+                 "peak activations", "fits", "written per step")]
+        for name, choices, p, fits in self._rows():
+            rows.append((labels[name], compact_plan(choices), f"{p.step_s * 1e3:.1f}",
+                         f"{p.step_s / none:.2f}x" if none > 0 else "-",
+                         f"{p.stall_s * 1e3:.1f}", f"{p.recompute_s * 1e3:.1f}",
+                         _b(p.peak_bytes), "yes" if fits else "NO", _b(p.written_bytes)))
+        s = self.plan.step
+        lines = [f"plan ({budget}; disk {s.write_bps / 1e9:.2f} GB/s write, "
+                 f"{s.read_bps / 1e9:.2f} GB/s read; {self.plan.plans_searched} plans "
+                 f"searched): " + "".join(PLAN_LETTERS[c] for c in self.plan.choices)
+                 + " (K keep, O offload, R recompute, first block first)", ""]
+        lines += _md(rows, right=range(2, 9))
+        wb = self.plan.write_behind_bytes
+        if self.plan.prediction.written_bytes > wb and wb < self.configured_write_behind_bytes:
+            lines.append("")
+            lines.append(f"the plan keeps its writes in flight within the budget with "
+                         f"write_behind_bytes {_b(wb)} (configured "
+                         f"{_b(self.configured_write_behind_bytes)}): run it with "
+                         f"OffloadConfig(write_behind_bytes={wb}) and set_plan, or "
+                         f"policy='adaptive' with memory_budget_bytes.")
+        if not self.fits:
+            lines.append("")
+            lines.append(f"NO plan fits the budget: the plan shown needs the least memory "
+                         f"of those searched, {_b(self.plan.prediction.peak_bytes)}.")
+        lines.extend(self.plan.notes)
+        return "\n".join(lines)
+
+
+def _check_plan_inputs(hw: Hardware, gradient_checkpointing: bool):
+    """``ConfigError`` unless ``hw`` has what a plan needs (checked before the model runs)."""
+    missing = [flag for flag, ok in (("--tflops or --step-seconds",
+                                      hw.tflops is not None or hw.step_seconds is not None),
+                                     ("--ssd-write-gbps", hw.ssd_write_gbps is not None))
+               if not ok]
+    if missing:
+        raise ConfigError(f"ssdtrain estimate: --plan needs {' and '.join(missing)} (the "
+                          f"compute time and the disk's speed; --ssd-read-gbps defaults to the "
+                          f"write bandwidth), e.g. --tflops 400 --ssd-write-gbps 7.")
+    if gradient_checkpointing:
+        raise ConfigError("ssdtrain estimate: --plan chooses per block between keeping, "
+                          "offloading and recomputing; estimate the model without "
+                          "--gradient-checkpointing (the plan's 'recompute' is checkpointing).")
+
+
+def _parse_budget(memory_budget) -> int:
+    b = parse_bytes(memory_budget, name="memory_budget (--memory-budget)")
+    if b <= 0:
+        raise ConfigError("ssdtrain estimate: memory_budget (--memory-budget) must be > 0 "
+                          "bytes of activations, e.g. --memory-budget 40GiB.")
+    return b
+
+
+def plan_costs(est: "Estimate"):
+    """``(layers, step)``: the planner's :class:`~ssdtrain._planner.LayerCost` per block and
+    :class:`~ssdtrain._planner.StepCost` built from ``est`` (NOTE [ Plan from the estimate ]).
+
+    Raises:
+        ConfigError: a number the plan needs was not given, or the model was estimated
+            with its own checkpointing.
+        EstimateError: the model has no repeated blocks, or no FLOPs to time them by.
+    """
+    from ._planner import LayerCost, StepCost
+    m, hw, cfg = est.measurement, est.hardware, est.config
+    _check_plan_inputs(hw, m.gradient_checkpointing)
+    if not m.layers:
+        raise EstimateError(f"ssdtrain estimate: --plan plans per repeated block, and "
+                            f"{m.model_name or 'the model'} has none (no nn.ModuleList); "
+                            f"pass layers= to estimate() to name them.")
+    total = m.flops or 0.0
+    layer_flops = list(m.layer_flops or [0.0] * len(m.layers))
+    if hw.tflops is not None:
+        if total <= 0:
+            raise EstimateError("ssdtrain estimate: the model's forward counts no FLOPs, so "
+                                "--tflops cannot time it; give --step-seconds.")
+        per_flop = 1.0 / (hw.tflops * 1e12)
+    elif total > 0:
+        per_flop = hw.step_seconds / 3.0 / total
+    else:   # no FLOPs counted: the step split evenly over the blocks
+        layer_flops, total = [1.0] * len(m.layers), float(len(m.layers))
+        per_flop = hw.step_seconds / 3.0 / total
+    outside_s = max(0.0, total - sum(layer_flops)) * per_flop
+    layers = [LayerCost(name=lb.name, saved_bytes=lb.unique_bytes, input_bytes=lb.input_bytes,
+                        fwd_s=f * per_flop, bwd_s=2.0 * f * per_flop,
+                        recompute_bytes=lb.activation_bytes)
+              for lb, f in zip(m.layers, layer_flops)]
+    write = hw.ssd_write_gbps * hw.ssds * 1e9
+    read = (hw.ssd_read_gbps if hw.ssd_read_gbps is not None else hw.ssd_write_gbps) \
+        * hw.ssds * 1e9
+    step = StepCost(write_bps=write, read_bps=read, fwd_other_s=outside_s,
+                    bwd_head_s=2.0 * outside_s, tail_s=0.0, prefetch_bytes=cfg.prefetch_bytes,
+                    write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=m.kept_held_bytes,
+                    head_bytes=m.outside.unique_bytes, keep_tail_bytes=cfg.keep_tail_bytes)
+    return layers, step
+
+
+def plan_budget(est: "Estimate", memory_budget=None):
+    """``(budget bytes or None, where it came from)`` (NOTE [ Plan from the estimate ])."""
+    if memory_budget is not None:
+        return _parse_budget(memory_budget), "--memory-budget"
+    if est.hardware.device_memory is not None:
+        static = _static_bytes(est.measurement, est.hardware)
+        return max(0, est.hardware.device_memory - static), \
+            f"device memory - {_b(static)} weights, gradients, optimizer state"
+    return None, "none given"
+
+
+def predict_choices(est: "Estimate", choices):
+    """The cost model's prediction for a plan of your own: one of ``"keep"``,
+    ``"offload"``, ``"recompute"`` per block, first block first (``plan.choices`` of
+    ``--json``), at the configured settings, as ``set_plan`` runs it.
+
+    Returns:
+        The planner's ``Prediction`` (``step_s``, ``stall_s``, ``recompute_s``,
+        ``peak_bytes``, ``written_bytes``, ``kept_bytes``).
+
+    Raises:
+        ConfigError, EstimateError: as :func:`plan_costs`.
+        ValueError: a wrong number of choices or an unknown choice.
+    """
+    from ._planner import predict
+    layers, step = plan_costs(est)
+    return predict(layers, tuple(choices), step)
+
+
+def make_plan(est: "Estimate", memory_budget=None, *, max_plans: int = 6561) -> PlanEstimate:
+    """The planner's plan for ``est`` and the predictions beside it (``--plan``).
+
+    Args:
+        est: an :class:`Estimate` with ``--tflops`` or ``--step-seconds`` and
+            ``--ssd-write-gbps`` (``--ssd-read-gbps`` defaults to it).
+        memory_budget: activation bytes allowed (``"40GiB"`` accepted); default: device
+            memory minus weights, gradients and optimizer state, else no budget.
+        max_plans: most plans the search predicts (NOTE [ Plan search ] in _planner.py).
+
+    Raises:
+        ConfigError, EstimateError: as :func:`plan_costs`; a bad ``memory_budget``.
+    """
+    from ._planner import plan as search, predict
+    budget, source = plan_budget(est, memory_budget)
+    layers, step = plan_costs(est)
+    best = search(layers, budget, step, max_plans=max_plans)
+    refs = {}
+    for name, choice in REFERENCES:
+        choices = (choice,) * len(layers)
+        s = step
+        if name == "none":   # no offload: the head's records stay in memory too
+            s = dataclasses.replace(step, head_bytes=0, keep_tail_bytes=0,
+                                    fixed_bytes=step.fixed_bytes + step.head_bytes)
+        refs[name] = predict(layers, choices, s)
+    return PlanEstimate(plan=best, references=refs, budget_bytes=budget, budget_from=source,
+                        configured_write_behind_bytes=step.write_behind_bytes)
+
+
 # ---------------------------------------------------------------------------- CLI
 class _Parser(argparse.ArgumentParser):
     def error(self, message):   # argparse style: usage, message, exit code 2
@@ -831,6 +1112,17 @@ def _parser(prog="ssdtrain estimate"):
     h.add_argument("--bytes-per-param", type=float, default=16.0,
                    help="device bytes per trainable parameter for weights, gradients and "
                         "optimizer state (default 16: mixed-precision Adam)")
+    pl = p.add_argument_group("plan (docs/estimate.md, 'Plan before launch')")
+    pl.add_argument("--plan", action="store_true",
+                    help="choose keep / offload / recompute per block with the adaptive "
+                         "policy's planner and print its predicted step time and peak "
+                         "activation memory beside none, checkpoint-all and offload-all; "
+                         "needs --tflops or --step-seconds and --ssd-write-gbps (read "
+                         "defaults to write); exit status 3 when no plan fits the budget")
+    pl.add_argument("--memory-budget",
+                    help="activation bytes the plan may hold, e.g. 40GiB (default: "
+                         "--device-memory minus weights, gradients and optimizer state, "
+                         "else none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--traceback", action="store_true",
                    help="on an error, show Python's full traceback instead of one line")
@@ -860,8 +1152,18 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
             if not os.path.exists(model):
                 raise ConfigError(f"ssdtrain estimate: --hf-config {model!r}: no such file "
                                   f"(give a Hugging Face config.json, or its directory).")
+        planned = None
+        if a.memory_budget is not None and not a.plan:
+            raise ConfigError("ssdtrain estimate: --memory-budget is the plan's budget; add "
+                              "--plan.")
+        if a.plan:   # refused before the model runs
+            _check_plan_inputs(hw, a.gradient_checkpointing)
+            if a.memory_budget is not None:
+                _parse_budget(a.memory_budget)
         est = estimate(model, batch=a.batch, seq=a.seq, dtype=dtype,
                        gradient_checkpointing=a.gradient_checkpointing, config=cfg, hardware=hw)
+        if a.plan:
+            planned = est.plan(a.memory_budget)
     except ConfigError as e:
         if a.traceback:
             raise
@@ -885,9 +1187,22 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
               f"{type(e).__name__}: {e} (--traceback shows where)", file=sys.stderr)
         return 1
     if a.json:
-        print(json.dumps(est.to_json(), indent=2, default=_json_default, allow_nan=False))
+        out = est.to_json()
+        if planned is not None:
+            out["plan"] = planned.to_json()
+        print(json.dumps(out, indent=2, default=_json_default, allow_nan=False))
     else:
         print(est.table())
+        if planned is not None:
+            print()
+            print(planned.table())
+    if planned is not None and not planned.fits:
+        p_ = planned.plan.prediction
+        print(f"{p.prog}: no plan fits the budget of {_b(planned.budget_bytes)} "
+              f"({planned.budget_from}): the least memory predicted is {_b(p_.peak_bytes)} "
+              f"({compact_plan(planned.plan.choices)}); give more memory, a smaller "
+              f"micro-batch or sequence, or a larger --memory-budget.", file=sys.stderr)
+        return 3
     return 0
 
 
