@@ -150,12 +150,12 @@ class HostBudget:
             return True, []
         if n > self.budget:
             return False, []
-        self._add(rec)
         evicted = []
-        while self.nbytes > self.budget:
+        while self.nbytes + n > self.budget:  # room first: the budget is never exceeded
             old = next(iter(self.records))
             self.release(old)
             evicted.append(old)
+        self._add(rec)
         return True, evicted
 
     def _add(self, rec):
