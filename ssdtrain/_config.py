@@ -428,12 +428,8 @@ class OffloadConfig:
         if isinstance(self, ResolvedConfig):
             return self
         from . import _checksum, _device, _spill, io  # the store layer resolves (Layers)
-        host = self.host_budget_bytes
-        if host == "auto":  # NOTE [ Host tier ] in _hosttier.py
-            from . import _cuda, _hosttier
-            host = _hosttier.default_host_budget(_cuda.default_device().type == "cuda")
-        elif host == "unlimited":
-            host = MAX_BYTES
+        from ._hosttier import budget_bytes  # NOTE [ Host tier ] in _hosttier.py
+        host = budget_bytes(self.host_budget_bytes)
         if self.spill_dir is not None:
             dirs = self.spill_dir
         elif host is not None:

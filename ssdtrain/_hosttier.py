@@ -81,7 +81,8 @@ from ._records import State
 from ._spill import BLOCK
 from ._writeback import _WRITTEN, _owning, _without_frames, failed_future
 
-__all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit"]
+__all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit", "budget_bytes",
+           "has_ssd_tier"]
 
 _UNLIMITED_CGROUP = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded LONG_MAX
 
@@ -113,6 +114,27 @@ def default_host_budget(pins: bool, cgroup_root: str = "/sys/fs/cgroup", memlock
         if soft != resource.RLIM_INFINITY:
             budget = min(budget, soft)
     return budget
+
+
+def budget_bytes(value):
+    """``host_budget_bytes`` as a byte count, or None (no host tier): ``"auto"`` is
+    :func:`default_host_budget` (pinning where CUDA is available), ``"unlimited"`` the
+    largest byte count. ``OffloadConfig.resolve`` and the estimate both use it."""
+    if value == "auto":
+        from ._cuda import default_device
+        return default_host_budget(default_device().type == "cuda")
+    if value == "unlimited":
+        from ._config import MAX_BYTES
+        return MAX_BYTES
+    return value
+
+
+def has_ssd_tier(cfg) -> bool:
+    """Whether ``cfg`` (resolved or not) has an SSD tier: a ``spill_dir``, or none given
+    and no host tier (the default directory is then used)."""
+    if cfg.spill_dir is None:
+        return cfg.host_budget_bytes is None
+    return bool(cfg.spill_dir)
 
 
 class HostBudget:

@@ -749,7 +749,7 @@ class Store(WriteBack, Prefetch, HostTier):
         locked region short (NOTE [ Store lock discipline ]). Never raises on its own."""
         recs = [r for group in self._registry.values() for r in group]
         for rec in recs:
-            if rec.state in (State.PENDING, State.KEPT):
+            if rec.state in (State.PENDING, State.KEPT, State.HOSTED, State.HOSTING):
                 rec.slot = None  # a write cut short before it moved the record: no slot
             elif rec.state in OUTBOUND or rec.state is State.LOADING:
                 fut = rec.future

@@ -409,3 +409,71 @@ def test_config_resolves_and_refuses(tmp_path):
                                memory_budget_bytes="1GiB").resolve()
     env = ssdtrain.OffloadConfig.from_env({"SSDTRAIN_HOST_BUDGET_BYTES": "auto"})
     assert env.host_budget_bytes == "auto"
+
+
+# ------------------------------------------------------- interrupts and collections
+def _host_tier_children(monkeypatch, budget=24 * KiB):
+    """The sweeps' child processes run with a loopback device and a host tier of
+    ``budget`` bytes: their records go to RAM, the earliest of each step on to the SSD."""
+    import inject
+    monkeypatch.setenv(inject.LOOPBACK_ENV, "1")
+    monkeypatch.setenv(inject.HOST_BUDGET_ENV, str(budget))
+    return inject
+
+
+def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch):
+    """KeyboardInterrupt at the first run of every line of ``_hosttier.py`` the
+    interrupt scenario runs on the training thread (admission and eviction at pack, the
+    copies to RAM the end of forward and the throttle start, loads from RAM at unpack),
+    with the scenario's checks (exact gradients, nothing left, invariants) and no device
+    memory left. Tier off: no line of ``_hosttier.py`` runs, so there is no target."""
+    inject = _host_tier_children(monkeypatch)
+    result, base = inject.sweep_in_children("posix", "first", spill_dir, budget_s=400,
+                                            extra=("--only", "_hosttier.py"))
+    print(result.summary())
+    assert base is not None, result.stopped
+    if result.failing or result.stopped:
+        pytest.fail(result.message(), pytrace=False)
+    assert len(result.outcomes) == base["targets"] >= 10, result.summary()
+    assert sum(o.fired for o in result.outcomes) >= 0.5 * len(result.outcomes), \
+        result.summary()
+
+
+def test_gc_inside_every_locked_region_with_a_host_tier(spill_dir, monkeypatch):
+    """Forced collections in every store lock with records in RAM and on the SSD (pinned
+    buffers are taken under the store's lock when the I/O thread's reservation missed):
+    no deadlock, exact, nothing left. Tier off: ``host_loaded`` is 0."""
+    _host_tier_children(monkeypatch, 96 * KiB)  # room for records to land before use
+    import test_gc_injection
+    r = test_gc_injection._run("locks", spill_dir, threshold="default", steps=12, timeout=90)
+    assert any(r["inside_found"].values()), r["inside"]
+    assert r["host_loaded"] > 0 and r["records_read"] > 0, r  # both tiers were used
+
+
+# ------------------------------------------------------------------- the estimate
+@pytest.mark.parametrize("ssd", [True, False])
+def test_the_estimate_replays_the_host_tier(ssd, make_offloader, spill_dir):
+    """``ssdtrain estimate``'s replay (``measure(..., device_records=True)``) makes the
+    host tier's decisions with the same ``HostBudget``: what went past RAM to the SSD,
+    the peak in RAM, what was kept beyond the budget and what left memory equal the real
+    run's on the loopback device, with and without an SSD tier. Tier off: the real run's
+    ``host_spilled_bytes`` and ``peak_host_bytes`` are 0, the estimate's are not."""
+    from test_decision import SETTINGS, resaves
+    from ssdtrain._estimate import measure
+    cfg = dict(SETTINGS, keep_tail_bytes=0, host_budget_bytes="2MiB",
+               spill_dir=str(spill_dir) if ssd else None)
+    est = measure(resaves, ssdtrain.OffloadConfig(**cfg), device_records=True)
+    off = make_offloader(**cfg)
+    attach(off, LoopbackDevice(claim_host_tensors=True))
+    model, inputs = resaves()
+    with off:
+        loss = model(*inputs)
+    off.wait()
+    got = off.stats()
+    loss.backward()
+    keys = ("offloaded_bytes", "kept_bytes", "over_budget_bytes", "host_spilled_bytes",
+            "peak_host_bytes")
+    want = (est.offloadable_bytes, est.kept_bytes, est.over_budget_bytes,
+            est.host_spilled_bytes, est.peak_host_bytes)
+    assert tuple(getattr(got, k) for k in keys) == want
+    assert est.peak_host_bytes == 2 << 20 and (est.host_spilled_bytes > 0) == ssd
