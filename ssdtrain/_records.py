@@ -165,8 +165,8 @@ class Record:
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "ptr", "span", "slot", "future", "submitted", "_state", "seq", "tokens", "unseen",
                  "generation", "used", "error", "prefetched", "pinned", "writes", "owner", "crc",
-                 "device", "staging", "ready", "produced", "due", "reserved", "host", "tier", "evict",
-                 "__weakref__")
+                 "device", "staging", "ready", "produced", "due", "reserved", "host", "tier",
+                 "evict", "__weakref__")
 
     def __init__(self, key, sref, lo, hi, version, source, seq, storage):
         self.key, self.sref = key, sref

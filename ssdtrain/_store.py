@@ -123,8 +123,8 @@ from ._spill import BLOCK
 from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers, unmap_now
 from ._hosttier import IN_TIER, HostBudget, HostTier
-from ._records import (OUTBOUND, RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, find_record,
-                       inplace_error, swapped, swapped_error, transition)
+from ._records import (OUTBOUND, RESIDENT, SERVABLE, Handle, Kept, Record, State, Token,
+                       find_record, inplace_error, swapped, swapped_error, transition)
 from ._writeback import (_READ, _WRITTEN, WriteBack, _copy, _needed_by, _owning, _without_frames,
                          failed_future)
 

@@ -101,7 +101,10 @@ class Stats:
                 f"{self.prefetch_hits} hits / {self.prefetch_misses} misses, stalled "
                 f"{self.stall_seconds * 1e3:.1f} ms (writes {self.write_stall_seconds * 1e3:.1f} ms), "
                 f"peak resident "
-                f"{_mib(self.peak_resident_bytes)} [{self.engine}]")
+                f"{_mib(self.peak_resident_bytes)}" +
+                (f", host RAM peak {_mib(self.peak_host_bytes)} (loaded "
+                 f"{_mib(self.host_loaded_bytes)}, on to the SSD {_mib(self.host_spilled_bytes)})"
+                 if self.peak_host_bytes else "") + f" [{self.engine}]")
 
 
 def _host_tier_label(budget):

@@ -325,7 +325,7 @@ def _child(argv):
     stats = off.stats()
     result = dict(steps=args.steps, wrong=wrong, failures=failures, max_live_after_gc=max_live,
                   quarantined=quarantined, records_read=stats.records_read,
-                  prefetch_hits=stats.prefetch_hits, host_loaded=stats.host_loaded_bytes,
+                  prefetch_hits=stats.prefetch_hits, peak_host=stats.peak_host_bytes,
                   seconds=round(time.monotonic() - t0, 2))
     if counter is not None:
         counter.remove()

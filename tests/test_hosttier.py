@@ -214,6 +214,45 @@ def test_loads_come_from_ram_and_prefetch_them(make_offloader):
     assert off.live_records() == 0 and st_.host_bytes == 0
 
 
+def test_backward_reads_a_record_whose_eviction_write_is_still_running(make_offloader,
+                                                                       monkeypatch):
+    """Budget one record of two: saving the second evicts the first (in RAM by then),
+    whose write to the SSD is held until backward runs. Backward needs it while that
+    write runs: unpack waits for the write, then reads the record back (exact; one SSD
+    read, one load from RAM). Tier off: no record is ever SPILLING."""
+    import threading
+    import time
+    from ssdtrain.io.base import then
+    dev = LoopbackDevice()
+    off = _offloader(make_offloader, dev, host_budget_bytes=N, prefetch_bytes=0, verify=False)
+    engine = off._store.engine
+    real, gate = engine.write, threading.Event()
+    monkeypatch.setattr(engine, "write", lambda *a, **k: then(real(*a, **k),
+                                                              lambda: gate.wait(30)))
+    sink, anchor, values = [], torch.zeros((), requires_grad=True), []
+    with off:
+        out = anchor
+        for i in range(2):
+            d = dev.alloc((N // 4,))
+            d.fill_(float(i + 1))
+            values.append(d.clone())
+            out = SaveForBackward.apply(out, sink, d)
+            del d
+            if i == 0:
+                off.wait()  # the first is in RAM (HOSTED) when the second evicts it
+    deadline = time.monotonic() + 10
+    while [s.value for s in _states(off)] != ["spilling", "hosted"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [s.value for s in _states(off)] == ["spilling", "hosted"]
+    threading.Timer(0.2, gate.set).start()  # the write ends while backward waits for it
+    out.backward()
+    assert all(torch.equal(s[0], v) for s, v in zip(reversed(sink), values))
+    st_ = off.stats()
+    assert (st_.bytes_written, st_.bytes_read, st_.host_loaded_bytes) == (N, N, N)
+    assert st_.stall_seconds > 0 and off.live_records() == 0
+
+
 def test_no_ssd_tier_keeps_what_does_not_fit_on_the_device(make_offloader, caplog):
     """No ``spill_dir`` and a budget of two records out of five: the first two saved go
     to RAM, the rest stay in device memory (``over_budget_bytes``, one warning);
@@ -442,12 +481,12 @@ def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch):
 def test_gc_inside_every_locked_region_with_a_host_tier(spill_dir, monkeypatch):
     """Forced collections in every store lock with records in RAM and on the SSD (pinned
     buffers are taken under the store's lock when the I/O thread's reservation missed):
-    no deadlock, exact, nothing left. Tier off: ``host_loaded`` is 0."""
+    no deadlock, exact, nothing left. Tier off: ``peak_host`` is 0."""
     _host_tier_children(monkeypatch, 96 * KiB)  # room for records to land before use
     import test_gc_injection
     r = test_gc_injection._run("locks", spill_dir, threshold="default", steps=12, timeout=90)
     assert any(r["inside_found"].values()), r["inside"]
-    assert r["host_loaded"] > 0 and r["records_read"] > 0, r  # both tiers were used
+    assert r["peak_host"] > 0 and r["records_read"] > 0, r  # both tiers were used
 
 
 # ------------------------------------------------------------------- the estimate
