@@ -66,7 +66,8 @@ class Stats:
     spill_errors: int = 0
     """Failed writes whose records stayed in memory (``on_spill_error="keep"``)."""
     over_budget_bytes: int = 0
-    """Bytes kept in memory because writing them would exceed ``max_spill_bytes``."""
+    """Bytes kept in memory because writing them would exceed ``max_spill_bytes``, or
+    (a host tier without an SSD tier) because host RAM was full (``host_budget_bytes``)."""
     quarantined_bytes: int = 0
     """Bytes of records whose request submission was cut short by an interrupt: their memory
     (and, for writes, disk slot) is kept for the rest of the process, since the request may

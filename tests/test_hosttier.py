@@ -461,14 +461,15 @@ def _host_tier_children(monkeypatch, budget=24 * KiB):
 
 
 def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch):
-    """KeyboardInterrupt at the first run of every line of ``_hosttier.py`` the
-    interrupt scenario runs on the training thread (admission and eviction at pack, the
-    copies to RAM the end of forward and the throttle start, loads from RAM at unpack),
+    """KeyboardInterrupt at the first run of every line of ``_hosttier.py`` and
+    ``_device.py`` the interrupt scenario runs on the training thread with a host tier
+    (admission and eviction at pack, the copies to RAM the end of forward and the
+    throttle start, loads from RAM at unpack),
     with the scenario's checks (exact gradients, nothing left, invariants) and no device
     memory left. Tier off: no line of ``_hosttier.py`` runs, so there is no target."""
     inject = _host_tier_children(monkeypatch)
     result, base = inject.sweep_in_children("posix", "first", spill_dir, budget_s=400,
-                                            extra=("--only", "_hosttier.py"))
+                                            extra=("--only", "_hosttier.py,_device.py"))
     print(result.summary())
     assert base is not None, result.stopped
     if result.failing or result.stopped:
