@@ -246,6 +246,21 @@ class OffloadConfig:
     as ``on_spill_full`` says. Default ``None``: no budget (the device's free space is
     the limit, and a full device is a write error, see ``on_spill_error``)."""
 
+    host_budget_bytes: Union[int, str, None] = None
+    """The host-RAM tier (NOTE [ Host tier ] in ``ssdtrain/_hosttier.py``): most bytes of
+    device records (CUDA tensors) held in pinned host memory. Records that leave device
+    memory go to RAM while the budget allows; beyond it the earliest saved go to the SSD
+    (backward needs them last), and backward loads from RAM what is there. With a host
+    budget ``spill_dir`` is optional: without one nothing is written to disk, and
+    records beyond the budget stay in device memory (a ``save_on_cpu`` with dedup, a
+    budget and prefetch). CPU tensors are not moved (they are in host RAM already): with
+    an SSD tier they are written as before, without one they stay. ``"auto"``: half of
+    the memory the process may use (the cgroup's limit, else the machine's RAM) and,
+    where a CUDA device makes the tier pin memory, at most the soft ``RLIMIT_MEMLOCK``
+    unless that is unlimited; ``"unlimited"``: no limit. Pinned buffers are rounded up
+    by the host allocator (``Stats.staging_bytes`` shows what is held). Default
+    ``None``: no host tier, device records go to the SSD through pinned staging."""
+
     on_spill_full: str = "keep"
     """What a record beyond ``max_spill_bytes`` does: ``"keep"`` it in memory (counted
     in :attr:`Stats.over_budget_bytes`; a warning is logged once per offloader) or
@@ -280,7 +295,8 @@ class OffloadConfig:
     Default 0.05."""
 
     def __post_init__(self):
-        _set(self, "spill_dir", _normalize_dirs(self.spill_dir))
+        if not (isinstance(self, ResolvedConfig) and self.spill_dir == []):  # no SSD tier
+            _set(self, "spill_dir", _normalize_dirs(self.spill_dir))
         for name in ("min_tensor_bytes", "prefetch_bytes", "keep_tail_bytes", "io_chunk_bytes",
                      "write_behind_bytes"):
             _set(self, name, parse_bytes(getattr(self, name), name=name))
@@ -315,6 +331,10 @@ class OffloadConfig:
                               f"got {self.on_spill_error!r}.")
         if self.max_spill_bytes is not None:
             _set(self, "max_spill_bytes", parse_bytes(self.max_spill_bytes, name="max_spill_bytes"))
+        if self.host_budget_bytes is not None and self.host_budget_bytes not in ("auto",
+                                                                                "unlimited"):
+            _set(self, "host_budget_bytes", parse_bytes(self.host_budget_bytes,
+                                                        name="host_budget_bytes"))
         if self.on_spill_full not in SPILL_FULL_ACTIONS:
             raise ConfigError(f"ssdtrain: on_spill_full must be one of {SPILL_FULL_ACTIONS}, "
                               f"got {self.on_spill_full!r}.")
@@ -392,7 +412,10 @@ class OffloadConfig:
         * ``engine``: ``"auto"`` becomes ``"kvikio"``, ``"native"`` or ``"posix"``
           (why: :attr:`ResolvedConfig.engine_reason`);
         * ``verify``: ``"auto"`` becomes ``True`` where ``ssdtrain._C`` is built and the
-          engine is not ``kvikio``, else ``False``.
+          engine is not ``kvikio``, else ``False``;
+        * ``host_budget_bytes``: ``"auto"`` and ``"unlimited"`` become a byte count;
+          with it and no ``spill_dir``, ``spill_dir`` becomes ``[]`` (no SSD tier: no
+          directory is created, probed or written).
 
         ``direct_io`` stays as asked: ``O_DIRECT`` is decided per spill file when it is
         opened (``Stats.engine`` shows the outcome). A resolved config resolves to
@@ -405,7 +428,22 @@ class OffloadConfig:
         if isinstance(self, ResolvedConfig):
             return self
         from . import _checksum, _device, _spill, io  # the store layer resolves (Layers)
-        dirs = self.spill_dir if self.spill_dir is not None else [_spill.default_spill_dir()]
+        from ._hosttier import budget_bytes  # NOTE [ Host tier ] in _hosttier.py
+        host = budget_bytes(self.host_budget_bytes)
+        if self.spill_dir is not None:
+            dirs = self.spill_dir
+        elif host is not None:
+            dirs = []  # a host tier and no SSD tier: nothing is ever written to disk
+        else:
+            dirs = [_spill.default_spill_dir()]
+        if not dirs and self.policy == "adaptive":
+            raise ConfigError("ssdtrain: policy='adaptive' plans against an SSD's bandwidth; "
+                              "with host_budget_bytes and no spill_dir there is none. Give a "
+                              "spill_dir, or use policy='static'.")
+        if not dirs and self.max_spill_bytes is not None:
+            raise ConfigError("ssdtrain: max_spill_bytes is a budget for the SSD tier, but "
+                              "host_budget_bytes without a spill_dir has none; give a "
+                              "spill_dir, or drop max_spill_bytes.")
         for d in dirs:
             _spill.check_spill_dir(d)
         if self.verify is True and not _checksum.available():
@@ -417,7 +455,7 @@ class OffloadConfig:
         if verify == "auto":  # on wherever records pass through host memory
             verify = _checksum.available() and engine != "kvikio"
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(OffloadConfig)}
-        values.update(spill_dir=dirs, engine=engine, verify=verify)
+        values.update(spill_dir=dirs, engine=engine, verify=verify, host_budget_bytes=host)
         return ResolvedConfig(**values, engine_reason=why)
 
 
@@ -426,8 +464,9 @@ class ResolvedConfig(OffloadConfig):
     """An :class:`OffloadConfig` with every default and ``"auto"`` decided: made by
     :meth:`OffloadConfig.resolve`, shown as :attr:`Offloader.config
     <ssdtrain.Offloader.config>`, and the only kind of config the store, the planner
-    and the policies read. ``spill_dir`` is a list of directories, ``engine`` names
-    a concrete engine, ``verify`` is a bool."""
+    and the policies read. ``spill_dir`` is a list of directories (empty: no SSD tier,
+    only with a host tier), ``engine`` names a concrete engine, ``verify`` is a bool,
+    ``host_budget_bytes`` is None or a byte count."""
 
     engine_reason: str = dataclasses.field(default="", compare=False)
     """Why :attr:`engine` was chosen (the configured name, or what ``"auto"`` saw); not
@@ -435,7 +474,9 @@ class ResolvedConfig(OffloadConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.spill_dir is None or self.engine == "auto" or not isinstance(self.verify, bool):
+        if self.spill_dir is None or self.engine == "auto" or not isinstance(self.verify, bool) \
+                or self.host_budget_bytes in ("auto", "unlimited") \
+                or (self.spill_dir == [] and self.host_budget_bytes is None):
             raise ConfigError("ssdtrain: a ResolvedConfig needs spill_dir, a concrete engine and "
                               "a bool verify; make one with OffloadConfig.resolve().")
 
@@ -467,8 +508,10 @@ def _from_env_string(name, raw):
             raise ConfigError(f"ssdtrain: SSDTRAIN_VERIFY must be 'auto' or one of "
                               f"{sorted(_BOOLS)}, got {raw!r}.")
         return value
-    if name == "max_spill_bytes" and raw.strip().lower() in ("", "none"):
+    if name in ("max_spill_bytes", "host_budget_bytes") and raw.strip().lower() in ("", "none"):
         return None
+    if name == "host_budget_bytes" and raw.strip().lower() in ("auto", "unlimited"):
+        return raw.strip().lower()
     return raw  # byte fields parse strings themselves; engine/direct_io are names
 
 

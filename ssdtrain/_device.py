@@ -338,10 +338,19 @@ class DeviceTransfers:
         """
         if self.direct:
             return storage.data_ptr() + base, None, produced
+        # The store's I/O thread calls this: its current device is not the record's
+        # (a pinned allocation there would create a context on device 0): to_host
+        # enters the record's device.
+        lease, done = self.to_host(storage, base, nbytes, produced)
+        return lease.view.data_ptr(), lease, done
+
+    def to_host(self, storage, base: int, nbytes: int, produced):
+        """Queue a copy of ``nbytes`` at byte ``base`` of a device storage into pinned
+        memory of the pool, for the host tier (NOTE [ Host tier ] in _hosttier.py):
+        ``(lease, event)``, the copy done once the event has completed (rules 1, 4).
+        A GPUDirect engine changes nothing here: the host tier is host memory."""
         leaf = self.leaf
         src = _bytes_view(leaf, storage, base, nbytes, self.device)
-        # The store's I/O thread calls this: its current device is not the record's
-        # (a pinned allocation there would create a context on device 0).
         with leaf.entered(self.device):
             lease = self.pool.take(nbytes)
             self.d2h.wait_event(produced)                     # rule 1
@@ -350,7 +359,7 @@ class DeviceTransfers:
             done = leaf.new_event()
             done.record(self.d2h)
             lease.after(done)                                 # rule 4
-        return lease.view.data_ptr(), lease, done
+        return lease, done
 
     def after(self, event, submit) -> Future:
         """``submit()`` (which returns a future) once ``event`` has completed, on the
@@ -390,8 +399,15 @@ class DeviceTransfers:
         """
         if self.direct:
             return buf.untyped_storage(), buf.storage_offset(), None
+        return self.from_host(buf, misalign)
+
+    def from_host(self, lease, misalign: int):
+        """Queue a copy of pinned ``lease.view`` into device memory allocated for the
+        compute stream (rule 5), at ``misalign`` modulo :data:`ALIGN` (rule 6):
+        ``(device storage, byte offset, event)``, the event marking the copy's end (rule
+        7). Staged reads end here, and loads from the host tier (NOTE [ Host tier ])."""
         leaf = self.leaf
-        src = buf.view
+        src = lease.view
         nbytes = src.numel()
         with leaf.entered(self.device):
             compute = self.compute
@@ -408,7 +424,7 @@ class DeviceTransfers:
             ready = leaf.new_event()
             ready.record(self.h2d)
             leaf.record_stream(dst, self.h2d)   # not reused before the copy ends (rule 5)
-            buf.after(ready)                    # the staging, likewise (rule 4)
+            lease.after(ready)                  # the staging, likewise (rule 4)
         return dst.untyped_storage(), shift, ready
 
     def consume(self, storage, ready) -> None:

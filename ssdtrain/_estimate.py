@@ -69,6 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._config import OffloadConfig
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
+from ._hosttier import HostBudget, budget_bytes, has_ssd_tier
 from ._policy import KEEP_BUDGET, TRACKER, TailWindow, is_offloadable_kind, keep_reason
 from ._profile import LayerProfiler, _tensors, default_layers
 from ._records import State, find_record
@@ -152,6 +153,10 @@ class Measurement:
     kept_tail_bytes: int = 0
     over_budget_bytes: int = 0
     dropped_bytes: int = 0
+    # the host tier (NOTE [ Host tier ] in _hosttier.py), as Stats counts it
+    host_bytes: int = 0            # in the host budget at the end of forward
+    peak_host_bytes: int = 0
+    host_spilled_bytes: int = 0    # went past RAM to the SSD
     layers: List[LayerBytes] = field(default_factory=list)
     outside: LayerBytes = field(default_factory=lambda: LayerBytes("(outside layers)"))
     # memory terms (bytes held at the end of forward), see docs/estimate.md
@@ -235,7 +240,7 @@ class _Rec:
     size, state (PENDING in the tail window -> ON_DISK (decided: written) | KEPT ->
     FREED), reserved spill bytes."""
     __slots__ = ("key", "lo", "hi", "nbytes", "version", "ptr", "span", "layer", "fate",
-                 "live", "reserved")
+                 "live", "reserved", "device", "tier")
 
     @property
     def state(self):
@@ -251,6 +256,8 @@ class _Rec:
         self.fate = State.PENDING
         self.live = 0
         self.reserved = 0
+        self.device = False     # a device record (the host tier takes only those)
+        self.tier = 0           # its place in the host budget (HostBudget)
 
 
 # A fake storage has no address; the store compares a storage's data pointer with its
@@ -281,8 +288,13 @@ class _Replay:
     decision ] in _policy.py), by the functions ``Store.pack`` calls, plus the
     estimate's own bookkeeping (per layer bytes, storages held for the memory terms)."""
 
-    def __init__(self, cfg: OffloadConfig, profiler: Optional[LayerProfiler], m: Measurement):
+    def __init__(self, cfg: OffloadConfig, profiler: Optional[LayerProfiler], m: Measurement,
+                 device_records: bool = False):
         self.cfg = cfg
+        # NOTE [ Host tier ] in _hosttier.py: the same HostBudget as Store._admit_locked.
+        budget = budget_bytes(cfg.host_budget_bytes)
+        self.host = None if budget is None else HostBudget(budget, has_ssd_tier(cfg), m)
+        self.device_records = device_records
         self.min_bytes = max(1, cfg.min_tensor_bytes)
         self.prof = profiler
         self.m = m     # the Measurement being filled
@@ -337,6 +349,7 @@ class _Replay:
         if rec is None:
             lo, hi = record_range(extent, span)
             rec = _Rec(key, lo, hi, version, span, layer)
+            rec.device = self.device_records
             self.registry.setdefault(key, []).append(rec)
             m.unique_bytes += rec.nbytes
             lb.unique_bytes += rec.nbytes
@@ -357,8 +370,14 @@ class _Replay:
     def _decide(self):
         """Store._decide_locked: the window's oldest records leave it, decided."""
         m = self.m
+        host = self.host
         for rec, reason in self.window.overflow():
             lb = self._lb(rec.layer)
+            if reason is None and host is not None and not self._admit(rec):
+                rec.fate = State.KEPT  # Store._keep_host_record_locked / _admit_locked
+                m.kept_bytes += rec.nbytes
+                lb.kept_bytes += rec.nbytes
+                continue
             if reason == KEEP_BUDGET:
                 rec.fate = State.KEPT
                 m.kept_bytes += rec.nbytes
@@ -368,6 +387,22 @@ class _Replay:
                 rec.fate = State.ON_DISK
                 m.offloadable_bytes += rec.nbytes
                 lb.offloadable_bytes += rec.nbytes
+
+    def _admit(self, rec):
+        """Store._decide_locked with a host tier: whether ``rec`` leaves memory (to RAM
+        or to the SSD); what is kept beyond the budget is counted here."""
+        host, m = self.host, self.m
+        if not rec.device:  # host memory: written with an SSD tier, else kept
+            return host.evicts
+        admitted, evicted = host.admit(rec)
+        m.host_spilled_bytes += sum(r.nbytes for r in evicted)
+        if admitted:
+            return True
+        if host.evicts:
+            m.host_spilled_bytes += rec.nbytes
+            return True
+        m.over_budget_bytes += rec.nbytes
+        return False
 
     def _drain(self):
         """Handles the graph released (Store._released_locked / _free_locked)."""
@@ -384,6 +419,8 @@ class _Replay:
                     if self.window.discard(rec):   # freed before a decision: never written
                         self.m.dropped_bytes += rec.nbytes
                     self.window.release(rec)
+                    if self.host is not None:
+                        self.host.release(rec)
                     rec.fate = State.FREED
                     group = self.registry.get(rec.key)
                     if group is not None and rec in group:
@@ -531,7 +568,8 @@ def _call(model, inputs):
 
 def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig, *,
             batch: Optional[int] = None, gradient_checkpointing: bool = False,
-            count_flops: bool = False, layers=None, device: str = "cpu") -> Measurement:
+            count_flops: bool = False, layers=None, device: str = "cpu",
+            device_records: Optional[bool] = None) -> Measurement:
     """Build the model on the meta device, run one forward on fake tensors with the
     replayed pack hooks, and return what it saved.
 
@@ -546,6 +584,8 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
         layers: a callable ``model -> [(name, module), ...]`` naming the repeated blocks;
             default :func:`ssdtrain._profile.default_layers` (children of ModuleLists).
         device: the device the fake tensors claim (kernel choice follows it).
+        device_records: whether the saved tensors are device records (the host tier,
+            ``host_budget_bytes``, takes only those); default: ``device == "cuda"``.
 
     Raises:
         EstimateError: the forward has data-dependent shapes, or failed on fake tensors.
@@ -574,7 +614,7 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
     m.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     prof = LayerProfiler(named, Stats(), 1) if named else None
     probe = _InputProbe(named)
-    sim = _Replay(cfg, prof, m)
+    sim = _Replay(cfg, prof, m, device == "cuda" if device_records is None else device_records)
     out = None
     try:
         if prof is not None:

@@ -191,6 +191,17 @@ class StepCost:
         keep_tail_bytes: ssdtrain's ``keep_tail_bytes``: the last records of forward
             stay in memory, inside the prefetch window (NOTE [ Memory timeline ]).
             Default 0.
+        host_budget_bytes: the host tier's budget (``host_budget_bytes``, NOTE [ Host
+            tier ] in _hosttier.py): offloaded bytes up to it stay in host RAM, the
+            rest go on to the SSD. Default 0 (no host tier).
+        host_write_bps: device -> host copy bandwidth, bytes/s, or None (not
+            measured). ``write_bps``/``read_bps`` are the host <-> SSD engine's.
+        host_read_bps: host -> device copy bandwidth, bytes/s, or None.
+
+    The cost model (NOTE [ Step cost model ]) prices every offloaded byte at
+    ``write_bps``/``read_bps`` today: with a host tier that bounds the I/O time from
+    above (RAM is the faster tier). The three host fields are carried so that a model
+    per tier (docs/accelerator_regime.md) can price each tier with its own bandwidth.
     """
 
     write_bps: float
@@ -205,6 +216,9 @@ class StepCost:
     bwd_s_per_byte: float = 0.0
     head_bytes: int = 0
     keep_tail_bytes: int = 0
+    host_budget_bytes: int = 0
+    host_write_bps: Optional[float] = None
+    host_read_bps: Optional[float] = None
 
     @property
     def head_written_bytes(self) -> int:

@@ -25,6 +25,9 @@ from .io.base import then
 from ._writeback import _READ, _owning, _without_frames, failed_future
 
 
+# States prefetch brings back: being written or copied to RAM (their bytes are kept
+# when the request ends), on disk, in the host tier (NOTE [ Host tier ] in _hosttier.py).
+_FETCHED = frozenset({State.WRITING, State.ON_DISK, State.HOSTING, State.HOSTED})
 _NEAR = 2  # records: a window this close to backward's use is refilled by unpack itself
 
 
@@ -59,7 +62,7 @@ class Prefetch:
             if not rec.prefetched:
                 rec.prefetched = True
                 self._ahead += rec.nbytes
-        todo = {id(r): r for r in p.records if r.state in (State.WRITING, State.ON_DISK)}
+        todo = {id(r): r for r in p.records if r.state in _FETCHED}
         p.queue = collections.deque(sorted(todo.values(), key=lambda r: -r.seq))
         p.records = None
         self._passes = [q for q in self._passes if q.queue] + ([p] if p.queue else [])
@@ -97,7 +100,7 @@ class Prefetch:
                 continue
             rec = p.queue[0]
             if rec.tokens and not rec.prefetched and not rec.used:
-                if rec.state is State.WRITING:
+                if rec.state is State.WRITING or rec.state is State.HOSTING:
                     rec.pinned = True
                     rec.prefetched = True
                     self._ahead += rec.nbytes
@@ -114,6 +117,13 @@ class Prefetch:
                                         type(e).__name__, e)
                         return False
                     self._start_read_locked(rec, buf)
+                    rec.prefetched = True
+                    self._ahead += rec.nbytes
+                    started += 1
+                elif rec.state is State.HOSTED:  # a copy from RAM, queued now
+                    if limit is not None and started >= limit:
+                        return True
+                    self._load_host_locked(rec)
                     rec.prefetched = True
                     self._ahead += rec.nbytes
                     started += 1
@@ -218,9 +228,9 @@ class Prefetch:
             self._free_locked(rec)
 
     def _evict_locked(self, rec):
-        """LOADED -> ON_DISK: every live handle has been unpacked; drop the copy
-        (retain_graph reads it again, on demand)."""
-        self._move_locked(rec, State.ON_DISK)
+        """LOADED -> ON_DISK (or HOSTED, loaded from the host tier): every live handle
+        has been unpacked; drop the copy (retain_graph reads it again, on demand)."""
+        self._move_locked(rec, State.ON_DISK if rec.host is None else State.HOSTED)
         rec.storage = rec.ready = None
         rec.generation += 1
         rec.used = True

@@ -651,4 +651,5 @@ def step_cost(parts, write_bps, read_bps, cfg) -> StepCost:
                     write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=fixed,
                     fwd_s_per_byte=parts.get("fwd_s_per_byte", 0.0),
                     bwd_s_per_byte=parts.get("bwd_s_per_byte", 0.0),
-                    head_bytes=untracked, keep_tail_bytes=cfg.keep_tail_bytes)
+                    head_bytes=untracked, keep_tail_bytes=cfg.keep_tail_bytes,
+                    host_budget_bytes=cfg.host_budget_bytes or 0)

@@ -28,13 +28,28 @@ for any other writer::
     LOADING   landing           yes       read            LOADED  (read done)
                                                           FAILED  (read failed or corrupt)
                                                           ON_DISK (repair: read never submitted)
-    LOADED    yes (read copy)   yes       no              ON_DISK (every live handle unpacked once)
+    LOADED    yes (read copy)   yes, or   no              ON_DISK (every live handle unpacked once)
+                                in RAM                    HOSTED  (the same, loaded from RAM)
+    HOSTING   yes (the tensor)  no        copy to RAM     HOSTED  (copy done: device bytes dropped)
+                                                          LOADED  (copy done, prefetch pinned it)
+                                                          KEPT    (the copy could not be queued)
+                                                          FAILED  (storage changed under it)
+    HOSTED    no (in host RAM)  no        no              LOADED  (loaded from RAM to the device)
+                                                          SPILLING (evicted: its write starts)
+    SPILLING  no (in host RAM)  landing   write           ON_DISK (write done: RAM copy dropped)
+                                                          HOSTED  (write failed and
+                                                                   on_spill_error="keep"; or
+                                                                   its submission was undone)
+                                                          FAILED  (write failed)
     FAILED    no                -         no              -
     any       -                 -         -               FREED   (last handle gone and no I/O in
                                                                    flight; or close())
 
 A record is *resident* (counted in ``Store._resident``) while it holds bytes in
-memory: PENDING, WRITING, KEPT, LOADING (the read buffer), LOADED. FREED is final.
+memory: PENDING, WRITING, KEPT, LOADING (the read buffer), LOADED, HOSTING. FREED is
+final. "Memory" is the memory the saved tensor lives in: device memory for a device
+record. HOSTED and SPILLING hold the record's bytes in the host tier instead (pinned
+host RAM, NOTE [ Host tier ] in _hosttier.py), which is not resident.
 
 Byte geometry: a record covers bytes ``[lo, hi)`` of its storage. Its bytes in
 memory are ``record.storage`` from byte ``record.base`` on (the original storage
@@ -62,8 +77,8 @@ import torch
 
 from ._identity import byte_extent
 
-__all__ = ["State", "TRANSITIONS", "RESIDENT", "DEAD", "Record", "Handle", "Token", "Kept",
-           "transition", "find_record", "GEOMETRY_ALIGN"]
+__all__ = ["State", "TRANSITIONS", "RESIDENT", "OUTBOUND", "DEAD", "Record", "Handle", "Token",
+           "Kept", "transition", "find_record", "GEOMETRY_ALIGN"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
@@ -79,18 +94,24 @@ class State(enum.Enum):
     LOADING = "loading"    # read in flight
     LOADED = "loaded"      # in memory again (and still on disk)
     FAILED = "failed"      # a write or read failed; ``error`` says why
+    HOSTING = "hosting"    # device -> host RAM copy in flight (host tier); device bytes held
+    HOSTED = "hosted"      # only in host RAM (the host tier, NOTE [ Host tier ])
+    SPILLING = "spilling"  # evicted from host RAM: its write to the SSD is in flight
     FREED = "freed"        # no handle left (final)
 
 
 _S = State
 TRANSITIONS = {
-    _S.PENDING: frozenset({_S.WRITING, _S.KEPT, _S.FAILED, _S.FREED}),
+    _S.PENDING: frozenset({_S.WRITING, _S.HOSTING, _S.KEPT, _S.FAILED, _S.FREED}),
     _S.WRITING: frozenset({_S.ON_DISK, _S.LOADED, _S.KEPT, _S.FAILED, _S.FREED}),
     _S.KEPT: frozenset({_S.FREED}),
     _S.ON_DISK: frozenset({_S.LOADING, _S.FREED}),
     _S.LOADING: frozenset({_S.LOADED, _S.FAILED, _S.ON_DISK, _S.FREED}),
-    _S.LOADED: frozenset({_S.ON_DISK, _S.FREED}),
+    _S.LOADED: frozenset({_S.ON_DISK, _S.HOSTED, _S.FREED}),
     _S.FAILED: frozenset({_S.FREED}),
+    _S.HOSTING: frozenset({_S.HOSTED, _S.LOADED, _S.KEPT, _S.FAILED, _S.FREED}),
+    _S.HOSTED: frozenset({_S.LOADED, _S.SPILLING, _S.FREED}),
+    _S.SPILLING: frozenset({_S.ON_DISK, _S.HOSTED, _S.FAILED, _S.FREED}),
     _S.FREED: frozenset(),
 }
 """Legal moves: ``TRANSITIONS[a]`` is the set of states ``a`` may move to (NOTE [ Record
@@ -98,10 +119,14 @@ state machine ]). WRITING/LOADING -> FREED happens only when the request has com
 or at ``close()``, where the request keeps its memory (NOTE [ Memory owned by requests ]
 in _store.py)."""
 
-RESIDENT = frozenset({_S.PENDING, _S.WRITING, _S.KEPT, _S.LOADING, _S.LOADED})
+RESIDENT = frozenset({_S.PENDING, _S.WRITING, _S.KEPT, _S.LOADING, _S.LOADED, _S.HOSTING})
 """States whose record holds its bytes (or its read buffer) in memory."""
 
-SERVABLE = frozenset({_S.PENDING, _S.WRITING, _S.KEPT, _S.LOADED})
+OUTBOUND = frozenset({_S.WRITING, _S.HOSTING, _S.SPILLING})
+"""States with a request in flight that moves the record's bytes out (a write to the
+SSD, or a copy to the host tier): counted against ``write_behind_bytes``."""
+
+SERVABLE = frozenset({_S.PENDING, _S.WRITING, _S.KEPT, _S.LOADED, _S.HOSTING})
 """States whose bytes can be handed to backward at once (no read)."""
 
 DEAD = frozenset({_S.FAILED, _S.FREED})
@@ -140,7 +165,8 @@ class Record:
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "ptr", "span", "slot", "future", "submitted", "_state", "seq", "tokens", "unseen",
                  "generation", "used", "error", "prefetched", "pinned", "writes", "owner", "crc",
-                 "device", "staging", "ready", "produced", "due", "reserved", "__weakref__")
+                 "device", "staging", "ready", "produced", "due", "reserved", "host", "tier",
+                 "evict", "__weakref__")
 
     def __init__(self, key, sref, lo, hi, version, source, seq, storage):
         self.key, self.sref = key, sref
@@ -172,6 +198,9 @@ class Record:
         self.produced = None            # event: the saved CUDA tensor is complete (pack)
         self.due = False                # left the tail window to be written (Store._due)
         self.reserved = 0               # spill bytes the decision reserved (TailWindow)
+        self.host = None                # the host tier's pinned copy (a staging lease)
+        self.tier = 0                   # its place in the host budget (HostBudget), 0: none
+        self.evict = False              # decided to leave the host tier for the SSD
 
     state = property(operator.attrgetter("_state"), doc="""The record's :class:`State`:
         read-only; it changes through :func:`transition` alone (NOTE [ Record state

@@ -122,8 +122,9 @@ from ._policy import KEEP_CAPTURE, TRACKER, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers, unmap_now
-from ._records import (RESIDENT, SERVABLE, Handle, Kept, Record, State, Token, find_record,
-                       inplace_error, swapped, swapped_error, transition)
+from ._hosttier import IN_TIER, HostBudget, HostTier
+from ._records import (OUTBOUND, RESIDENT, SERVABLE, Handle, Kept, Record, State, Token,
+                       find_record, inplace_error, swapped, swapped_error, transition)
 from ._writeback import (_READ, _WRITTEN, WriteBack, _copy, _needed_by, _owning, _without_frames,
                          failed_future)
 
@@ -141,7 +142,7 @@ _SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request l
 _JOIN_S = 10.0     # how long close() waits for the I/O thread to end its round
 
 
-class Store(WriteBack, Prefetch):
+class Store(WriteBack, Prefetch, HostTier):
     """The records of one offloader, and every transition between their states."""
 
     def __init__(self, config, spill, engine, stats):
@@ -163,6 +164,11 @@ class Store(WriteBack, Prefetch):
         self._window = TailWindow(config.keep_tail_bytes, config.max_spill_bytes)
         self._due = collections.OrderedDict()  # PENDING records to be written, oldest first
         self._due_bytes = 0
+        # NOTE [ Host tier ] in _hosttier.py: the budget (None: no host tier) and the
+        # records evicted from it whose pinned copy is ready to be written (HOSTED).
+        self._host = None if config.host_budget_bytes is None else \
+            HostBudget(config.host_budget_bytes, bool(spill.files), stats)
+        self._spill_due = collections.OrderedDict()
         self._resident = 0
         self._ahead = 0                        # prefetched bytes not yet consumed
         self._passes = []                      # passes whose prefetch is not finished
@@ -344,7 +350,15 @@ class Store(WriteBack, Prefetch):
         """The tail window holds more than ``keep_tail_bytes``: its oldest records are
         decided now, in pack, never later (NOTE [ The pack decision ] in _policy.py)."""
         outside = 0 if self.cfg.max_spill_bytes is None else self._outside_spill_bytes()
+        host = self._host
         for rec, reason in self._window.overflow(outside):
+            if reason is None and host is not None:  # NOTE [ Host tier ] in _hosttier.py
+                if rec.device is None:
+                    if not host.evicts:  # in host memory already, and no SSD tier
+                        self._keep_host_record_locked(rec)
+                        continue
+                elif not self._admit_locked(rec):
+                    continue  # beyond the budget, no SSD tier: kept on the device
             if reason is None:
                 rec.due = True
                 self._due[rec] = None
@@ -354,6 +368,15 @@ class Store(WriteBack, Prefetch):
                 self.stats.offloaded_bytes += rec.nbytes
             else:
                 self._over_budget_locked(rec)
+
+    def _keep_host_record_locked(self, rec):
+        """A host record with a host tier and no SSD tier: it is in host memory already
+        and nothing can free it (NOTE [ Host tier ] in _hosttier.py)."""
+        self._keep_locked(rec)
+        self._warn_once("host-record", "ssdtrain: a saved CPU tensor stays in memory: with "
+                        "host_budget_bytes and no spill_dir only device records move (to host "
+                        "RAM); host memory can only be freed by an SSD. Give a spill_dir to "
+                        "offload CPU tensors.")
 
     def _outside_spill_bytes(self):
         """Spill bytes in use that belong to no record: the bandwidth probe's slot and
@@ -367,9 +390,11 @@ class Store(WriteBack, Prefetch):
         if dev is None:
             from ._device import DeviceTransfers, StagingPool
             pool = self._staging.get(leaf)
-            if pool is None:  # idle staging kept for reuse: what may be in flight at once
+            if pool is None:  # idle staging kept for reuse: what may be in flight at once,
+                # and the host tier's records (NOTE [ Host tier ] in _hosttier.py)
                 pool = self._staging[leaf] = StagingPool(
-                    leaf, self.stats, self.cfg.write_behind_bytes + self.cfg.prefetch_bytes)
+                    leaf, self.stats, self.cfg.write_behind_bytes + self.cfg.prefetch_bytes +
+                    (self.cfg.host_budget_bytes or 0))
             dev = self._devices[(leaf, device)] = DeviceTransfers(
                 leaf, device, self.engine.capabilities.device_memory, pool)
         return dev
@@ -408,28 +433,34 @@ class Store(WriteBack, Prefetch):
             with self._lock:
                 view, fut = self._guarded_locked(self._unpack_locked, rec, handle)
             self._after_hook(self._read_due())
-            if view is not None:
-                return view
             # LOADING and this handle not yet unpacked in this generation: nothing can drop
-            # the bytes between the read's end and their use below.
-            self._wait(rec, fut)
-            with self._lock:
-                view = self._guarded_locked(self._loaded_locked, rec, handle, fut)
-            self._after_hook(self._read_due())
+            # the bytes between the read's end and their use below. SPILLING (NOTE [ Host
+            # tier ]): once its write ends, it is read (a second round).
+            while view is None:
+                self._wait(rec, fut)
+                with self._lock:
+                    view, fut = self._guarded_locked(self._loaded_locked, rec, handle, fut)
+                self._after_hook(self._read_due())
             return view
         finally:
             if span is not None:
                 _trace.end(span)
 
     def _loaded_locked(self, rec, handle, fut):
-        """The view of ``rec`` once the read ``fut`` that unpack waited for has ended."""
+        """``(view, None)`` of ``rec`` once the request ``fut`` that unpack waited for
+        has ended; ``(None, future)`` when there is another one to wait for (an
+        eviction's write ended: the record is read now)."""
+        if rec.state is State.SPILLING:
+            self._write_done_locked(rec, fut)
+        if rec.state in (State.ON_DISK, State.HOSTED, State.SPILLING):
+            return self._unpack_locked(rec, handle)
         self._read_done_locked(rec, fut)
         if rec.state is State.FAILED:
             self._raise_event_locked(rec)
         if rec.storage is None or rec.state not in SERVABLE:
             raise SSDTrainError(f"ssdtrain: record {rec!r} has no data after its read; "
                                 f"please report this bug.")
-        return self._use_locked(rec, handle)
+        return self._use_locked(rec, handle), None
 
     def _unpack_locked(self, rec, handle):
         """``(view, None)`` if the bytes are in memory, else ``(None, read future)``."""
@@ -458,8 +489,12 @@ class Store(WriteBack, Prefetch):
             # Used now, under the lock: once it is released, a write that ends
             # drops the bytes from memory (State.ON_DISK).
             return self._use_locked(rec, handle), None
-        if rec.state is State.LOADING:
-            self.stats.prefetch_hits += first
+        if rec.state is State.HOSTED:  # NOTE [ Host tier ]: a copy from RAM, queued now
+            self.stats.prefetch_misses += 1
+            self._load_host_locked(rec)
+            return self._use_locked(rec, handle), None
+        if rec.state is State.LOADING or rec.state is State.SPILLING:
+            self.stats.prefetch_hits += first and rec.state is State.LOADING
         elif rec.state is State.ON_DISK:
             self.stats.prefetch_misses += 1
             self._start_read_locked(rec)
@@ -690,11 +725,20 @@ class Store(WriteBack, Prefetch):
             rec.due = False
         if rec.reserved and (to is State.KEPT or to is State.FREED):
             self._window.release(rec)  # no slot any more: the spill budget gets it back
-        if frm is State.WRITING and self._writing.pop(rec, 0) is None:
+        if frm in OUTBOUND and self._writing.pop(rec, 0) is None:
             self._writing_bytes -= n
-        if to is State.WRITING:
+        if to in OUTBOUND:
             self._writing[rec] = None
             self._writing_bytes += n
+        if rec.tier and to not in IN_TIER:  # NOTE [ Host tier ] in _hosttier.py
+            self._host.release(rec)
+        if frm is State.HOSTED:
+            self._spill_due.pop(rec, None)
+        if rec.evict:
+            if to is State.HOSTED:
+                self._spill_due[rec] = None  # evicted meanwhile: its write is due now
+            elif to not in IN_TIER:
+                rec.evict = False
 
     def _free_locked(self, rec):
         """Any state -> FREED: memory, slot and registry entry go (no I/O in flight).
@@ -710,7 +754,7 @@ class Store(WriteBack, Prefetch):
         if slot is not None and not self.closed:
             slot.file.free(slot)
         self._drop_memory_locked(rec)
-        rec.storage = rec.source = rec.staging = rec.ready = rec.produced = None
+        rec.storage = rec.source = rec.staging = rec.ready = rec.produced = rec.host = None
         group = self._registry.get(rec.key)
         if group is not None and rec in group:
             group.remove(rec)
@@ -729,9 +773,9 @@ class Store(WriteBack, Prefetch):
         locked region short (NOTE [ Store lock discipline ]). Never raises on its own."""
         recs = [r for group in self._registry.values() for r in group]
         for rec in recs:
-            if rec.state in (State.PENDING, State.KEPT):
+            if rec.state in (State.PENDING, State.KEPT, State.HOSTED, State.HOSTING):
                 rec.slot = None  # a write cut short before it moved the record: no slot
-            elif rec.state in (State.WRITING, State.LOADING):
+            elif rec.state in OUTBOUND or rec.state is State.LOADING:
                 fut = rec.future
                 if fut is None and not rec.submitted:  # cut short before the engine call
                     self._unsubmit_locked(rec)
@@ -739,7 +783,7 @@ class Store(WriteBack, Prefetch):
                     self._quarantine_locked(rec)
                 else:  # callbacks may have been lost with the region: attach again
                     fut.add_done_callback(self._callback(
-                        rec, _WRITTEN if rec.state is State.WRITING else _READ))
+                        rec, _WRITTEN if rec.state in OUTBOUND else _READ))
         for rec in recs:
             rec.tokens = {r for r in rec.tokens if r() is not None}
             rec.unseen &= rec.tokens
@@ -757,8 +801,18 @@ class Store(WriteBack, Prefetch):
 
     def _unsubmit_locked(self, rec):
         """A request of ``rec`` was being prepared but never reached the engine: undo it.
-        A write falls back to KEPT (the bytes are in memory), a read to ON_DISK."""
-        if rec.state is State.WRITING:
+        A write or a copy to RAM falls back to KEPT (the bytes are in memory), a read
+        to ON_DISK, an eviction's write to HOSTED (evicted again)."""
+        if rec.state is State.HOSTING:
+            rec.host = None
+            self._move_locked(rec, State.KEPT)
+        elif rec.state is State.SPILLING:
+            slot, rec.slot = rec.slot, None
+            if slot is not None:
+                slot.file.free(slot)
+            rec.evict = True
+            self._move_locked(rec, State.HOSTED)
+        elif rec.state is State.WRITING:
             slot, rec.slot = rec.slot, None
             if slot is not None:
                 slot.file.free(slot)
@@ -772,11 +826,17 @@ class Store(WriteBack, Prefetch):
     def _quarantine_locked(self, rec):
         """A request of ``rec`` may be in flight but its future was lost: keep its memory
         and slot forever and fall back to a state that does not depend on it."""
-        writing = rec.state is State.WRITING
+        writing = rec.state is State.WRITING or rec.state is State.HOSTING
         # A write may still read the tensor and land in the slot; a read may still land in
-        # its buffer (the slot's bytes stay good: the record can be read again).
-        owners = (rec.source, rec.storage, rec.staging, rec.slot) if writing else \
-            (rec.storage, None, None, None)
+        # its buffer (the slot's bytes stay good: the record can be read again); a copy
+        # to RAM may still land in its pinned buffer; an eviction's write may still read
+        # the pinned copy (which stays good: the record stays HOSTED) and land in its slot.
+        if rec.state is State.SPILLING:
+            owners = (rec.host, None, None, rec.slot)
+        elif writing:
+            owners = (rec.source, rec.storage, rec.staging or rec.host, rec.slot)
+        else:
+            owners = (rec.storage, None, None, None)
         _QUARANTINE.append(owners)
         slot = owners[3]
         self.stats.quarantined_bytes += rec.nbytes + (0 if slot is None else slot.nblocks * BLOCK)
@@ -784,8 +844,12 @@ class Store(WriteBack, Prefetch):
                         "request (%r); its memory%s is kept for the rest of the process so that "
                         "the request, if it was submitted, cannot touch freed memory "
                         "(Stats.quarantined_bytes).", rec, " and disk slot" if writing else "")
-        if writing:
+        if rec.state is State.SPILLING:
             rec.slot = None
+            rec.evict = True
+            self._move_locked(rec, State.HOSTED)  # its pinned copy is intact: read only
+        elif writing:
+            rec.slot = rec.host = None
             if rec.storage is not None and not rec.storage_changed():
                 self._move_locked(rec, State.KEPT)   # the bytes are still in memory: exact
             else:
@@ -804,7 +868,7 @@ class Store(WriteBack, Prefetch):
             if r.prefetched and r.state not in RESIDENT:
                 r.prefetched = False
         pending = sorted((r for r in recs if r.state is State.PENDING), key=lambda r: r.seq)
-        writing = sorted((r for r in recs if r.state is State.WRITING), key=lambda r: r.seq)
+        writing = sorted((r for r in recs if r.state in OUTBOUND), key=lambda r: r.seq)
         for r in recs:
             if r.state is not State.PENDING:
                 r.due = False
@@ -814,6 +878,14 @@ class Store(WriteBack, Prefetch):
         self._due_bytes = sum(r.nbytes for r in due)
         self._writing = collections.OrderedDict((r, None) for r in writing)
         self._writing_bytes = sum(r.nbytes for r in writing)
+        for r in recs:  # NOTE [ Host tier ] in _hosttier.py
+            if r.state not in IN_TIER:
+                r.tier, r.evict = 0, False
+        if self._host is not None:
+            self._host.rebuild([r for r in recs if r.tier])
+        self._spill_due = collections.OrderedDict(
+            (r, None) for r in sorted(recs, key=lambda r: r.seq)
+            if r.evict and r.state is State.HOSTED)
         self._resident = sum(r.nbytes for r in recs if r.state in RESIDENT)
         self._ahead = sum(r.nbytes for r in recs if r.prefetched)
         self._live = len(recs)
@@ -848,18 +920,33 @@ class Store(WriteBack, Prefetch):
             check(self._window.reserved == sum(r.reserved for r in recs), "reserved spill bytes")
             check(self._window.limit is None or self._window.reserved <= self._window.limit,
                   "reserved spill bytes beyond max_spill_bytes")
-            wr = [r for r in recs if r.state is State.WRITING]
+            wr = [r for r in recs if r.state in OUTBOUND]
             check(set(map(id, self._writing)) == set(map(id, wr)), "writing != WRITING records")
             check(self._writing_bytes == sum(r.nbytes for r in wr), "writing bytes")
             check(self._ahead == sum(r.nbytes for r in recs if r.prefetched), "prefetched bytes")
             for r in recs:
                 check(r.unseen <= r.tokens, f"{r!r}: unseen handles that are not live")
-                check((r.future is not None) == (r.state in (State.WRITING, State.LOADING))
+                check((r.future is not None) == (r.state in OUTBOUND or r.state is State.LOADING)
                       or (r.future is not None and not r.tokens),
                       f"{r!r}: future {r.future!r} in state {r.state.value}")
                 check(r.tokens or r.future is not None, f"{r!r}: no handle and no I/O")
-                check(r.slot is not None or r.state in (State.PENDING, State.KEPT, State.FAILED),
-                      f"{r!r}: no slot")
+                in_ram = r.state in (State.HOSTING, State.HOSTED) or (
+                    r.state is State.LOADED and r.host is not None)
+                check(r.slot is not None or in_ram or
+                      r.state in (State.PENDING, State.KEPT, State.FAILED), f"{r!r}: no slot")
+                check((r.host is not None) == (in_ram or r.state is State.SPILLING),
+                      f"{r!r}: host copy {r.host!r} in state {r.state.value}")
+                check(not r.tier or r.state in IN_TIER, f"{r!r}: in the host budget")
+            host = self._host  # NOTE [ Host tier ] in _hosttier.py
+            tier = [r for r in recs if r.tier]
+            check(host is not None or not tier, "host budget records without a host tier")
+            if host is not None:
+                check(set(map(id, host.records)) == set(map(id, tier)), "host budget records")
+                check(host.nbytes == sum(r.nbytes for r in tier), "host budget bytes")
+                check(host.nbytes <= host.budget, "host bytes beyond host_budget_bytes")
+            check(set(map(id, self._spill_due)) ==
+                  {id(r) for r in recs if r.evict and r.state is State.HOSTED},
+                  "evictions due != evicted HOSTED records")
             used = sum(r.slot.nblocks for r in recs if r.slot is not None)
             quarantined = sum(q[3].nblocks for q in _QUARANTINE
                               if q[3] is not None and q[3].file in self.spill.files)
@@ -1046,7 +1133,7 @@ class Store(WriteBack, Prefetch):
                     continue
                 if not f.done():
                     pending.append((r, f))
-                elif r.state is State.WRITING:
+                elif r.state in OUTBOUND:
                     self._write_done_locked(r, f)
                 else:
                     self._read_done_locked(r, f)
@@ -1069,7 +1156,7 @@ class Store(WriteBack, Prefetch):
                         if rec.future is not None and not rec.future.done():
                             in_flight = True
                         rec.storage = rec.source = rec.staging = rec.ready = rec.produced = None
-                        rec.slot = rec.future = None
+                        rec.slot = rec.future = rec.host = None
                         rec.tokens.clear()
                         rec.unseen.clear()
                         if rec.state is not State.FREED:  # final, whatever it was: close()

@@ -58,12 +58,18 @@ class WriteBack:
                 return True
             self._start_write_locked(next(iter(due)))  # it leaves ``due`` (_move_locked)
             done += 1
+        spill = self._spill_due  # evicted from the host tier (NOTE [ Host tier ])
+        while spill:
+            if limit is not None and done >= limit:
+                return True
+            self._start_spill_locked(next(iter(spill)))  # it leaves ``_spill_due``
+            done += 1
         return False
 
     def _write_overdue(self):
         """Whether writes are due and not started. Read without the lock: a hint for
         waking the I/O thread."""
-        return self._due_bytes > 0
+        return self._due_bytes > 0 or bool(self._spill_due)
 
     def _start_write_locked(self, rec):
         """PENDING -> WRITING: allocate a slot and submit the write.
@@ -79,6 +85,9 @@ class WriteBack:
                 self._fail_locked(rec, swapped_error(
                     rec.source, "its storage was resized or replaced "
                                 "(untyped_storage().resize_() or set_)"))
+                return
+            if rec.tier:  # admitted to the host tier: copied to RAM (NOTE [ Host tier ])
+                self._start_host_locked(rec)
                 return
             dev, ready = rec.device, None
             if dev is None:
@@ -131,6 +140,10 @@ class WriteBack:
         """The write of ``rec`` ended. Idempotent: clears ``rec.future`` last."""
         if rec.future is not fut:
             return
+        if rec.state is State.HOSTING:  # NOTE [ Host tier ] in _hosttier.py
+            return self._hosted_locked(rec, fut)
+        if rec.state is State.SPILLING:
+            return self._spilled_locked(rec, fut)
         if rec.state is State.WRITING:
             rec.staging = None
             exc = _without_frames(fut.exception())
@@ -146,14 +159,9 @@ class WriteBack:
                 if not self._keep_after_failed_write_locked(rec, exc):
                     self._event_locked(rec, exc, lost=True)
                     self._fail_locked(rec, exc)
-            elif rec.source._version != rec.version:
-                self._fail_locked(rec, inplace_error(rec.source, rec.source._version,
-                                                     rec.version))
-            elif rec.storage_changed():
-                self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
-                                                     "replaced while it was being written"))
-            else:
+            elif self._written_intact_locked(rec):
                 self.stats.records_written += 1
+                self.stats.bytes_written += rec.nbytes
                 if self.cfg.verify and (rec.device is None or not rec.device.direct):
                     rec.crc = fut.result()  # of the bytes written (host memory or staging)
                 if rec.pinned:  # prefetch reached it before the write ended: keep the bytes
@@ -166,6 +174,18 @@ class WriteBack:
         rec.future = None
         if not rec.tokens:
             self._free_locked(rec)
+
+    def _written_intact_locked(self, rec):
+        """Whether the saved tensor was left as it was saved while its bytes were copied
+        out; if not, ``rec`` fails with autograd's message (NOTE [ In-place checks ])."""
+        if rec.source._version != rec.version:
+            self._fail_locked(rec, inplace_error(rec.source, rec.source._version, rec.version))
+            return False
+        if rec.storage_changed():
+            self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
+                                                 "replaced while it was being written"))
+            return False
+        return True
 
     def _reserve_staging(self):
         """The I/O thread, before it takes the lock: when the next write or prefetch read
@@ -200,7 +220,7 @@ class WriteBack:
         rec.error = exc
         self._move_locked(rec, State.FAILED)
         self._drop_memory_locked(rec)
-        rec.storage = rec.source = rec.staging = rec.produced = None
+        rec.storage = rec.source = rec.staging = rec.produced = rec.host = None
 
     def _drop_memory_locked(self, rec):
         """``rec`` is about to let go of its memory: a host record's goes to the graveyard,

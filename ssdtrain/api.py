@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._config import OffloadConfig
+from ._config import MAX_BYTES, OffloadConfig
 from ._device import GDS_PROBE_MEMORY
 from ._errors import ConfigError, OffloaderClosedError, SSDTrainError
 from ._forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site, site_ended,
@@ -33,8 +33,9 @@ class Stats:
     deduplicated_bytes: int = 0
     """Bytes of packs served by an existing record instead of a new one."""
     offloaded_bytes: int = 0
-    """Bytes sent to the spill tier (each record once), counted when pack decides it
-    (NOTE [ The pack decision ] in ``_policy.py``): the same in every run of the same
+    """Bytes sent to the spill tier (each record once; with a host tier, to RAM or to
+    the SSD: ``host_spilled_bytes`` says how many went on to the SSD), counted when pack
+    decides it (NOTE [ The pack decision ] in ``_policy.py``): the same in every run of the same
     model, and what ``ssdtrain estimate`` gives. A record that dies before its write
     starts is not written (``records_written`` counts the writes done); one whose write
     fails is counted here too, and raises or is kept (``on_spill_error``)."""
@@ -65,7 +66,8 @@ class Stats:
     spill_errors: int = 0
     """Failed writes whose records stayed in memory (``on_spill_error="keep"``)."""
     over_budget_bytes: int = 0
-    """Bytes kept in memory because writing them would exceed ``max_spill_bytes``."""
+    """Bytes kept in memory because writing them would exceed ``max_spill_bytes``, or
+    (a host tier without an SSD tier) because host RAM was full (``host_budget_bytes``)."""
     quarantined_bytes: int = 0
     """Bytes of records whose request submission was cut short by an interrupt: their memory
     (and, for writes, disk slot) is kept for the rest of the process, since the request may
@@ -75,6 +77,22 @@ class Stats:
     NOTE [ Device records ] in _device.py)."""
     peak_staging_bytes: int = 0
     """The most pinned host memory held for device records' copies at once."""
+    bytes_written: int = 0
+    """Bytes of completed writes to the SSD tier (from device, host memory or the host
+    tier)."""
+    host_bytes: int = 0
+    """Bytes of device records the host tier holds now (``host_budget_bytes``, NOTE [
+    Host tier ] in ``_hosttier.py``): in RAM, being copied there, or due to be; never
+    more than the budget."""
+    peak_host_bytes: int = 0
+    """The most bytes the host tier held at once (at most ``host_budget_bytes``)."""
+    host_spilled_bytes: int = 0
+    """Bytes decided to go past the host tier to the SSD: evicted from RAM (earliest
+    saved first), or larger than the whole budget. Decided at pack, like
+    ``offloaded_bytes`` (which counts every byte sent to either tier)."""
+    host_loaded_bytes: int = 0
+    """Bytes loaded back to the device from the host tier (``bytes_read``: from the
+    SSD)."""
 
     def summary(self) -> str:
         """One line for logs."""
@@ -84,7 +102,16 @@ class Stats:
                 f"{self.prefetch_hits} hits / {self.prefetch_misses} misses, stalled "
                 f"{self.stall_seconds * 1e3:.1f} ms (writes {self.write_stall_seconds * 1e3:.1f} ms), "
                 f"peak resident "
-                f"{_mib(self.peak_resident_bytes)} [{self.engine}]")
+                f"{_mib(self.peak_resident_bytes)}" +
+                (f", host RAM peak {_mib(self.peak_host_bytes)} (loaded "
+                 f"{_mib(self.host_loaded_bytes)}, on to the SSD {_mib(self.host_spilled_bytes)})"
+                 if self.peak_host_bytes else "") + f" [{self.engine}]")
+
+
+def _host_tier_label(budget):
+    if budget is None:
+        return ""
+    return "+host tier " + ("unlimited" if budget >= MAX_BYTES else f"{_mib(budget)}")
 
 
 def _mib(n):
@@ -150,8 +177,10 @@ class Offloader:
             raise
         backend = getattr(engine, "backend", None)
         self._stats.engine = engine.name + (f"({backend})" if backend else "") + \
-            ("+O_DIRECT" if all(f.direct for f in spill.files) else "+buffered") + \
-            ("+crc32c" if config.verify else "")
+            ("+no SSD tier" if not spill.files else
+             "+O_DIRECT" if all(f.direct for f in spill.files) else "+buffered") + \
+            ("+crc32c" if config.verify else "") + \
+            _host_tier_label(config.host_budget_bytes)
         log.info("ssdtrain: engine %s (%s), %d I/O threads, spill_dir %s", self._stats.engine,
                  config.engine_reason, config.io_threads, config.spill_dir)
         self._store = Store(config, spill, engine, self._stats)

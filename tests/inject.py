@@ -68,11 +68,21 @@ KiB = 1024
 
 # The store, as split by the rebuild; whichever of them exist are traced.
 STORE_MODULES = ("_store.py", "_records.py", "_writeback.py", "_prefetch.py", "_readbuf.py",
-                 "_spill.py", "_device.py")
+                 "_spill.py", "_device.py", "_hosttier.py")
 # SSDTRAIN_INJECT_LOOPBACK=1 (inherited by the child processes): every offloader made here
 # takes its CPU tensors for device memory of a loopback device (ssdtrain/_loopback.py), so
 # the sweeps run over the device path (NOTE [ Device records ] in _device.py).
 LOOPBACK_ENV = "SSDTRAIN_INJECT_LOOPBACK"
+# SSDTRAIN_INJECT_HOST_BUDGET=<bytes> (with the loopback): every offloader made here has
+# that host tier (NOTE [ Host tier ] in _hosttier.py), so records go to RAM, the
+# earliest on to the SSD.
+HOST_BUDGET_ENV = "SSDTRAIN_INJECT_HOST_BUDGET"
+
+
+def host_budget():
+    """``{"host_budget_bytes": ...}`` when ``SSDTRAIN_INJECT_HOST_BUDGET`` is set, else ``{}``."""
+    value = os.environ.get(HOST_BUDGET_ENV)
+    return {"host_budget_bytes": int(value)} if value else {}
 
 
 # What a training step passes through above the store (NOTE [ Forward phases ] in
@@ -452,7 +462,8 @@ def make_offloader(spill_dir, sc=None, **overrides):
     """A fresh Offloader with :data:`Scenario.CONFIG` (``sc.config()`` if given, and
     ``overrides``) on ``spill_dir``. Not the ``make_offloader`` fixture: that closes at
     teardown, unbounded, and a store broken by an interrupt may never close."""
-    cfg = dict(Scenario.CONFIG if sc is None else sc.config(), spill_dir=str(spill_dir))
+    cfg = dict(Scenario.CONFIG if sc is None else sc.config(), spill_dir=str(spill_dir),
+               **host_budget())
     cfg.update(overrides)
     return maybe_loopback(ssdtrain.Offloader(ssdtrain.OffloadConfig(**cfg)))
 

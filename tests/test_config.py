@@ -303,6 +303,7 @@ def test_from_env_reads_every_field(tmp_path):
         "SSDTRAIN_ON_SPILL_ERROR": "keep",
         "SSDTRAIN_MAX_SPILL_BYTES": "2GiB",
         "SSDTRAIN_ON_SPILL_FULL": "raise",
+        "SSDTRAIN_HOST_BUDGET_BYTES": "3GiB",
         "SSDTRAIN_POLICY": "adaptive",
         "SSDTRAIN_MEMORY_BUDGET_BYTES": "2GiB",
         "SSDTRAIN_PROFILE_STEPS": "3",
@@ -324,6 +325,7 @@ def test_from_env_reads_every_field(tmp_path):
     assert cfg.verify is True
     assert (cfg.on_spill_error, cfg.max_spill_bytes, cfg.on_spill_full) == ("keep", 2 * GiB,
                                                                             "raise")
+    assert cfg.host_budget_bytes == 3 * GiB
     assert (cfg.policy, cfg.memory_budget_bytes, cfg.profile_steps,
             cfg.replan_stall_fraction) == ("adaptive", 2 * GiB, 3, 0.25)
     assert {f.name for f in dataclasses.fields(OffloadConfig)} == {

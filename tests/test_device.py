@@ -329,3 +329,33 @@ def test_pack_inside_a_graph_capture_keeps_the_tensor(make_offloader):
     stats = off.stats()
     assert stats.offloaded_bytes == 0 and stats.kept_bytes >= y.numel() * 4, stats
     assert torch.equal(sink[0][0], x * 3)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_MODELS))
+@pytest.mark.parametrize("spill", [True, False])
+def test_cuda_host_tier_is_bitwise_equal(name, spill, make_offloader):
+    """The host tier on CUDA (NOTE [ Host tier ] in _hosttier.py): a budget of half the
+    activations with an SSD (records in pinned RAM, the earliest written on to the SSD
+    from their pinned copy), and an unlimited one without (no SSD tier): gradients
+    bitwise equal, loads from RAM, the budget kept."""
+    torch.manual_seed(0)
+    model, inputs = _cuda(ALL_MODELS[name]())
+    ref = run_step(model, inputs)
+    if not _same(ref, run_step(model, inputs)):
+        pytest.skip(f"{name}: two runs without ssdtrain differ on this GPU")
+    probe = make_offloader(min_tensor_bytes=4096, keep_tail_bytes=0)
+    run_step(model, inputs, probe)
+    probe.wait()
+    total = probe.stats().offloaded_bytes
+    budget = total // 2 if spill else "unlimited"
+    off = make_offloader(min_tensor_bytes=4096, keep_tail_bytes=0, host_budget_bytes=budget,
+                         **({} if spill else {"spill_dir": None}))
+    for settle in (False, True):
+        assert_same(ref, run_step(model, inputs, off, settle=settle))
+    off.wait()
+    stats = off.stats()
+    assert stats.host_loaded_bytes > 0, stats
+    if spill:
+        assert 0 < stats.peak_host_bytes <= total // 2 and stats.bytes_written > 0, stats
+    else:
+        assert stats.records_written == 0 and off.config.spill_dir == [], stats

@@ -302,7 +302,7 @@ def _child(argv):
     gc.collect()
     gc.freeze()  # keep each forced collection cheap: only new objects are scanned
     off = inject.maybe_loopback(ssdtrain.Offloader(ssdtrain.OffloadConfig(
-        spill_dir=args.spill, engine=args.engine, **CONFIG)))
+        spill_dir=args.spill, engine=args.engine, **CONFIG, **inject.host_budget())))
     counter = GCInLocks(off) if args.mode == "locks" else None
     if args.threshold != "default":
         gc.set_threshold(*(int(v) for v in args.threshold.split(",")))
@@ -325,7 +325,8 @@ def _child(argv):
     stats = off.stats()
     result = dict(steps=args.steps, wrong=wrong, failures=failures, max_live_after_gc=max_live,
                   quarantined=quarantined, records_read=stats.records_read,
-                  prefetch_hits=stats.prefetch_hits, seconds=round(time.monotonic() - t0, 2))
+                  prefetch_hits=stats.prefetch_hits, peak_host=stats.peak_host_bytes,
+                  seconds=round(time.monotonic() - t0, 2))
     if counter is not None:
         counter.remove()
         result.update(locks=sorted(counter.locks), inside=counter.inside,

@@ -1,0 +1,362 @@
+"""The host-RAM tier: device records kept in pinned host memory, the SSD beyond it.
+
+NOTE [ Host tier ]
+==================
+
+``host_budget_bytes`` turns on a second tier between device memory and the SSD. It
+applies to *device records* only (NOTE [ Device records ] in _device.py): a record
+whose storage is host memory already lives in the host tier's RAM, so moving it
+there frees nothing; with an SSD tier it is written as before, without one it stays
+where it is (``KEPT``, a warning once: on a CPU-only run host RAM *is* the device
+memory, and only an SSD can free it).
+
+**What is decided, and when (``INV-DECIDED``).** A record leaves the tail window at a
+pack (NOTE [ The pack decision ] in _policy.py), and is then *admitted* to the host
+tier: its bytes are counted in :class:`HostBudget` (in the order records are admitted,
+which is save order, dedup moves in the window included). When the admitted bytes go
+beyond the budget:
+
+* with an SSD tier, the *earliest admitted* records leave the tier for the SSD until
+  the rest fits (they are *evicted*): backward needs them last, so the last
+  ``host_budget_bytes`` of forward are the ones in RAM when backward starts. A record
+  larger than the whole budget goes to the SSD at once.
+* without one (no ``spill_dir``), the record that does not fit stays in device memory
+  (``KEPT``, counted in ``Stats.over_budget_bytes``): what is in RAM is never moved
+  back to the device, and the latest records, which backward needs first, are the ones
+  that stay there.
+
+Both are made at the pack, from sizes and the order of saves and releases alone, so a
+run moves the same records to RAM and to the SSD every time, whatever the I/O threads
+do. The alternative, deciding at the end of forward when every size is known, would
+have to hold every record in RAM (or on the device) until then: beyond the budget.
+The budget counts the records' bytes (``Stats.host_bytes``, ``peak_host_bytes``:
+never more than ``host_budget_bytes``), not the allocator's rounding of their pinned
+buffers (``Stats.staging_bytes`` shows the pinned memory held, idle buffers kept for
+reuse included). A record evicted from the tier and not yet written still holds its
+pinned copy: it is a write in flight, counted against ``write_behind_bytes`` as a
+staged SSD-only write is.
+
+**How it moves** (the record states in _records.py):
+
+* admitted: PENDING (due, like a write) -> HOSTING: the I/O thread queues the
+  device -> pinned copy (:meth:`ssdtrain._device.DeviceTransfers.to_host`, on the
+  D2H stream after the producer's event, into a buffer of the store's
+  :class:`~ssdtrain._device.StagingPool`: pinned allocations cost milliseconds, so
+  buffers are reused, and the I/O thread reserves one outside the store lock first)
+  -> HOSTED when the copy has ended (the "ssdtrain-d2h" thread waits for its event):
+  the device memory is dropped, as when a write ends.
+* loaded: HOSTED -> LOADED by an H2D copy into device memory allocated for the
+  compute stream (:meth:`~ssdtrain._device.DeviceTransfers.from_host`, rules 5-7); it
+  is queued at once, under the lock (prefetch, or unpack itself: no read to wait for,
+  the consumer waits on the copy's event). When every live handle has been unpacked
+  the device copy is dropped: LOADED -> HOSTED (``retain_graph`` loads it again).
+* evicted: HOSTED -> SPILLING: the I/O thread writes the pinned copy to the SSD (no
+  second device copy) -> ON_DISK, the buffer back in the pool. A record evicted while
+  its copy to RAM or a load is running is spilled once it is HOSTED again; one still
+  PENDING is written from the device as an SSD-only record would be.
+* a record freed (its last handle gone) leaves the budget and its buffer goes back
+  to the pool.
+
+Prefetch walks HOSTING, HOSTED and SSD records alike (NOTE [ Prefetch window ]); a
+record whose eviction write is still running when backward reaches it is not
+prefetched (it is read when backward needs it, after its write).
+
+**The default budget** (``host_budget_bytes="auto"``): half of the memory this
+process may use: the cgroup's limit (``/sys/fs/cgroup/memory.max``, cgroup v1's
+``memory/memory.limit_in_bytes``) or, without one, the machine's RAM; where the host
+tier pins (a CUDA device is present) also at most the soft ``RLIMIT_MEMLOCK`` unless
+that is unlimited. :func:`default_host_budget` computes it, and
+``Offloader.config`` shows the outcome.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import resource
+
+from ._device import device_misalign
+from ._errors import SpillIOError
+from ._records import State
+from ._spill import BLOCK
+from ._writeback import _WRITTEN, _owning, _without_frames, failed_future
+
+__all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit", "budget_bytes",
+           "has_ssd_tier"]
+
+_UNLIMITED_CGROUP = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded LONG_MAX
+
+
+def memory_limit(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The most memory this process may use: the cgroup's limit (v2 ``memory.max``, v1
+    ``memory/memory.limit_in_bytes``) if there is one, else the machine's RAM, the
+    smaller of the two."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for name in ("memory.max", os.path.join("memory", "memory.limit_in_bytes")):
+        try:
+            with open(os.path.join(cgroup_root, name)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < _UNLIMITED_CGROUP:
+            return min(ram, int(text))
+        break  # "max", or v1's "unlimited": the first file found speaks for the cgroup
+    return ram
+
+
+def default_host_budget(pins: bool, cgroup_root: str = "/sys/fs/cgroup", memlock=None) -> int:
+    """``host_budget_bytes="auto"`` (NOTE [ Host tier ]): half of :func:`memory_limit`,
+    and where the tier pins (``pins``) at most the soft ``RLIMIT_MEMLOCK`` (``memlock``:
+    ``resource.getrlimit``'s pair, for tests) unless that is unlimited."""
+    budget = memory_limit(cgroup_root) // 2
+    if pins:
+        soft = (memlock or resource.getrlimit(resource.RLIMIT_MEMLOCK))[0]
+        if soft != resource.RLIM_INFINITY:
+            budget = min(budget, soft)
+    return budget
+
+
+def budget_bytes(value):
+    """``host_budget_bytes`` as a byte count, or None (no host tier): ``"auto"`` is
+    :func:`default_host_budget` (pinning where CUDA is available), ``"unlimited"`` the
+    largest byte count. ``OffloadConfig.resolve`` and the estimate both use it."""
+    if value == "auto":
+        from ._cuda import default_device
+        return default_host_budget(default_device().type == "cuda")
+    if value == "unlimited":
+        from ._config import MAX_BYTES
+        return MAX_BYTES
+    return value
+
+
+def has_ssd_tier(cfg) -> bool:
+    """Whether ``cfg`` (resolved or not) has an SSD tier: a ``spill_dir``, or none given
+    and no host tier (the default directory is then used)."""
+    if cfg.spill_dir is None:
+        return cfg.host_budget_bytes is None
+    return bool(cfg.spill_dir)
+
+
+class HostBudget:
+    """The host tier's part of the pack decision (NOTE [ Host tier ]): the records
+    admitted, in order, and their bytes. Pure bookkeeping over objects with ``nbytes``
+    and ``tier`` attributes; the store calls it under its lock.
+
+    Args:
+        budget: ``host_budget_bytes``.
+        evicts: whether there is an SSD tier to evict the earliest records to.
+        stats: where ``host_bytes`` and ``peak_host_bytes`` are kept.
+    """
+
+    __slots__ = ("budget", "evicts", "records", "nbytes", "stats", "_next")
+
+    def __init__(self, budget: int, evicts: bool, stats):
+        self.budget = budget
+        self.evicts = evicts
+        self.records = collections.OrderedDict()  # admitted, earliest first
+        self.nbytes = 0
+        self.stats = stats
+        self._next = 0
+
+    def admit(self, rec):
+        """``rec`` left the tail window to leave device memory. Returns ``(admitted,
+        evicted)``: whether ``rec`` goes to the host tier, and the records (earlier
+        ones, or ``rec`` itself when it is larger than the budget) that leave the tier
+        for the SSD now. Without an SSD tier nothing is evicted: ``rec`` is admitted if
+        it fits, else not."""
+        n = rec.nbytes
+        if not self.evicts:
+            if self.nbytes + n > self.budget:
+                return False, []
+            self._add(rec)
+            return True, []
+        if n > self.budget:
+            return False, []
+        evicted = []
+        while self.nbytes + n > self.budget:  # room first: the budget is never exceeded
+            old = next(iter(self.records))
+            self.release(old)
+            evicted.append(old)
+        self._add(rec)
+        return True, evicted
+
+    def _add(self, rec):
+        self._next += 1
+        rec.tier = self._next
+        self.records[rec] = None
+        self._set(self.nbytes + rec.nbytes)
+
+    def release(self, rec) -> None:
+        """``rec`` leaves the tier's budget (evicted, freed, kept or failed). Idempotent."""
+        if rec.tier:
+            rec.tier = 0
+            if self.records.pop(rec, 0) is None:
+                self._set(self.nbytes - rec.nbytes)
+
+    def rebuild(self, recs) -> None:
+        """After a repair: the records that still count (``tier`` set), in their order."""
+        recs = sorted(recs, key=lambda r: r.tier)
+        self.records = collections.OrderedDict((r, None) for r in recs)
+        self._set(sum(r.nbytes for r in recs))
+
+    def _set(self, n):
+        self.nbytes = n
+        stats = self.stats
+        stats.host_bytes = n
+        if n > stats.peak_host_bytes:
+            stats.peak_host_bytes = n
+
+
+# States a record counted in the budget may be in: due to be copied (PENDING), being
+# copied, in RAM, or loaded from RAM.
+IN_TIER = frozenset({State.PENDING, State.HOSTING, State.HOSTED, State.LOADED})
+
+
+class HostTier:
+    """The :class:`ssdtrain._store.Store` mixin that moves records through the host
+    tier (NOTE [ Host tier ]); methods ending in ``_locked`` run with the store lock."""
+
+    def _admit_locked(self, rec):
+        """The pack decision for a device record leaving the tail window with a host
+        tier: admitted (due to be copied to RAM), written to the SSD, or kept on the
+        device; earlier records evicted. Returns whether ``rec`` leaves device memory."""
+        admitted, evicted = self._host.admit(rec)
+        for old in evicted:
+            self._evict_to_ssd_locked(old)
+        if admitted:
+            return True
+        if self._host.evicts:
+            self.stats.host_spilled_bytes += rec.nbytes  # straight to the SSD
+            return True
+        self._keep_locked(rec)
+        self.stats.over_budget_bytes += rec.nbytes
+        self._warn_once("host-budget", "ssdtrain: host_budget_bytes=%d is full and there is "
+                        "no spill_dir: records beyond it stay in device memory "
+                        "(Stats.over_budget_bytes). Give a spill_dir to write them to an SSD, "
+                        "or raise host_budget_bytes.", self._host.budget)
+        return False
+
+    def _evict_to_ssd_locked(self, rec):
+        """``rec`` leaves the host tier's budget for the SSD (decided at a pack). Still
+        PENDING: it is written from the device like any record; else it is spilled from
+        its pinned copy once that copy is all it holds (HOSTED)."""
+        self.stats.host_spilled_bytes += rec.nbytes
+        if rec.state is State.PENDING:
+            return  # due: _start_write_locked sees tier == 0 and writes it to the SSD
+        rec.evict = True
+        if rec.state is State.HOSTED:
+            self._spill_due[rec] = None
+
+    # ------------------------------------------------------------ device -> RAM
+    def _start_host_locked(self, rec):
+        """PENDING -> HOSTING: queue the copy into pinned memory; the future completes
+        when the copy has ended (the "ssdtrain-d2h" thread waits for its event)."""
+        dev = rec.device
+        try:
+            lease, done = dev.to_host(rec.storage, rec.base, rec.nbytes, rec.produced)
+        except Exception as e:  # noqa: BLE001 - no pinned memory now: stays on the device
+            self._keep_locked(rec)
+            self._warn_once("host-pinned", "ssdtrain: a device record could not be copied to "
+                            "the host tier (%s: %s); such records stay in device memory.",
+                            type(e).__name__, e)
+            return
+        rec.host = lease
+        rec.submitted = False
+        self._move_locked(rec, State.HOSTING)
+        try:
+            rec.submitted = True; fut = dev.after(done, _landed)  # noqa: E702
+        except Exception as e:  # noqa: BLE001 - the waiter thread is gone (closing)
+            fut = failed_future(e)
+        rec.future = _owning(fut, (rec.source, rec.storage, lease))
+        rec.future.add_done_callback(self._callback(rec, _WRITTEN))
+
+    def _hosted_locked(self, rec, fut):
+        """The copy of ``rec`` to RAM ended (``_write_done_locked`` dispatches here).
+        Idempotent: clears ``rec.future`` last."""
+        exc = _without_frames(fut.exception())
+        if exc is not None:
+            # The copy never ran (an interrupt, the waiter shut down): the bytes are
+            # still on the device.
+            rec.host = None
+            if rec.storage is not None and not rec.storage_changed():
+                self._move_locked(rec, State.KEPT)
+                self.stats.kept_bytes += rec.nbytes
+            else:
+                self._event_locked(rec, exc, lost=True)
+                self._fail_locked(rec, exc)
+        elif not self._written_intact_locked(rec):
+            pass  # failed with autograd's message (in-place write, storage changed)
+        elif rec.pinned:  # prefetch reached it: the device bytes stay, as a load
+            self._move_locked(rec, State.LOADED)
+            rec.source = None
+            rec.ready = rec.produced
+            rec.produced = None
+        else:
+            self._move_locked(rec, State.HOSTED)
+            self._drop_memory_locked(rec)
+            rec.storage = rec.source = rec.produced = None
+        rec.future = None
+        if not rec.tokens:
+            self._free_locked(rec)
+
+    # ------------------------------------------------------------ RAM -> device
+    def _load_host_locked(self, rec):
+        """HOSTED -> LOADED: queue the copy back to device memory now (rules 5-7 of
+        NOTE [ Device records ]); the consumer waits on ``rec.ready``."""
+        storage, base, ready = rec.device.from_host(rec.host, device_misalign(rec.ptr, rec.lo))
+        rec.storage, rec.base, rec.ready = storage, base, ready
+        self._move_locked(rec, State.LOADED)
+        self.stats.host_loaded_bytes += rec.nbytes
+
+    # --------------------------------------------------------------- RAM -> SSD
+    def _start_spill_locked(self, rec):
+        """HOSTED -> SPILLING: write the pinned copy to a slot; the request owns it."""
+        address = rec.host.view.data_ptr()
+        rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
+        rec.submitted = False
+        self._move_locked(rec, State.SPILLING)
+        rec.writes += 1
+        try:
+            fut = self._submit_write(rec, rec.slot, address, rec.nbytes, False)
+        except Exception as e:  # noqa: BLE001 - refused: nothing in flight
+            fut = failed_future(e)
+        rec.future = _owning(fut, (rec.host,))
+        rec.future.add_done_callback(self._callback(rec, _WRITTEN))
+
+    def _spilled_locked(self, rec, fut):
+        """The write of an evicted record ended. Idempotent: clears ``rec.future`` last."""
+        exc = _without_frames(fut.exception())
+        if exc is not None and (not isinstance(exc, Exception) or (
+                self.cfg.on_spill_error == "keep" and isinstance(exc, SpillIOError))):
+            # An interrupt while it completed inline, or on_spill_error="keep": the bytes
+            # are still in RAM. An interrupted one is evicted again; a failed one stays
+            # in RAM, beyond the budget, as a failed write stays in memory.
+            slot, rec.slot = rec.slot, None
+            if slot is not None:
+                slot.file.free(slot)
+            again = not isinstance(exc, Exception)
+            if not again:
+                self.stats.spill_errors += 1
+                self._warn_once("write", "ssdtrain: a spill write failed (%s); "
+                                "on_spill_error='keep' keeps such records in memory.", exc)
+            rec.evict = again
+            self._move_locked(rec, State.HOSTED)
+        elif exc is not None:
+            self._event_locked(rec, exc, lost=True)
+            self._fail_locked(rec, exc)
+        else:
+            self.stats.records_written += 1
+            self.stats.bytes_written += rec.nbytes
+            if self.cfg.verify and not rec.device.direct:
+                rec.crc = fut.result()
+            self._move_locked(rec, State.ON_DISK)
+            rec.host = None  # the buffer goes back to the pool (its lease's finalizer)
+        rec.future = None
+        if not rec.tokens:
+            self._free_locked(rec)
+
+
+def _landed():
+    """The copy to RAM has ended (the waiter thread waited for its event)."""
+    return None
+
