@@ -188,6 +188,7 @@ class Emu:
         self.delay = 0.0        # op time beyond its emulated duration
         self.spin_lost = 0.0    # launch spins' wall time beyond their CPU time
         self.overrun = 0.0      # fill / check time beyond the op's GIL-free compute
+        self.sample_s = 0.0     # time in sample() this step (taken off the step's time)
         self.pool = None        # random bytes for --check full
         self.index = {}         # marker count -> arange
 
@@ -228,7 +229,16 @@ class Emu:
             self.free.setdefault(nbytes, []).append(addr)
 
     def sample(self):
-        """Live activations plus what ssdtrain holds read back (NOTE [ Tracked peak ])."""
+        """Live activations plus what ssdtrain holds read back (NOTE [ Tracked peak ]).
+        Its time (``Offloader.records()`` takes a snapshot of every record) is the
+        harness's, not the mode's: it is taken off the step (``sample_s``)."""
+        t0 = time.perf_counter()
+        try:
+            self._sample()
+        finally:
+            self.sample_s += time.perf_counter() - t0
+
+    def _sample(self):
         readback = 0
         if self.off is not None:
             with self.lock:
@@ -587,16 +597,16 @@ def run_mode(cfg):
             with EMU.lock:
                 EMU.peak = EMU.live
             EMU.sampled_peak = 0
-            EMU.delay = EMU.spin_lost = EMU.overrun = 0.0
+            EMU.delay = EMU.spin_lost = EMU.overrun = EMU.sample_s = 0.0
             checks0, fails0 = EMU.checks, len(EMU.failures)
             t0 = time.perf_counter()
             with (off if off is not None else contextlib.nullcontext()):
                 loss = model()
             EMU.sample()
             loss.backward()
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0 - EMU.sample_s
             del loss
-            rec = {"warmup": step < cfg["warmup"], "step_s": dt,
+            rec = {"warmup": step < cfg["warmup"], "step_s": dt, "sample_s": EMU.sample_s,
                    "peak_bytes": max(EMU.peak, EMU.sampled_peak), "alloc_peak_bytes": EMU.peak,
                    "delay_s": EMU.delay, "spin_lost_s": EMU.spin_lost,
                    "overrun_s": EMU.overrun, "checks": EMU.checks - checks0,
@@ -605,8 +615,11 @@ def run_mode(cfg):
                 plan = off.active_plan
                 rec["plan"] = None if plan is None else "".join(c[0] for c in plan.choices)
                 if plan is not None and mode == "budget":
-                    rec["predicted_step_s"] = getattr(plan.prediction, "step_s", None)
-                    rec["predicted_peak_bytes"] = getattr(plan.prediction, "peak_bytes", None)
+                    # forward to the end of backward: what this step's time measures (the
+                    # plan's step_s runs to the next forward, through gc and the stats)
+                    rec["predicted_step_s"] = plan.prediction.backward_end_s
+                    rec["predicted_period_s"] = plan.prediction.step_s
+                    rec["predicted_peak_bytes"] = plan.prediction.peak_bytes
             snaps.append(before)
             steps.append(rec)
         # A step's I/O counters run from its start to the next step's start (writes of
@@ -622,11 +635,38 @@ def run_mode(cfg):
             if off is not None:
                 rec["peak_resident_bytes"] = snaps[i + 1].peak_resident_bytes
         engine = off.stats().engine if off is not None else ""
+        detail = plan_detail(off.active_plan, s["n_layers"], cfg.get("mix_ks", ())) \
+            if mode == "budget" and off.active_plan is not None else None
     finally:
         if off is not None:
             off.close()
     return {"mode": mode, "r": cfg["r"], "tflops": cfg["tflops"], "steps": steps,
-            "engine": engine, "failures": EMU.failures}
+            "engine": engine, "failures": EMU.failures, "plan_detail": detail}
+
+
+def plan_detail(p, n, mix_ks):
+    """The budget run's plan: its costs, its table, and what the same cost model
+    predicts for the static modes (forward to the end of backward; ``checkpoint`` as
+    every layer recomputed), so that predictions are compared with every mode's
+    measurement (NOTE [ Step cost model ] in ssdtrain/_planner.py)."""
+    from dataclasses import asdict, replace
+    from ssdtrain._config import default
+    from ssdtrain._planner import predict
+    # the static modes run with keep_tail_bytes=0 and the default write-behind; the
+    # checkpoint mode keeps every layer's input, as the plan's kept tail does
+    static = replace(p.step, keep_tail_bytes=0, write_behind_bytes=default("write_behind_bytes"))
+    plans = {"none": ["keep"] * n, "checkpoint": ["recompute"] * n,
+             "offload_all": ["offload"] * n}
+    for k in mix_ks:
+        if 0 < k < n:
+            for m in ("ok", "rk", "ro"):
+                plans[f"{m}{k}"] = plan_for(f"{m}{k}", n)
+    predicted = {}
+    for name, choices in plans.items():
+        pr = predict(p.layers, choices, static if name != "checkpoint" else p.step)
+        predicted[name] = {"step_s": pr.backward_end_s, "peak_bytes": pr.peak_bytes}
+    return {"layers": [asdict(layer) for layer in p.layers], "step": asdict(p.step),
+            "table": p.table(), "predicted": predicted}
 
 
 # ========================================================================= parent
@@ -719,7 +759,7 @@ def main(argv=None):
     base_cfg = {"shape": shape, "spill_dir": spill_dir, "threads": args.threads,
                 "check": args.check, "launch_us": args.launch_us,
                 "launch_fraction": args.launch_fraction, "steps": args.steps,
-                "warmup": args.warmup}
+                "warmup": args.warmup, "mix_ks": args.mix_ks}
     update, write, close = progress(len(modes) * args.repeats + 3)
     failed, runs = [], []
     try:
