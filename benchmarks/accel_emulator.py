@@ -650,11 +650,12 @@ def plan_detail(p, n, mix_ks):
     every layer recomputed), so that predictions are compared with every mode's
     measurement (NOTE [ Step cost model ] in ssdtrain/_planner.py)."""
     from dataclasses import asdict, replace
-    from ssdtrain._config import default
-    from ssdtrain._planner import predict
+    import ssdtrain
+    from ssdtrain.tools import predict
     # the static modes run with keep_tail_bytes=0 and the default write-behind; the
     # checkpoint mode keeps every layer's input, as the plan's kept tail does
-    static = replace(p.step, keep_tail_bytes=0, write_behind_bytes=default("write_behind_bytes"))
+    static = replace(p.step, keep_tail_bytes=0,
+                     write_behind_bytes=ssdtrain.OffloadConfig().write_behind_bytes)
     plans = {"none": ["keep"] * n, "checkpoint": ["recompute"] * n,
              "offload_all": ["offload"] * n}
     for k in mix_ks:
@@ -843,6 +844,10 @@ def _agg(runs, modes, ratios):
             agg["checks"] = sum(s["checks"] for s in ss)
             agg["plan"] = ss[-1]["plan"]
             ps = [s["predicted_step_s"] for s in ss if s.get("predicted_step_s")]
+            if m != "budget":   # the budget run's cost model, applied to this static mode
+                ps = [x["plan_detail"]["predicted"][m]["step_s"] for x in runs
+                      if x["mode"] == "budget" and x["r"] == r and x.get("plan_detail")
+                      and m in x["plan_detail"]["predicted"]]
             agg["predicted_step_s"] = median(ps) if ps else None
             out[(m, r)] = agg
     return out
@@ -927,22 +932,30 @@ def report(args, shape, spec, bw, bw_end, tflops, budget, modes, runs, failed, s
            f"at 20% of the target step)" if unreachable else ""))
     say("R eff = offload bytes / write bandwidth / none's measured step at that R.")
     say("")
-    say("| R | R eff | TFLOP/s | mode | plan | step (ms) | vs none | stall (ms) | peak (MiB) | "
-        "vs none | written (MiB) | read (MiB) | launch lost (ms) | exact |")
-    say("| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    say("Predicted: the budget run's cost model (its profile and probe at that R), forward "
+        "to the end of backward; for the static modes, that model applied to their plan.")
+    say("")
+    say("| R | R eff | TFLOP/s | mode | plan | step (ms) | predicted (ms) | vs none | stall (ms) "
+        "| peak (MiB) | vs none | written (MiB) | read (MiB) | launch lost (ms) | exact |")
+    say("| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | --- |")
     for r in args.ratios:
         none = agg.get(("none", r))
         for m in modes:
             a = agg.get((m, r))
             if a is None:
-                say(f"| {r:g} | | {tflops[r]:.3g} | {m} | | FAILED | | | | | | | | |")
+                say(f"| {r:g} | | {tflops[r]:.3g} | {m} | | FAILED | | | | | | | | | |")
                 continue
             vs = f"{a['step_s'] / none['step_s']:.2f}x" if none else ""
             vm = f"{a['peak_bytes'] / none['peak_bytes']:.2f}x" if none else ""
             reff = f"{spec['offload_bytes'] / (bw['write'] * 1e9) / none['step_s']:.2f}" \
                 if none else ""
+            pred = "" if a.get("predicted_step_s") is None else \
+                f"{a['predicted_step_s'] * 1e3:.0f}"
             say(f"| {r:g} | {reff} | {tflops[r]:.3g} | {m} | {a['plan'] or ''} | "
-                f"{a['step_s'] * 1e3:.0f} | {vs} | {a['stall_s'] * 1e3:.0f} | "
+                f"{a['step_s'] * 1e3:.0f} | "
+                f"{pred} | "
+                f"{vs} | {a['stall_s'] * 1e3:.0f} | "
                 f"{a['peak_bytes'] / MiB:.1f} | {vm} | {a['offloaded_bytes'] / MiB:.0f} | "
                 f"{a['bytes_read'] / MiB:.0f} | {a['spin_lost_s'] * 1e3:.1f} | "
                 f"{'yes' if a['exact'] else 'NO'} |")
