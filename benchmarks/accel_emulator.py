@@ -44,7 +44,9 @@ wherever that happens: training thread, ssdtrain's I/O thread, checkpoint); the
 peak is the maximum at every allocation, and at every layer boundary of backward
 (and the end of forward) plus the bytes ssdtrain holds read back from disk there
 (records loading or loaded whose original storage is no longer alive). RSS is not
-used (the caching allocator keeps its buffers).
+used (the caching allocator keeps its buffers). Those samples take a snapshot of
+ssdtrain's records (``Offloader.records()``, about a millisecond a layer here): their
+time is the harness's and is taken off the step (``sample_s`` in the JSON).
 
 R (NOTE [ The ratio R ]): offload bytes per step (every saved storage at or above
 ``min_tensor_bytes``, counted from the model's shape; the offload-all runs' Stats
@@ -68,7 +70,10 @@ repeat); ``none`` runs first once to set the budget. Each worker runs
 the budget mode profiles 2 steps, runs one recompute-all step, and plans, probing the
 disk, at the start of the 4th) then ``--steps`` measured ones.
 Output: a markdown table, the accelerator-regime targets (reported, never asserted), a
-JSON file with every number, and a PNG of step time and memory against R.
+JSON file with every number, and a PNG of step time and memory against R. The budget
+run also records its plan's costs and the cost model's prediction, forward to the end
+of backward (``Prediction.backward_end_s``), of its own plan and of every static
+mode's (``plan_detail``; the table's ``predicted`` column).
 
 Example::
 
