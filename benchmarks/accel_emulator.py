@@ -44,7 +44,9 @@ wherever that happens: training thread, ssdtrain's I/O thread, checkpoint); the
 peak is the maximum at every allocation, and at every layer boundary of backward
 (and the end of forward) plus the bytes ssdtrain holds read back from disk there
 (records loading or loaded whose original storage is no longer alive). RSS is not
-used (the caching allocator keeps its buffers).
+used (the caching allocator keeps its buffers). Those samples take a snapshot of
+ssdtrain's records (``Offloader.records()``, about a millisecond a layer here): their
+time is the harness's and is taken off the step (``sample_s`` in the JSON).
 
 R (NOTE [ The ratio R ]): offload bytes per step (every saved storage at or above
 ``min_tensor_bytes``, counted from the model's shape; the offload-all runs' Stats
@@ -70,7 +72,10 @@ repeat); ``none`` runs first once to set the budget. Each worker runs
 the budget mode profiles 2 steps, runs one recompute-all step, and plans, probing the
 disk, at the start of the 4th) then ``--steps`` measured ones.
 Output: a markdown table, the accelerator-regime targets (reported, never asserted), a
-JSON file with every number, and a PNG of step time and memory against R.
+JSON file with every number, and a PNG of step time and memory against R. The budget
+run also records its plan's costs and the cost model's prediction, forward to the end
+of backward (``Prediction.backward_end_s``), of its own plan and of every static
+mode's (``plan_detail``; the table's ``predicted`` column).
 
 Example::
 
@@ -190,6 +195,7 @@ class Emu:
         self.delay = 0.0        # op time beyond its emulated duration
         self.spin_lost = 0.0    # launch spins' wall time beyond their CPU time
         self.overrun = 0.0      # fill / check time beyond the op's GIL-free compute
+        self.sample_s = 0.0     # time in sample() this step (taken off the step's time)
         self.pool = None        # random bytes for --check full
         self.index = {}         # marker count -> arange
 
@@ -230,7 +236,16 @@ class Emu:
             self.free.setdefault(nbytes, []).append(addr)
 
     def sample(self):
-        """Live activations plus what ssdtrain holds read back (NOTE [ Tracked peak ])."""
+        """Live activations plus what ssdtrain holds read back (NOTE [ Tracked peak ]).
+        Its time (``Offloader.records()`` takes a snapshot of every record) is the
+        harness's, not the mode's: it is taken off the step (``sample_s``)."""
+        t0 = time.perf_counter()
+        try:
+            self._sample()
+        finally:
+            self.sample_s += time.perf_counter() - t0
+
+    def _sample(self):
         readback = 0
         if self.off is not None:
             with self.lock:
@@ -602,16 +617,16 @@ def run_mode(cfg):
             with EMU.lock:
                 EMU.peak = EMU.live
             EMU.sampled_peak = 0
-            EMU.delay = EMU.spin_lost = EMU.overrun = 0.0
+            EMU.delay = EMU.spin_lost = EMU.overrun = EMU.sample_s = 0.0
             checks0, fails0 = EMU.checks, len(EMU.failures)
             t0 = time.perf_counter()
             with (off if off is not None else contextlib.nullcontext()):
                 loss = model()
             EMU.sample()
             loss.backward()
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0 - EMU.sample_s
             del loss
-            rec = {"warmup": step < cfg["warmup"], "step_s": dt,
+            rec = {"warmup": step < cfg["warmup"], "step_s": dt, "sample_s": EMU.sample_s,
                    "peak_bytes": max(EMU.peak, EMU.sampled_peak), "alloc_peak_bytes": EMU.peak,
                    "delay_s": EMU.delay, "spin_lost_s": EMU.spin_lost,
                    "overrun_s": EMU.overrun, "checks": EMU.checks - checks0,
@@ -620,8 +635,11 @@ def run_mode(cfg):
                 plan = off.active_plan
                 rec["plan"] = None if plan is None else "".join(c[0] for c in plan.choices)
                 if plan is not None and mode == "budget":
-                    rec["predicted_step_s"] = getattr(plan.prediction, "step_s", None)
-                    rec["predicted_peak_bytes"] = getattr(plan.prediction, "peak_bytes", None)
+                    # forward to the end of backward: what this step's time measures (the
+                    # plan's step_s runs to the next forward, through gc and the stats)
+                    rec["predicted_step_s"] = plan.prediction.backward_end_s
+                    rec["predicted_period_s"] = plan.prediction.step_s
+                    rec["predicted_peak_bytes"] = plan.prediction.peak_bytes
             snaps.append(before)
             steps.append(rec)
         # A step's I/O counters run from its start to the next step's start (writes of
@@ -637,11 +655,39 @@ def run_mode(cfg):
             if off is not None:
                 rec["peak_resident_bytes"] = snaps[i + 1].peak_resident_bytes
         engine = off.stats().engine if off is not None else ""
+        detail = plan_detail(off.active_plan, s["n_layers"], cfg.get("mix_ks", ())) \
+            if mode == "budget" and off.active_plan is not None else None
     finally:
         if off is not None:
             off.close()
     return {"mode": mode, "r": cfg["r"], "tflops": cfg["tflops"], "steps": steps,
-            "engine": engine, "failures": EMU.failures}
+            "engine": engine, "failures": EMU.failures, "plan_detail": detail}
+
+
+def plan_detail(p, n, mix_ks):
+    """The budget run's plan: its costs, its table, and what the same cost model
+    predicts for the static modes (forward to the end of backward; ``checkpoint`` as
+    every layer recomputed), so that predictions are compared with every mode's
+    measurement (NOTE [ Step cost model ] in ssdtrain/_planner.py)."""
+    from dataclasses import asdict, replace
+    import ssdtrain
+    from ssdtrain.tools import predict
+    # the static modes run with keep_tail_bytes=0 and the default write-behind; the
+    # checkpoint mode keeps every layer's input, as the plan's kept tail does
+    static = replace(p.step, keep_tail_bytes=0,
+                     write_behind_bytes=ssdtrain.OffloadConfig().write_behind_bytes)
+    plans = {"none": ["keep"] * n, "checkpoint": ["recompute"] * n,
+             "offload_all": ["offload"] * n}
+    for k in mix_ks:
+        if 0 < k < n:
+            for m in ("ok", "rk", "ro"):
+                plans[f"{m}{k}"] = plan_for(f"{m}{k}", n)
+    predicted = {}
+    for name, choices in plans.items():
+        pr = predict(p.layers, choices, static if name != "checkpoint" else p.step)
+        predicted[name] = {"step_s": pr.backward_end_s, "peak_bytes": pr.peak_bytes}
+    return {"layers": [asdict(layer) for layer in p.layers], "step": asdict(p.step),
+            "table": p.table(), "predicted": predicted}
 
 
 # ========================================================================= parent
@@ -735,7 +781,7 @@ def main(argv=None):
     base_cfg = {"shape": shape, "spill_dir": spill_dir, "threads": args.threads,
                 "check": args.check, "launch_us": args.launch_us,
                 "launch_fraction": args.launch_fraction, "steps": args.steps,
-                "warmup": args.warmup}
+                "warmup": args.warmup, "mix_ks": args.mix_ks}
     update, write, close = progress(len(modes) * args.repeats + 3)
     failed, runs = [], []
     try:
@@ -819,6 +865,10 @@ def _agg(runs, modes, ratios):
             agg["checks"] = sum(s["checks"] for s in ss)
             agg["plan"] = ss[-1]["plan"]
             ps = [s["predicted_step_s"] for s in ss if s.get("predicted_step_s")]
+            if m != "budget":   # the budget run's cost model, applied to this static mode
+                ps = [x["plan_detail"]["predicted"][m]["step_s"] for x in runs
+                      if x["mode"] == "budget" and x["r"] == r and x.get("plan_detail")
+                      and m in x["plan_detail"]["predicted"]]
             agg["predicted_step_s"] = median(ps) if ps else None
             out[(m, r)] = agg
     return out
@@ -903,22 +953,30 @@ def report(args, shape, spec, bw, bw_end, tflops, budget, modes, runs, failed, s
            f"at 20% of the target step)" if unreachable else ""))
     say("R eff = offload bytes / write bandwidth / none's measured step at that R.")
     say("")
-    say("| R | R eff | TFLOP/s | mode | plan | step (ms) | vs none | stall (ms) | peak (MiB) | "
-        "vs none | written (MiB) | read (MiB) | launch lost (ms) | exact |")
-    say("| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    say("Predicted: the budget run's cost model (its profile and probe at that R), forward "
+        "to the end of backward; for the static modes, that model applied to their plan.")
+    say("")
+    say("| R | R eff | TFLOP/s | mode | plan | step (ms) | predicted (ms) | vs none | stall (ms) "
+        "| peak (MiB) | vs none | written (MiB) | read (MiB) | launch lost (ms) | exact |")
+    say("| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | --- |")
     for r in args.ratios:
         none = agg.get(("none", r))
         for m in modes:
             a = agg.get((m, r))
             if a is None:
-                say(f"| {r:g} | | {tflops[r]:.3g} | {m} | | FAILED | | | | | | | | |")
+                say(f"| {r:g} | | {tflops[r]:.3g} | {m} | | FAILED | | | | | | | | | |")
                 continue
             vs = f"{a['step_s'] / none['step_s']:.2f}x" if none else ""
             vm = f"{a['peak_bytes'] / none['peak_bytes']:.2f}x" if none else ""
             reff = f"{spec['offload_bytes'] / (bw['write'] * 1e9) / none['step_s']:.2f}" \
                 if none else ""
+            pred = "" if a.get("predicted_step_s") is None else \
+                f"{a['predicted_step_s'] * 1e3:.0f}"
             say(f"| {r:g} | {reff} | {tflops[r]:.3g} | {m} | {a['plan'] or ''} | "
-                f"{a['step_s'] * 1e3:.0f} | {vs} | {a['stall_s'] * 1e3:.0f} | "
+                f"{a['step_s'] * 1e3:.0f} | "
+                f"{pred} | "
+                f"{vs} | {a['stall_s'] * 1e3:.0f} | "
                 f"{a['peak_bytes'] / MiB:.1f} | {vm} | {a['offloaded_bytes'] / MiB:.0f} | "
                 f"{a['bytes_read'] / MiB:.0f} | {a['spin_lost_s'] * 1e3:.1f} | "
                 f"{'yes' if a['exact'] else 'NO'} |")

@@ -10,8 +10,9 @@ NOTE [ Step cost model ]
 
 A step is forward over the layers ``0..n-1``, then the rest of forward
 (``fwd_other_s``: head, loss), then backward: the head's backward
-(``bwd_head_s``), the layers' backward in reverse order, then the rest of the
-step (``tail_s``: embedding backward, optimizer, data) until the next forward.
+(``bwd_head_s``), the layers' backward in reverse order, then the rest of
+backward (``tail_s``: embedding backward), then the rest of the step
+(``between_s``: optimizer, data) until the next forward.
 Each layer is one of
 
 * ``keep``: its saved bytes stay in memory; costs memory, no time;
@@ -100,11 +101,18 @@ of forward.
 
 NOTE [ Plan search ]
 
-The search is exhaustive over a fixed family of plans: with ``n`` layers and
-at most ``max_plans`` plans, the layers are split into ``g`` consecutive groups
-(``3**g <= max_plans``; groups of one layer when ``3**n`` fits, the later
-layers, which backward needs first, in the smaller groups), every layer of a
-group gets the group's choice, and every combination is predicted. The family
+The search is exhaustive over a fixed family of plans (:func:`plan_family`): with
+``n`` layers and at most ``max_plans`` plans, the layers are split into ``g``
+consecutive groups (``3**g <= max_plans``; groups of one layer when ``3**n``
+fits, the later layers, which backward needs first, in the smaller groups),
+every layer of a group gets the group's choice, and every combination is
+predicted. When the groups are larger than one layer, that misses most of the
+simple plans a user would try by hand, so the family also has every two-part
+plan (:func:`two_part_plans`: the first ``k`` layers one choice, the rest
+another, for every ``k``; at most ``9 * (n + 1)`` more plans): keep-all,
+offload-all, recompute-all (checkpointing every layer) and the static mixes
+(offload or recompute the first ``k`` layers, keep or offload the rest). The
+chosen plan is therefore never predicted slower than any of them that fits. The family
 depends only on ``n`` and ``max_plans``, not on the costs, so the chosen
 plan's predicted time is the exact minimum over it: more bandwidth never
 predicts a slower plan, and a bigger budget never either. Ties go to the plan
@@ -123,7 +131,8 @@ from typing import List, Optional, Sequence, Tuple
 from ._config import default
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StepCost", "Prediction",
-           "Plan", "predict", "plan", "group_layers", "rok_plans", "write_behind_for",
+           "Plan", "predict", "plan", "group_layers", "rok_plans", "plan_family", "two_part_plans",
+           "write_behind_for",
            "throttled_step"]
 
 KEEP = "keep"
@@ -177,7 +186,8 @@ class StepCost:
         read_bps: read bandwidth of the engine, bytes/s (> 0).
         fwd_other_s: forward time outside the layers. Default 0.
         bwd_head_s: backward time before the last layer's backward starts. Default 0.
-        tail_s: time after the first layer's backward until the next forward. Default 0.
+        tail_s: time after the first layer's backward until backward ends (until the
+            next forward when ``between_s`` is 0). Default 0.
         prefetch_bytes: the prefetch window. Default: ``OffloadConfig``'s.
         write_behind_bytes: most bytes queued for writing before forward waits.
             Default: ``OffloadConfig``'s.
@@ -197,6 +207,8 @@ class StepCost:
         host_write_bps: device -> host copy bandwidth, bytes/s, or None (not
             measured). ``write_bps``/``read_bps`` are the host <-> SSD engine's.
         host_read_bps: host -> device copy bandwidth, bytes/s, or None.
+        between_s: time from the end of backward to the next forward (optimizer, data,
+            the loop; NOTE [ The end of backward ] in _profile.py). Default 0.
 
     The cost model (NOTE [ Step cost model ]) prices every offloaded byte at
     ``write_bps``/``read_bps`` today: with a host tier that bounds the I/O time from
@@ -219,6 +231,7 @@ class StepCost:
     host_budget_bytes: int = 0
     host_write_bps: Optional[float] = None
     host_read_bps: Optional[float] = None
+    between_s: float = 0.0
 
     @property
     def head_written_bytes(self) -> int:
@@ -248,6 +261,9 @@ class Prediction:
     """Bytes written (and read) per step."""
     kept_bytes: int
     """Bytes of kept layers."""
+    backward_end_s: float = 0.0
+    """Predicted time from the start of forward to the end of backward: ``step_s``
+    less ``StepCost.between_s`` (what a benchmark timing forward and backward sees)."""
 
 
 @dataclass(frozen=True)
@@ -448,9 +464,9 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
             (layer.recompute_working_bytes if choices[i] == RECOMPUTE else 0)
         bwd_peak = max(bwd_peak, held)
     t += step.tail_s
-    return Prediction(step_s=t, stall_s=stall, recompute_s=recompute,
+    return Prediction(step_s=t + step.between_s, stall_s=stall, recompute_s=recompute,
                       peak_bytes=int(max(fwd_peak, bwd_peak) + step.fixed_bytes),
-                      written_bytes=int(sum(o)), kept_bytes=int(sum(kept)))
+                      written_bytes=int(sum(o)), kept_bytes=int(sum(kept)), backward_end_s=t)
 
 
 def group_layers(n: int, max_plans: int, k: int = 3) -> List[List[int]]:
@@ -509,12 +525,7 @@ def plan(layers: Sequence[LayerCost], budget_bytes: Optional[int], step: StepCos
     groups = group_layers(n, max_plans, len(allowed))
     best = best_fit = None
     searched = 0
-    for combo in itertools.product(allowed, repeat=len(groups)):
-        choices = [None] * n
-        for g, c in zip(groups, combo):
-            for i in g:
-                choices[i] = c
-        choices = tuple(choices)
+    for choices in plan_family(n, max_plans, allowed):
         pred = predict(layers, choices, throttled_step(layers, choices, step, budget_bytes))
         searched += 1
         key = _sort_key(pred, choices)
@@ -527,10 +538,49 @@ def plan(layers: Sequence[LayerCost], budget_bytes: Optional[int], step: StepCos
     notes = []
     if n and len(groups) < n:
         notes.append(f"Layers planned in {len(groups)} groups of consecutive layers "
-                     f"(at most {max_plans} plans searched).")
+                     f"({len(allowed) ** len(groups)} plans of at most {max_plans}), and "
+                     f"every two-part plan (the first k layers one choice, the rest another).")
     fits, (_, choices, pred) = best_fit is not None, best_fit or best
     return Plan(layers, choices, pred, budget_bytes,
                 throttled_step(layers, choices, step, budget_bytes), fits, searched, tuple(notes))
+
+
+def plan_family(n: int, max_plans: int = 6561, allowed: Sequence[str] = CHOICES):
+    """The plans :func:`plan` predicts, in order (NOTE [ Plan search ]): every
+    combination of one choice per group of :func:`group_layers`, then the two-part
+    plans not among them (:func:`two_part_plans`). Depends only on the arguments."""
+    allowed = tuple(dict.fromkeys(allowed))
+    groups = group_layers(n, max_plans, len(allowed))
+    seen = set()
+    for combo in itertools.product(allowed, repeat=len(groups)):
+        choices = [None] * n
+        for g, c in zip(groups, combo):
+            for i in g:
+                choices[i] = c
+        choices = tuple(choices)
+        seen.add(choices)
+        yield choices
+    for choices in two_part_plans(n, allowed):
+        if choices not in seen:
+            seen.add(choices)
+            yield choices
+
+
+def two_part_plans(n: int, allowed: Sequence[str] = CHOICES) -> List[Tuple[str, ...]]:
+    """The plans of two parts: the first ``k`` layers get one choice, the rest another
+    (``0 <= k <= n``, every ordered pair of ``allowed``): keep-all, offload-all,
+    recompute-all (checkpointing every layer), and the static mixes (offload or
+    recompute the first ``k`` layers, keep or offload the rest), without duplicates."""
+    allowed = tuple(dict.fromkeys(allowed))
+    out, seen = [], set()
+    for first in allowed:
+        for rest in allowed:
+            for k in range(n + 1):
+                choices = tuple([first] * k + [rest] * (n - k))
+                if choices not in seen:
+                    seen.add(choices)
+                    out.append(choices)
+    return out
 
 
 def write_behind_for(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost,

@@ -32,6 +32,20 @@ next forward begins is incomplete; :meth:`StepSample.missing` says why, and
 the adaptive policy warns with the reason and the fix (it cannot plan
 without ``profile_steps`` complete steps).
 
+NOTE [ The end of backward ]
+
+The first layer-backward hook of a timed step also queues an autograd engine
+callback (``queue_callback``), which runs when that backward pass ends. The
+time from the end of the first layer's backward to there (embedding backward,
+the rest of the graph) is ``tail_s``; the time from there to the next forward
+(optimizer, data, whatever the loop does between steps) is ``between_s``. Both
+are the same whatever the plan, so they change no choice; apart, the
+prediction says when backward ends (``Prediction.backward_end_s``), which is
+what a benchmark timing ``forward`` and ``backward`` measures, while
+``step_s`` is the period from forward to forward. (Without the callback, when
+backward was not run by the engine, ``between_s`` is 0 and ``tail_s`` is all
+of it, as before.)
+
 NOTE [ Timing asynchronous devices ]
 
 On an accelerator, a layer's call returns when its kernels are launched, not
@@ -216,6 +230,7 @@ class StepSample:
     bwd_begin: List[Optional[float]] = field(default_factory=list)
     bwd_end: List[Optional[float]] = field(default_factory=list)
     head_stall: float = 0.0
+    bwd_done: Optional[float] = None    # the backward pass ended (NOTE [ The end of backward ])
     called: List[bool] = field(default_factory=list)    # the layer ran with grad enabled
     has_bwd: List[bool] = field(default_factory=list)   # its output requires grad
     grad_in: List[bool] = field(default_factory=list)   # a tensor input requires grad
@@ -528,8 +543,18 @@ class LayerProfiler:
                 if not s._bwd_seen:  # the first layer backward reaches: the head ends
                     s._bwd_seen = True
                     s.head_stall = self.stats.stall_seconds - s.stall_at_fwd_end
+                    self._on_backward_done(s)
             return None
         return hook
+
+    def _on_backward_done(self, s):
+        """Note when the running backward pass ends (NOTE [ The end of backward ])."""
+        def done():
+            s.bwd_done = self._now()
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(done)
+        except RuntimeError:  # not inside a backward pass the engine runs: no end to note
+            pass
 
     def _on_bwd_end(self, s, i):
         def hook(grad):
@@ -567,8 +592,9 @@ class LayerProfiler:
         """``(layers, step_parts)`` from the timed steps: per layer the smallest time seen
         (the first step pays one-time costs) and the largest byte counts.
 
-        ``step_parts`` is a dict with ``fwd_other_s``, ``bwd_head_s``, ``tail_s`` and
-        ``untracked_bytes``.
+        ``step_parts`` is a dict with ``fwd_other_s``, ``bwd_head_s``, ``tail_s``,
+        ``between_s`` (NOTE [ The end of backward ]), ``fwd_s_per_byte``,
+        ``bwd_s_per_byte`` and ``untracked_bytes``.
 
         Raises:
             ValueError: no timed step has completed.
@@ -603,7 +629,7 @@ class LayerProfiler:
                 input_bytes=max(s.input_bytes[i] for s in samples),
                 fwd_s=f[i], bwd_s=b[i], recompute_bytes=rc_bytes[i],
                 updates=tuple(self.updates[i] or ())))
-        fwd_other, head, tail = [], [], []
+        fwd_other, head, tail, between = [], [], [], []
         for s in samples:
             fwd_total = s.fwd_end - s.begin - (s.fwd_stall_end - s.wstall_begin)
             fwd_other.append(fwd_total - sum(s.fwd_s))
@@ -611,9 +637,15 @@ class LayerProfiler:
             # with tensor hooks ]): the head ends where the first layer backward begins,
             # the rest of the step starts where the last one ends.
             head.append(min(b for b in s.bwd_begin if b is not None) - s.fwd_end - s.head_stall)
-            tail.append(s.begin + s.period - max(e for e in s.bwd_end if e is not None))
+            # NOTE [ The end of backward ]: the rest of backward, then what the loop does
+            # until the next forward (unknown end: all of it is the rest of backward).
+            last = max(e for e in s.bwd_end if e is not None)
+            end = s.bwd_done if s.bwd_done is not None and s.bwd_done >= last else None
+            tail.append((end if end is not None else s.begin + s.period) - last)
+            between.append(0.0 if end is None else s.begin + s.period - end)
         parts = dict(fwd_other_s=max(0.0, min(fwd_other)), bwd_head_s=max(0.0, min(head)),
-                     tail_s=max(0.0, min(tail)), fwd_s_per_byte=fwd_per_byte,
+                     tail_s=max(0.0, min(tail)), between_s=max(0.0, min(between)),
+                     fwd_s_per_byte=fwd_per_byte,
                      bwd_s_per_byte=bwd_per_byte,
                      untracked_bytes=max(s.untracked_bytes for s in samples))
         return layers, parts
@@ -647,6 +679,7 @@ def step_cost(parts, write_bps, read_bps, cfg) -> StepCost:
     fixed = 0
     return StepCost(write_bps=write_bps, read_bps=read_bps, fwd_other_s=parts["fwd_other_s"],
                     bwd_head_s=parts["bwd_head_s"], tail_s=parts["tail_s"],
+                    between_s=parts.get("between_s", 0.0),
                     prefetch_bytes=cfg.prefetch_bytes,
                     write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=fixed,
                     fwd_s_per_byte=parts.get("fwd_s_per_byte", 0.0),

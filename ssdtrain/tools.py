@@ -21,13 +21,13 @@ import torch
 
 from . import _checksum
 from ._align import BLOCK
-from ._planner import rok_plans
+from ._planner import predict, rok_plans
 from ._readbuf import ReadBuffers
 from ._errors import SSDTrainError
 from ._spill import SpillFile, SpillSet, filesystem_type
 
 __all__ = ["BLOCK", "SpillFile", "SpillSet", "ReadBuffers", "filesystem_type", "rok_plans",
-           "crc32c", "crc32c_available", "uring_probe", "HookTimer"]
+           "predict", "crc32c", "crc32c_available", "uring_probe", "HookTimer"]
 
 
 def crc32c_available() -> bool:

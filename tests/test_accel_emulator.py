@@ -146,3 +146,40 @@ def test_command_line_tiny(tmp_path, spill_dir):
     assert result["bandwidth_start"]["write"] > 0
     assert (tmp_path / "emu.png").exists()
     assert os.listdir(spill_dir) == []
+
+
+def test_budget_run_records_its_plan_and_the_static_modes_predictions(spill_dir, fresh_emu):
+    """The budget mode's predicted step is its plan's forward to end of backward (the
+    harness's gc and statistics between steps are in the plan's period, not in the
+    step it times); plan_detail has the cost model's prediction of every static mode;
+    the peak sampling's time is recorded and taken off the step."""
+    cfg = dict(_cfg(spill_dir, "budget", mix_ks=[1]), warmup=4, budget_bytes=1 << 40)
+    out = _run(cfg)
+    last = out["steps"][-1]
+    assert last["plan"] is not None and 0 < last["predicted_step_s"] < last["predicted_period_s"]
+    assert all(s["sample_s"] > 0 for s in out["steps"])  # ssdtrain's records() snapshot
+    detail = out["plan_detail"]
+    assert set(detail["predicted"]) == {"none", "checkpoint", "offload_all", "ok1", "rk1",
+                                        "ro1"}
+    assert all(v["step_s"] > 0 for v in detail["predicted"].values())
+    assert detail["step"]["between_s"] > 0 and len(detail["layers"]) == SHAPE["n_layers"]
+    # no budget to speak of: keeping everything is predicted fastest, and chosen
+    assert last["plan"] == "kk"
+    assert detail["predicted"]["none"]["step_s"] == pytest.approx(last["predicted_step_s"])
+
+
+def test_same_process_ab(tmp_path, capsys, fresh_emu):
+    """benchmarks/accel_ab.py: every mode in one process, steps in turn; a row per mode,
+    exact, and the budget mode's plan and prediction."""
+    import accel_ab
+    assert accel_ab.main(["--tflops", "1e6", "--n-layers", "2", "--batch", "2", "--seq", "128",
+                          "--d-model", "128", "--vocab", "512", "--steps", "1",
+                          "--launch-us", "0", "--modes", "checkpoint", "budget", "rk1",
+                          "--spill-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1e+06 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["none", "checkpoint", "budget", "rk1"]
+    assert all(r.rstrip().endswith("| yes |") for r in rows), out
+    budget = rows[2].split("|")
+    assert budget[3].strip() and "(" in budget[6], out   # its plan, its prediction
+    assert os.listdir(tmp_path) == []

@@ -14,7 +14,7 @@ from torch import nn
 import ssdtrain
 from helpers import assert_same, run_step
 from ssdtrain import _profile
-from ssdtrain._planner import OFFLOAD
+from ssdtrain._planner import KEEP, OFFLOAD, predict
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -216,3 +216,51 @@ def test_profile_times_device_work_not_launches(make_offloader, monkeypatch):
     step()
     step()
     assert dev.syncs == before  # untimed steps: no synchronize
+
+
+class _Embed(torch.autograd.Function):
+    """The embedding before the tracked blocks: 0.125 s of device work in backward, after
+    the first block's backward has ended (the rest of backward, ``tail_s``)."""
+
+    @staticmethod
+    def forward(ctx, x, device):
+        ctx.device = device
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.device.pending += 0.125
+        return grad, None
+
+
+def test_profile_splits_the_rest_of_backward_from_what_follows_it(make_offloader, monkeypatch):
+    """NOTE [ The end of backward ]: the time from the first layer's backward end to the
+    end of backward (the embedding's backward, 0.125 s here) is ``tail_s``; what the
+    loop does after backward until the next forward (1 s of fake optimizer here) is
+    ``between_s``: it is in the predicted step (``step_s``), not in
+    ``backward_end_s``. Before the split, the 1 s was in ``tail_s``."""
+    dev = _FakeDevice()
+    monkeypatch.setattr(_profile, "time", types.SimpleNamespace(perf_counter=dev.perf_counter))
+    monkeypatch.setattr(torch.cpu, "synchronize", dev.synchronize)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([_AsyncBlock(dev) for _ in range(3)])
+    src = nn.Parameter(torch.randn(4, D))
+    off = make_offloader(profile_steps=2, min_tensor_bytes=1 << 30).track(model)
+
+    def step():
+        with off:
+            y = _Embed.apply(src, dev)
+            for b in model.blocks:
+                y = b(y)
+            loss = y.sum()
+        loss.backward()
+        dev.clock += 1.0  # the optimizer, the next batch: between backward and forward
+
+    for _ in range(3):  # steps 1-2 timed; step 3 begins them complete
+        step()
+    layers, parts = off._layers.profiler.costs()
+    assert parts["tail_s"] == pytest.approx(0.125) and parts["between_s"] == pytest.approx(1.0)
+    cost = _profile.step_cost(parts, 1e9, 1e9, off.config)
+    pred = predict(layers, [KEEP] * 3, cost)
+    assert pred.backward_end_s == pytest.approx(3 * 0.25 + 3 * 0.5 + 0.125)
+    assert pred.step_s == pytest.approx(pred.backward_end_s + 1.0)

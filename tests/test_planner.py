@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ssdtrain._planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, StepCost,
-                               group_layers, plan, predict, rok_plans, throttled_step)
+                               group_layers, plan, plan_family, predict, rok_plans,
+                               throttled_step, two_part_plans)
 
 MiB = 1 << 20
 
@@ -32,6 +33,7 @@ step_st = st.builds(
     fwd_other_s=st.floats(0.0, 1.0),
     bwd_head_s=st.floats(0.0, 1.0),
     tail_s=st.floats(0.0, 1.0),
+    between_s=st.floats(0.0, 1.0),
     prefetch_bytes=st.integers(1, 1024 * MiB),
     write_behind_bytes=st.integers(0, 2048 * MiB),
     fixed_bytes=st.integers(0, 64 * MiB),
@@ -200,7 +202,71 @@ def test_group_layers(n, max_plans, k):
 def test_grouped_search_size():
     layers = _layers(12)
     p = plan(layers, 600 * MiB, StepCost(write_bps=1e9, read_bps=1e9), max_plans=729)
-    assert p.plans_searched == 729 and "groups" in p.table()
+    family = list(plan_family(12, 729))
+    assert len(family) == len(set(family)) == p.plans_searched
+    # 3**6 group plans, and the two-part plans that split a group (odd k): 9 ordered
+    # pairs of different choices, 6 odd k each.
+    assert p.plans_searched == 729 + 6 * 6 and "groups" in p.table()
+
+
+def _static_mixes(n):
+    """The accelerator emulator's static plans: keep-all, offload-all, checkpoint (every
+    layer recomputed), and ok<k>, rk<k>, ro<k> (benchmarks/accel_emulator.py plan_for)."""
+    out = [(KEEP,) * n, (OFFLOAD,) * n, (RECOMPUTE,) * n]
+    for k in range(1, n):
+        for first, rest in ((OFFLOAD, KEEP), (RECOMPUTE, KEEP), (RECOMPUTE, OFFLOAD)):
+            out.append((first,) * k + (rest,) * (n - k))
+    return out
+
+
+@pytest.mark.parametrize("n,max_plans", [(1, 6561), (5, 9), (8, 6561), (12, 729), (40, 6561),
+                                         (7, 1)])
+def test_plan_family_contains_the_static_mixes(n, max_plans):
+    family = set(plan_family(n, max_plans))
+    assert set(two_part_plans(n)) <= family
+    assert set(_static_mixes(n)) <= family
+    two = two_part_plans(n)
+    assert len(two) == len(set(two)) == (1 if n == 0 else 3 + 6 * (n - 1) + (0 if n < 2 else 0))
+
+
+def test_plan_beats_a_static_mix_that_splits_a_group():
+    """Five layers in two groups ([0, 1, 2], [3, 4]): the budget fits four kept layers and
+    one recomputed. The groups alone can only recompute three (or two); the two-part
+    plan rk1 (recompute layer 0, keep the rest) is in the family, and chosen."""
+    layers = _layers(5, saved=100 * MiB, inp=1 * MiB, f=0.1, b=0.2)
+    step = StepCost(write_bps=1e6, read_bps=1e6)   # offloading is hopeless
+    budget = 450 * MiB                             # four kept layers, not five
+    rk1 = (RECOMPUTE,) + (KEEP,) * 4
+    assert predict(layers, rk1, throttled_step(layers, rk1, step, budget)).peak_bytes <= budget
+    p = plan(layers, budget, step, max_plans=9)
+    assert p.choices == rk1
+    assert p.prediction.recompute_s == pytest.approx(0.1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(layer_st, min_size=1, max_size=9), budget_st, step_st,
+       st.sampled_from([1, 3, 9, 27]))
+def test_plan_no_slower_than_any_static_mix_that_fits(layers, budget, step, max_plans):
+    """Grouped or not, the chosen plan is predicted no slower than keep-all, offload-all,
+    recompute-all and every static mix whose predicted peak fits the budget."""
+    p = plan(layers, budget, step, max_plans=max_plans)
+    for choices in _static_mixes(len(layers)):
+        pred = predict(layers, choices, throttled_step(layers, choices, step, budget))
+        if budget is None or pred.peak_bytes <= budget:
+            assert p.fits and p.prediction.step_s <= pred.step_s + 1e-9
+
+
+def test_backward_end_is_the_step_less_between():
+    """between_s (end of backward to the next forward) is in step_s, not backward_end_s,
+    and changes no choice."""
+    layers = _layers(4)
+    base = StepCost(write_bps=1e9, read_bps=1e8, tail_s=0.05)
+    later = dataclasses.replace(base, between_s=0.5)
+    for choices in rok_plans(4):
+        a, b = predict(layers, choices, base), predict(layers, choices, later)
+        assert a.backward_end_s == a.step_s == b.backward_end_s
+        assert b.step_s == pytest.approx(a.step_s + 0.5)
+    assert plan(layers, 250 * MiB, base).choices == plan(layers, 250 * MiB, later).choices
 
 
 def test_rok_plans():

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Same-process A/B for the accelerator emulator: modes take turns, one step each.
+
+``benchmarks/accel_emulator.py`` runs each mode in its own process, so on a machine
+shared with other work its modes meet different load (its runs here moved 2-3x from
+one step to the next). This script builds every mode in one process, on the same
+emulated GPT (``accel_emulator``'s model, allocator and checks), and runs one step of
+each in turn, the order rotated every round, so that each mode meets the same load.
+Each ssdtrain step waits for its own I/O before the next mode's step
+(``Offloader.wait()``, outside the timing), so that no mode's writes run into
+another's step; writes that would have overlapped the next step's forward are
+therefore not measured (offload modes look a little better than in the emulator).
+
+Reported per mode: the median and least step time (forward to the end of backward,
+less the peak sampling), the training thread's CPU time per step (``thread_time``:
+barely moved by load), the peak of live activation bytes, the plan, and for the budget
+mode its predicted step (``Prediction.backward_end_s``). ``--tflops`` takes the rates
+the emulator solved for each R (its table's ``TFLOP/s`` column).
+
+Example::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/accel_ab.py --batch 4 --seq 256 \\
+        --tflops 0.245 1.37 2.98 --modes none checkpoint budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import accel_emulator as E  # noqa: E402
+
+MiB = 1 << 20
+
+
+def setup(mode, cfg, budget, spill_dir):
+    import ssdtrain
+    emu = E.EMU = E.Emu(cfg)
+    model = E.build_model(cfg)
+    off = None
+    base = dict(spill_dir=spill_dir)
+    if mode == "checkpoint":
+        model.checkpoint = True
+    elif mode == "offload_all":
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
+    elif mode == "budget":
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
+            policy="adaptive", memory_budget_bytes=int(budget), **base))
+        off.track(model, list(model.layers))
+    elif mode != "none":
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
+        off.track(model, list(model.layers))
+        off.set_plan(E.plan_for(mode, cfg["shape"]["n_layers"]))
+    emu.off = off
+    return dict(mode=mode, emu=emu, model=model, off=off, step_s=[], cpu_s=[], peak=0)
+
+
+def one_step(s, step, measured):
+    E.EMU = emu = s["emu"]
+    off = s["off"]
+    emu.step = step
+    gc.collect()
+    with emu.lock:
+        emu.peak = emu.live
+    emu.sampled_peak = 0
+    emu.delay = emu.overrun = emu.spin_lost = emu.sample_s = 0.0
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    with (off if off is not None else contextlib.nullcontext()):
+        loss = s["model"]()
+    emu.sample()
+    loss.backward()
+    dt = time.perf_counter() - t0 - emu.sample_s
+    cpu = time.thread_time() - c0
+    del loss
+    if off is not None:
+        off.wait()
+    if measured:
+        s["step_s"].append(dt)
+        s["cpu_s"].append(cpu)
+        s["peak"] = max(s["peak"], emu.peak, emu.sampled_peak)
+    return max(emu.peak, emu.sampled_peak)
+
+
+def run(args, tflops, spill_dir):
+    shape = dict(E.DEFAULT_SHAPE)
+    for k in shape:
+        if getattr(args, k) is not None:
+            shape[k] = getattr(args, k)
+    cfg = dict(shape=shape, spill_dir=spill_dir, threads=1, check="sparse",
+               launch_us=args.launch_us, launch_fraction=args.launch_fraction, r=None,
+               tflops=tflops)
+    # none first, alone, for the budget (a fraction of its peak)
+    ref = setup("none", cfg, None, spill_dir)
+    peak = max(one_step(ref, i, False) for i in range(2))
+    budget = args.budget_fraction * peak
+    setups = [ref if m == "none" else setup(m, cfg, budget, spill_dir) for m in args.modes]
+    for step in range(args.warmup + args.steps):
+        k = step % len(setups)
+        for s in setups[k:] + setups[:k]:
+            one_step(s, step, step >= args.warmup)
+    E.EMU = None
+    rows = []
+    med = {s["mode"]: statistics.median(s["step_s"]) for s in setups}
+    fit = [m for m in med if m not in ("none", "budget") and
+           next(s for s in setups if s["mode"] == m)["peak"] <= budget]
+    best = min((med[m] for m in fit), default=None)
+    for s in setups:
+        plan = s["off"].active_plan if s["off"] is not None else None
+        pred = plan.prediction.backward_end_s if plan is not None and s["mode"] == "budget" \
+            else None
+        m = med[s["mode"]]
+        rows.append(
+            f"| {tflops:g} | {s['mode']} | {''.join(c[0] for c in plan.choices) if plan else ''} "
+            f"| {m * 1e3:.0f} | {min(s['step_s']) * 1e3:.0f} | "
+            f"{'' if pred is None else f'{pred * 1e3:.0f} ({pred / m - 1:+.0%})'} | "
+            f"{m / med['none']:.2f}x | "
+            f"{'' if best is None or s['mode'] != 'budget' else f'{m / best:.2f}x'} | "
+            f"{statistics.median(s['cpu_s']) * 1e3:.0f} | {s['peak'] / MiB:.1f} | "
+            f"{'yes' if not s['emu'].failures else 'NO'} |")
+        if s["off"] is not None:
+            s["off"].close()
+    return rows, budget, fit
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tflops", type=float, nargs="+", required=True,
+                   help="emulated FLOP rates (the emulator's TFLOP/s column for each R)")
+    p.add_argument("--modes", nargs="+", default=["none", "checkpoint", "budget"])
+    p.add_argument("--budget-fraction", type=float, default=0.3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4,
+                   help="rounds before measuring (the budget mode plans in the 4th)")
+    p.add_argument("--launch-us", type=float, default=10.0)
+    p.add_argument("--launch-fraction", type=float, default=None)
+    p.add_argument("--spill-dir", default=None)
+    for k in E.DEFAULT_SHAPE:
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
+    args = p.parse_args(argv)
+    if "none" not in args.modes:
+        args.modes = ["none"] + args.modes
+    import torch
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)   # 1 ns timer slack, as the emulator
+    with tempfile.TemporaryDirectory(prefix="ssdtrain-ab-", dir=args.spill_dir) as spill:
+        print("| TFLOP/s | mode | plan | step (ms) | least (ms) | predicted (ms) | vs none "
+              "| vs fastest static that fits | CPU (ms) | peak (MiB) | exact |")
+        print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for tf in args.tflops:
+            rows, budget, fit = run(args, tf, spill)
+            print("\n".join(rows), flush=True)
+        print(f"\nbudget {budget / MiB:.1f} MiB; static modes that fit: {', '.join(fit) or 'none'}"
+              f"; load average {os.getloadavg()[0]:.1f}")
+        print("Command: " + " ".join(sys.argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
