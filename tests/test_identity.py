@@ -45,7 +45,8 @@ def test_reused_pointer_is_not_served_stale_data(make_offloader):
             a = torch.full((NUMEL,), va)
             ptr, key_a = a.data_ptr(), storage_key(a.untyped_storage())
             out_a = SaveForBackward.apply(anchors[0], sinks[0], a)
-            off.wait()  # written: ssdtrain no longer holds a's memory
+            off.wait()  # written: ssdtrain drops a's memory into its graveyard
+            off._store._bury()  # released now, not when the I/O thread gets to it (load)
             del a       # freed
             b = torch.full((NUMEL,), vb)
             assert b._version == 0  # same version as a: only identity tells them apart
