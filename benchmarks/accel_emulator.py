@@ -563,15 +563,19 @@ def run_mode(cfg):
     if mode == "checkpoint":
         model.checkpoint = True
     elif mode == "offload_all":
-        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", keep_tail_bytes=0,
+                                                        **base))
     elif mode == "default":
+        if cfg.get("max_slowdown") is not None:  # --max-slowdown: the default's margin
+            base["max_slowdown"] = cfg["max_slowdown"]
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(**base))
     elif mode == "budget":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
             policy="adaptive", memory_budget_bytes=int(cfg["budget_bytes"]), **base))
         off.track(model, list(model.layers))
     elif mode != "none":
-        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", keep_tail_bytes=0,
+                                                        **base))
         off.track(model, list(model.layers))
         off.set_plan(plan_for(mode, s["n_layers"]))
     EMU.off = off
@@ -650,6 +654,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-fraction", type=float, default=0.3,
                    help="budget mode's memory_budget_bytes as a fraction of none's peak")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--max-slowdown", type=float, default=None,
+                   help="OffloadConfig.max_slowdown of the default mode (default: the "
+                        "library's)")
     p.add_argument("--warmup", type=int, default=2,
                    help="warm-up steps of the static modes (default 2)")
     p.add_argument("--warmup-adaptive", type=int, default=4,
@@ -719,7 +726,7 @@ def main(argv=None):
     base_cfg = {"shape": shape, "spill_dir": spill_dir, "threads": args.threads,
                 "check": args.check, "launch_us": args.launch_us,
                 "launch_fraction": args.launch_fraction, "steps": args.steps,
-                "warmup": args.warmup}
+                "warmup": args.warmup, "max_slowdown": args.max_slowdown}
     update, write, close = progress(len(modes) * args.repeats + 3)
     failed, runs = [], []
     try:

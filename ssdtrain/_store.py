@@ -118,7 +118,8 @@ from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError, resource_error
 from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
-from ._policy import KEEP_CAPTURE, TRACKER, TailWindow, keep_reason
+from ._config import MAX_BYTES
+from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers, unmap_now
@@ -183,7 +184,10 @@ class Store(WriteBack, Prefetch):
         self._extra_slots = set()              # slots allocated outside records (bandwidth probe)
         self._task = -1                        # the graph task whose end drains (unpack)
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
-        self.write_behind = config.write_behind_bytes  # in force; see limit_write_behind
+        self.quota = None                      # each pass's offload quota (policy "auto",
+                                               # NOTE [ The offload quota ] in _auto.py)
+        self.write_behind = None               # in force; see limit_write_behind
+        self.limit_write_behind(None)
         self.closed = False
         self._kicks = queue.SimpleQueue()      # wakes the I/O thread
         self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._kicks),
@@ -228,9 +232,13 @@ class Store(WriteBack, Prefetch):
 
     def limit_write_behind(self, nbytes=None) -> None:
         """Put ``nbytes`` in force as the write-behind limit (an applied plan's, lowered
-        to fit its memory budget), or the config's with ``None``. The config itself is
-        never changed (NOTE [ One resolved config ])."""
-        self.write_behind = self.cfg.write_behind_bytes if nbytes is None else nbytes
+        to fit its memory budget), or the config's with ``None``: none under
+        ``policy="auto"``, whose forward never waits for a write (NOTE [ The offload
+        quota ] in _auto.py). The config itself is never changed (NOTE [ One resolved
+        config ])."""
+        if nbytes is None:
+            nbytes = MAX_BYTES if self.cfg.policy == "auto" else self.cfg.write_behind_bytes
+        self.write_behind = nbytes
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
@@ -245,6 +253,7 @@ class Store(WriteBack, Prefetch):
         # (NOTE [ Unmapping off the training thread ] in _readbuf.py).
         self._buffers.trim()
         self._current = _Pass()
+        self._window.begin_step(self.quota)
 
     def end_pass(self):
         """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
@@ -335,7 +344,10 @@ class Store(WriteBack, Prefetch):
         decided now, in pack, never later (NOTE [ The pack decision ] in _policy.py)."""
         outside = 0 if self.cfg.max_spill_bytes is None else self._outside_spill_bytes()
         for rec, reason in self._window.overflow(outside):
-            if reason is None:
+            if reason is KEEP_QUOTA:
+                self._keep_locked(rec)
+                self.stats.quota_kept_bytes += rec.nbytes
+            elif reason is None:
                 rec.due = True
                 self._due[rec] = None
                 self._due_bytes += rec.nbytes

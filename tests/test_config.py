@@ -307,6 +307,7 @@ def test_from_env_reads_every_field(tmp_path):
         "SSDTRAIN_MEMORY_BUDGET_BYTES": "2GiB",
         "SSDTRAIN_PROFILE_STEPS": "3",
         "SSDTRAIN_REPLAN_STALL_FRACTION": "0.25",
+        "SSDTRAIN_MAX_SLOWDOWN": "0.05",
         "PATH": "/nonexistent",           # other variables are ignored
         "XSSDTRAIN_ENGINE": "native",
     }
@@ -325,7 +326,7 @@ def test_from_env_reads_every_field(tmp_path):
     assert (cfg.on_spill_error, cfg.max_spill_bytes, cfg.on_spill_full) == ("keep", 2 * GiB,
                                                                             "raise")
     assert (cfg.policy, cfg.memory_budget_bytes, cfg.profile_steps,
-            cfg.replan_stall_fraction) == ("adaptive", 2 * GiB, 3, 0.25)
+            cfg.replan_stall_fraction, cfg.max_slowdown) == ("adaptive", 2 * GiB, 3, 0.25, 0.05)
     assert {f.name for f in dataclasses.fields(OffloadConfig)} == {
         k[len("SSDTRAIN_"):].lower() for k in environ if k.startswith("SSDTRAIN_")}
 
