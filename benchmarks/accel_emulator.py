@@ -608,6 +608,10 @@ def run_mode(cfg):
             if off is not None:
                 plan = off.active_plan
                 rec["plan"] = None if plan is None else "".join(c[0] for c in plan.choices)
+                quota = off.stats().offload_quota_bytes  # policy "auto": the step's quota
+                rec["offload_quota_bytes"] = quota
+                if plan is None and quota is not None:
+                    rec["plan"] = f"Q {quota / MiB:.0f} MiB"
                 if plan is not None and mode == "budget":
                     rec["predicted_step_s"] = getattr(plan.prediction, "step_s", None)
                     rec["predicted_peak_bytes"] = getattr(plan.prediction, "peak_bytes", None)

@@ -611,7 +611,8 @@ def test_tmpfs_spill_dir_warns_and_works(caplog):
         ref_grad, x.grad = x.grad, None
 
         with caplog.at_level(logging.WARNING, logger="ssdtrain"):
-            off = Offloader(OffloadConfig(spill_dir=shm, keep_tail_bytes=0, prefetch_bytes=0))
+            off = Offloader(OffloadConfig(spill_dir=shm, policy="static", keep_tail_bytes=0,
+                                          prefetch_bytes=0))
         try:
             warnings = [r for r in caplog.records
                         if r.name == "ssdtrain" and r.levelno == logging.WARNING]
