@@ -524,7 +524,7 @@ def probe(cfg):
     tensors = [torch.full((n,), i % 251, dtype=torch.uint8) for i, n in enumerate(sizes)]
     total = sum(sizes)
     out = {"bytes": total, "write_gbps": [], "read_gbps": []}
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=cfg["spill_dir"],
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=cfg["spill_dir"], policy="static",
                                                     keep_tail_bytes=0, prefetch_bytes=0))
     try:
         for _ in range(2):

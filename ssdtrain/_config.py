@@ -336,7 +336,7 @@ class OffloadConfig:
     def _validate_planner_fields(self):
         if self.policy not in POLICIES:
             raise ConfigError(f"ssdtrain: policy must be one of {POLICIES}, got {self.policy!r}.")
-        m = _number(self.max_slowdown, name="max_slowdown", minimum=-math.inf, maximum=10.0,
+        m = _number(self.max_slowdown, name="max_slowdown", minimum=-1.0, maximum=10.0,
                     what="a fraction of the step time in [0, 10], such as 0.03 (3%)")
         if m < 0:
             raise ConfigError(f"ssdtrain: max_slowdown must be a fraction of the step time in "
