@@ -27,10 +27,15 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    bandwidth ``R`` (one request at a time: a low estimate). This happens in the
    offloader's ``__enter__``, before the step's clock starts.
 3. *Bound.* Writes of the quota must end within forward (else their memory is not
-   freed when forward's peak comes), ``Q <= W * F``; the reads start when forward ends
-   and the last of them is needed at the end of backward, ``Q <= R * (T - F + m * T)``
-   with ``m = max_slowdown``; and ``Q <= S``. The bound is ``SAFETY`` (0.8) times the
-   least of these.
+   freed when forward's peak comes), ``Q <= W * F``; the reads must end by the end of
+   backward, ``Q <= R * (T - F + m * T)`` with ``m = max_slowdown``, and they start
+   only once backward has used all but ``prefetch_bytes`` of the kept records: the
+   records kept for want of quota fill the prefetch window as the kept tail does (else
+   the reads would bring the written bytes back while the kept ones are still held,
+   and the step's peak would be no lower), which with backward using the step's
+   bytes evenly gives ``Q * (1 - R * B / S) <= R * B * prefetch_bytes / S + R * m * T``
+   (``B = T - F``; no limit when ``R * B >= S``); and ``Q <= S``. The bound is
+   ``SAFETY`` (0.8) times the least of these (:func:`quota_bound`).
 4. *Feedback.* The quota is ``scale * bound``, ``scale`` starting at
    ``START_SCALE`` (0.5). A step is *slowed* when it waited on I/O (read stalls and
    write waits) for more than ``m * T`` or took more than ``(1 + m) * T`` (CPU or
@@ -79,15 +84,29 @@ class StepSample:
 
 
 def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: float,
-                read_bps: float, max_slowdown: float, safety: float = SAFETY) -> int:
+                read_bps: float, max_slowdown: float, safety: float = SAFETY,
+                window_bytes: Optional[int] = None) -> int:
     """The most bytes a step can offload without waiting on the disk (NOTE [ The offload
     quota ], step 3): never above ``saved_bytes``, never below 0, and monotone
-    non-decreasing in each bandwidth and each time."""
+    non-decreasing in each bandwidth and each time. ``window_bytes``: the prefetch
+    window (``prefetch_bytes``), which the kept records fill first, so the reads start
+    only once backward has used all but that much of them; ``None``: at the end of
+    forward."""
     if saved_bytes <= 0 or not (write_bps > 0 and read_bps > 0):
         return 0
     forward_s = max(0.0, forward_s)
-    rest_s = max(0.0, step_s - forward_s) + max_slowdown * max(0.0, step_s)
-    q = safety * min(write_bps * forward_s, read_bps * rest_s)
+    back_s = max(0.0, step_s - forward_s)
+    slack_s = max_slowdown * max(0.0, step_s)
+    reads = read_bps * (back_s + slack_s)
+    if window_bytes is not None:
+        # Backward uses the S saved bytes evenly over back_s; the reads of the Q written
+        # (used last) start when S - Q - window bytes are used and must end by back_s:
+        # Q / R <= back_s * (Q + window) / S + slack, i.e. Q * (1 - R * back_s / S) <=
+        # R * back_s * window / S + R * slack (no limit when R * back_s >= S).
+        drain = read_bps * back_s / saved_bytes
+        if drain < 1.0:
+            reads = min(reads, (drain * window_bytes + read_bps * slack_s) / (1.0 - drain))
+    q = safety * min(write_bps * forward_s, reads)
     if not math.isfinite(q):
         return int(saved_bytes)
     return int(max(0.0, min(float(saved_bytes), q)))
@@ -123,11 +142,14 @@ class AutoQuota:
         stats: the offloader's :class:`~ssdtrain.Stats` (read for stalls and saved bytes,
             written for the quota in force).
         clock: seconds, monotonic (tests pass their own).
+        window_bytes: the prefetch window (``prefetch_bytes``), see :func:`quota_bound`.
     """
 
     def __init__(self, max_slowdown: float, probe: Callable[[int], Tuple[float, float]],
-                 stats, clock: Callable[[], float] = time.perf_counter):
+                 stats, clock: Callable[[], float] = time.perf_counter,
+                 window_bytes: Optional[int] = None):
         self.max_slowdown = max_slowdown
+        self.window_bytes = window_bytes
         self._probe = probe
         self._stats = stats
         self._clock = clock
@@ -199,7 +221,8 @@ class AutoQuota:
             self.write_bps = nbytes / max(write_s, 1e-9)
             self.read_bps = nbytes / max(read_s, 1e-9)
         self.bound = quota_bound(last.saved_bytes, self.base_forward_s, self.base_step_s,
-                                 self.write_bps, self.read_bps, self.max_slowdown)
+                                 self.write_bps, self.read_bps, self.max_slowdown,
+                                 window_bytes=self.window_bytes)
         quota = int(min(self.bound * self.scale, last.saved_bytes))
         why = (f"{self.scale:.2f} x the bound {self.bound / MiB:.1f} MiB (0.8 x the least of "
                f"write {self.write_bps / 1e9:.2f} GB/s x forward {self.base_forward_s * 1e3:.0f}"

@@ -347,6 +347,14 @@ class Store(WriteBack, Prefetch):
             if reason is KEEP_QUOTA:
                 self._keep_locked(rec)
                 self.stats.quota_kept_bytes += rec.nbytes
+                # Backward uses it before any record the step wrote (those are older):
+                # like the kept tail it fills the prefetch window, so reads start as
+                # backward consumes it and kept + read-back bytes stay within
+                # prefetch_bytes; else the reads would bring the written bytes back
+                # while the kept ones are still held, and the step's peak would be no
+                # lower (NOTE [ The offload quota ] in _auto.py).
+                rec.prefetched = True
+                self._ahead += rec.nbytes
             elif reason is None:
                 rec.due = True
                 self._due[rec] = None

@@ -174,7 +174,8 @@ class Offloader:
             from ._auto import AutoQuota
             store = self._store
             self._auto = AutoQuota(config.max_slowdown,
-                                   lambda nbytes: store.time_io(nbytes, repeats=2), self._stats)
+                                   lambda nbytes: store.time_io(nbytes, repeats=2), self._stats,
+                                   window_bytes=config.prefetch_bytes)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):

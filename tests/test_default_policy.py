@@ -45,6 +45,16 @@ def test_bound_is_within_the_step_and_monotone_in_bandwidth(saved, f, t, w, r, k
     assert quota_bound(saved, f, t + 1.0, w, r, m) >= q      # more time, more bytes
 
 
+@settings(max_examples=200, deadline=None)
+@given(saved=st.integers(1, 1 << 40), f=times, t=times, w=pos, r=pos, k=st.floats(1, 1e3),
+       window=st.integers(0, 1 << 40), m=st.floats(0, 1))
+def test_bound_with_the_prefetch_window_is_lower_and_monotone(saved, f, t, w, r, k, window, m):
+    q = quota_bound(saved, f, t, w, r, m, window_bytes=window)
+    assert 0 <= q <= quota_bound(saved, f, t, w, r, m)
+    assert quota_bound(saved, f, t, w, r * k, m, window_bytes=window) >= q
+    assert quota_bound(saved, f, t, w, r, m, window_bytes=window * 2) >= q
+
+
 def test_bound_is_the_tighter_of_writes_in_forward_and_reads_in_the_rest():
     # 1 GB/s writes for a 0.1 s forward (100 MB) vs 0.25 GB/s reads for 0.2 s + 3% of 0.3 s.
     q = quota_bound(1 << 40, 0.1, 0.3, 1e9, 0.25e9, 0.03, safety=1.0)
@@ -52,6 +62,10 @@ def test_bound_is_the_tighter_of_writes_in_forward_and_reads_in_the_rest():
     assert quota_bound(1 << 40, 0.1, 0.3, 0.1e9, 1e12, 0.0, safety=1.0) == int(0.1e9 * 0.1)
     assert quota_bound(0, 0.1, 0.3, 1e9, 1e9, 0.03) == 0
     assert quota_bound(1 << 20, 0.1, 0.3, 0.0, 1e9, 0.03) == 0   # no bandwidth known
+    # 1000 MB saved, read at 1 GB/s over a 0.5 s backward (half of it in time): the
+    # reads wait for the kept bytes to drain to the 100 MB window, Q <= 2 * 50 MB.
+    assert quota_bound(10 ** 9, 1.0, 1.5, 1e12, 1e9, 0.0, safety=1.0,
+                       window_bytes=10 ** 8) == pytest.approx(10 ** 8, rel=1e-9)
 
 
 @given(scale=st.floats(1e-6, 1.5), stall=st.floats(0, 10), base=st.floats(1e-3, 10),
@@ -189,6 +203,8 @@ def test_decision_given_a_quota_is_the_same_in_every_run(spill_dir, tmp_path):
                 loss = model(*inputs)
             off.wait()
             after = off.stats()
+            # what the quota kept fills the prefetch window, as the kept tail does
+            assert off._store._ahead >= after.quota_kept_bytes - before.quota_kept_bytes > 0
             runs.append((_written_seqs(off), after.offloaded_bytes - before.offloaded_bytes,
                          after.quota_kept_bytes - before.quota_kept_bytes))
             loss.backward()
