@@ -554,7 +554,7 @@ def probe(cfg):
     tensors = [torch.full((n,), i % 251, dtype=torch.uint8) for i, n in enumerate(sizes)]
     total = sum(sizes)
     out = {"bytes": total, "write_gbps": [], "read_gbps": []}
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=cfg["spill_dir"],
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=cfg["spill_dir"], policy="static",
                                                     keep_tail_bytes=0, prefetch_bytes=0))
     try:
         for _ in range(2):
@@ -593,15 +593,19 @@ def run_mode(cfg):
     if mode == "checkpoint":
         model.checkpoint = True
     elif mode == "offload_all":
-        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", keep_tail_bytes=0,
+                                                        **base))
     elif mode == "default":
+        if cfg.get("max_slowdown") is not None:  # --max-slowdown: the default's margin
+            base["max_slowdown"] = cfg["max_slowdown"]
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(**base))
     elif mode == "budget":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
             policy="adaptive", memory_budget_bytes=int(cfg["budget_bytes"]), **base))
         off.track(model, list(model.layers))
     elif mode != "none":
-        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", keep_tail_bytes=0,
+                                                        **base))
         off.track(model, list(model.layers))
         off.set_plan(plan_for(mode, s["n_layers"]))
     EMU.off = off
@@ -634,6 +638,10 @@ def run_mode(cfg):
             if off is not None:
                 plan = off.active_plan
                 rec["plan"] = None if plan is None else "".join(c[0] for c in plan.choices)
+                quota = off.stats().offload_quota_bytes  # policy "auto": the step's quota
+                rec["offload_quota_bytes"] = quota
+                if plan is None and quota is not None:
+                    rec["plan"] = f"Q {quota / MiB:.0f} MiB"
                 if plan is not None and mode == "budget":
                     # forward to the end of backward: what this step's time measures (the
                     # plan's step_s runs to the next forward, through gc and the stats)
@@ -711,6 +719,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-fraction", type=float, default=0.3,
                    help="budget mode's memory_budget_bytes as a fraction of none's peak")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--max-slowdown", type=float, default=None,
+                   help="OffloadConfig.max_slowdown of the default mode (default: the "
+                        "library's)")
     p.add_argument("--warmup", type=int, default=2,
                    help="warm-up steps of the static modes (default 2)")
     p.add_argument("--warmup-adaptive", type=int, default=4,
@@ -781,7 +792,8 @@ def main(argv=None):
     base_cfg = {"shape": shape, "spill_dir": spill_dir, "threads": args.threads,
                 "check": args.check, "launch_us": args.launch_us,
                 "launch_fraction": args.launch_fraction, "steps": args.steps,
-                "warmup": args.warmup, "mix_ks": args.mix_ks}
+                "warmup": args.warmup, "mix_ks": args.mix_ks,
+                "max_slowdown": args.max_slowdown}
     update, write, close = progress(len(modes) * args.repeats + 3)
     failed, runs = [], []
     try:

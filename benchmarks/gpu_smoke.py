@@ -195,6 +195,8 @@ def worker(mode, cfg, out_path):
     off = None
     if mode == "ssdtrain":
         overrides = {k: v for k, v in cfg["offload"].items() if v is not None}
+        if "SSDTRAIN_POLICY" not in os.environ:  # the offload path, every step
+            overrides.setdefault("policy", "static")
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig.from_env(spill_dir=cfg["spill_dir"],
                                                                  **overrides))
         result["engine"] = off.stats().engine

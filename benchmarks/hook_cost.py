@@ -153,7 +153,7 @@ def make_offloader(spill_dir, config, verify, prefetch_bytes, min_tensor_bytes):
     from ssdtrain.io.native import NativeEngine
     engine, backend = engine_config(config)
     off = ssdtrain.Offloader(spill_dir=spill_dir, engine=engine, verify=verify,
-                             keep_tail_bytes=0, prefetch_bytes=prefetch_bytes,
+                             policy="static", keep_tail_bytes=0, prefetch_bytes=prefetch_bytes,
                              min_tensor_bytes=min_tensor_bytes)
     if backend is not None:
         cfg = off.config
@@ -380,7 +380,8 @@ def measure_gpt(args, spill_dir, write):
                 offloaders[engine] = None
             else:
                 offloaders[engine] = ssdtrain.Offloader(spill_dir=spill_dir, engine=engine,
-                                                        **overrides)
+                                                        **dict(dict(policy="static"),
+                                                               **overrides))
             runs.append({"engine": engine, "label": engine if engine == "none" else
                          offloaders[engine].stats().engine, "steps": []})
         timer = tools.HookTimer()

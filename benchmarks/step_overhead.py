@@ -272,7 +272,9 @@ def worker(mode, cfg, out_path):
     overrides = {k: v for k, v in cfg["offload"].items() if v is not None}
     if mode == "ssdtrain_tail0":
         overrides["keep_tail_bytes"] = 0
-    offload_cfg = ssdtrain.OffloadConfig.from_env(spill_dir=cfg["spill_dir"], **overrides)
+    # The offload path (policy "static"), not the default's measured quota.
+    offload_cfg = ssdtrain.OffloadConfig.from_env(**dict(dict(policy="static"), **overrides,
+                                                         spill_dir=cfg["spill_dir"]))
     min_bytes = offload_cfg.min_tensor_bytes
     result = {"mode": mode, "repeat": cfg["repeat"], "pid": os.getpid(),
               "torch": torch.__version__, "threads": torch.get_num_threads(),

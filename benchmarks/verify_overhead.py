@@ -84,7 +84,8 @@ def main(argv=None):
     idx, targets = make_batch(cfg, shape["batch_size"], torch.Generator().manual_seed(1))
     spill = args.spill_dir or tempfile.mkdtemp(prefix="ssdtrain-verify-")
     extra = dict(min_tensor_bytes=4096, keep_tail_bytes=0) if args.tiny else {}
-    offs = {v: ssdtrain.Offloader(spill_dir=spill, engine=args.engine, verify=v, **extra)
+    offs = {v: ssdtrain.Offloader(spill_dir=spill, engine=args.engine, verify=v,
+                                  policy="static", **extra)
             for v in (False, True)}
 
     def step(verify):

@@ -43,7 +43,8 @@ def ds_config(args, spill_dir=None):
             "prefetch_bytes": "16MiB",        # read ahead of backward
         }
         if args.tiny:                         # a tiny model: offload (nearly) everything
-            config["ssdtrain"].update(min_tensor_bytes="4KiB", keep_tail_bytes=0)
+            config["ssdtrain"].update(min_tensor_bytes="4KiB", keep_tail_bytes=0,
+                                      policy="static")  # every step, from the first
     return config
 
 

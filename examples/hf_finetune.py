@@ -163,7 +163,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as out:
         for _ in range(args.repeats):
             ref = train(build_model(**dims), dataset, out_dir=out, **kw)
-            off = ssdtrain.Offloader(spill_dir=spill_dir, min_tensor_bytes=args.min_tensor_bytes,
+            # policy="static": every step offloads, so every step checks the offload path
+            off = ssdtrain.Offloader(spill_dir=spill_dir, policy="static",
+                                     min_tensor_bytes=args.min_tensor_bytes,
                                      keep_tail_bytes=args.keep_tail_bytes)
             got = train(build_model(**dims), dataset, out_dir=out, offloader=off,
                         callbacks=[SSDTrainCallback(off, log_stats=True)], **kw)

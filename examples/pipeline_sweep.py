@@ -342,7 +342,7 @@ def main(argv=None):
     ms = sorted(set([1, 2] if args.tiny and args.micro_batches == [1, 2, 4, 8, 16]
                     else args.micro_batches))
     budget_m = 1 if args.tiny and args.budget_m == 2 else args.budget_m
-    offload = dict(keep_tail_bytes=int(args.keep_tail_mib * MiB),
+    offload = dict(policy="static", keep_tail_bytes=int(args.keep_tail_mib * MiB),
                    write_behind_bytes=int(args.write_behind_mib * MiB),
                    prefetch_bytes=int(args.prefetch_mib * MiB),
                    min_tensor_bytes=int((1 if args.tiny else args.min_tensor_kib) * 1024))

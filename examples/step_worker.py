@@ -129,6 +129,7 @@ def run(spec):
     idx, targets = make_batch(cfg, batch, torch.Generator().manual_seed(1))
     offload = dict(spec.get("offload", {}))
     offload["spill_dir"] = spec["spill_dir"]
+    offload.setdefault("policy", "static")  # the offload path, every step (not the default's quota)
     result = {"setup": setup, "batch": batch, "tokens_per_step": batch * cfg.seq_len,
               "choices": spec.get("choices"), "rss_budget": spec.get("rss_budget")}
 

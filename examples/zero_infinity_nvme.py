@@ -234,7 +234,8 @@ def run(args, spill, with_ssdtrain, data):
                              pin_memory=False):
         model = _model(args)
     if with_ssdtrain:
-        config["ssdtrain"] = {"spill_dir": act_dir, "keep_tail_bytes": 0,
+        # policy "static": every step offloads (the default measures two steps first)
+        config["ssdtrain"] = {"spill_dir": act_dir, "policy": "static", "keep_tail_bytes": 0,
                               "min_tensor_bytes": 4096}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = ssd_deepspeed.initialize(model=model, optimizer=opt,

@@ -27,7 +27,7 @@ ENGINES = ("auto", "kvikio", "native", "posix")
 DIRECT_IO_MODES = ("auto", "on", "off")
 SPILL_ERROR_ACTIONS = ("raise", "keep")
 SPILL_FULL_ACTIONS = ("keep", "raise")
-POLICIES = ("static", "adaptive")
+POLICIES = ("auto", "static", "adaptive")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -267,14 +267,29 @@ class OffloadConfig:
     ``"raise"`` a :class:`~ssdtrain.SpillIOError` (errno ``ENOSPC``), like a failed
     write: at the next pack, or at the end of forward. Default ``"keep"``."""
     policy: str = "static"
-    """``"static"``: every eligible saved tensor is offloaded, the last
-    ``keep_tail_bytes`` of forward stay in memory. ``"adaptive"``: after
+    """``"auto"``: each step offloads what the disk can write during forward and read
+    back during backward without slowing the step by more than ``max_slowdown``, and
+    keeps the rest; the amount (a byte quota per step, the earliest-saved records first)
+    is chosen from what earlier steps measured: the step's times, the bytes it saves,
+    the disk's bandwidth (probed once) and whether a step was slowed (docs/guide.md,
+    "How policy='auto' decides"). The first two steps offload nothing (they measure), and
+    forward never waits for a write (``write_behind_bytes`` is not used). ``"static"``:
+    every eligible saved tensor is offloaded, the last ``keep_tail_bytes`` of forward stay
+    in memory: the most memory saved, whatever it costs in time. ``"adaptive"``: after
     :meth:`~ssdtrain.Offloader.track`, the first ``profile_steps`` steps are profiled
     (per layer: saved bytes, forward and backward time; the engine's write and read
     bandwidth), then one step with every layer recomputed (compute-only times), then
     each layer is kept, offloaded or recomputed (non-reentrant checkpointing) to
     minimise the predicted step time within ``memory_budget_bytes``
-    (docs/planner.md); needs ``memory_budget_bytes``. Default ``"static"``."""
+    (docs/planner.md); needs ``memory_budget_bytes``. Default ``"static"`` (``"auto"``
+    becomes the default once measured where the disk is the bottleneck on a GPU:
+    docs/accelerator_regime.md)."""
+
+    max_slowdown: float = 0.03
+    """With ``policy="auto"``: how much slower than without offloading a step may be,
+    as a fraction of its time (``0.03``: 3%). The quota stays where the disk's reads and
+    writes fit in the step with this margin, and drops after a step that waited on I/O
+    or took longer than that. In ``[0, 10]``. Default 0.03."""
 
     memory_budget_bytes: Optional[int] = None
     """With ``policy="adaptive"``: most bytes of saved activations the plan may hold in
@@ -343,13 +358,21 @@ class OffloadConfig:
     def _validate_planner_fields(self):
         if self.policy not in POLICIES:
             raise ConfigError(f"ssdtrain: policy must be one of {POLICIES}, got {self.policy!r}.")
+        m = _number(self.max_slowdown, name="max_slowdown", minimum=-1.0, maximum=10.0,
+                    what="a fraction of the step time in [0, 10], such as 0.03 (3%)")
+        if m < 0:
+            raise ConfigError(f"ssdtrain: max_slowdown must be a fraction of the step time in "
+                              f"[0, 10], such as 0.03 (3%), got {_show(self.max_slowdown)}.")
+        if type(self.max_slowdown) is not int:
+            _set(self, "max_slowdown", m)
         if self.memory_budget_bytes is not None:
             _set(self, "memory_budget_bytes", parse_bytes(self.memory_budget_bytes,
                                                           name="memory_budget_bytes"))
         elif self.policy == "adaptive":
             raise ConfigError("ssdtrain: policy='adaptive' needs memory_budget_bytes (the most "
                               "bytes of activations the plan may keep in memory), e.g. "
-                              "memory_budget_bytes='2GiB'; or use policy='static'.")
+                              "memory_budget_bytes='2GiB'; or use policy='static' (the default) "
+                              "or 'auto'.")
         if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, int) \
                 or not 1 <= self.profile_steps <= 1000:
             raise ConfigError(f"ssdtrain: profile_steps must be an int in [1, 1000], got "
@@ -498,7 +521,7 @@ def _from_env_string(name, raw):
         return [p for p in raw.split(os.pathsep) if p]
     if name in ("io_threads", "profile_steps"):
         return _env_number(name, raw, integer=True)
-    if name in ("replan_stall_fraction", "io_timeout_s"):
+    if name in ("replan_stall_fraction", "io_timeout_s", "max_slowdown"):
         return _env_number(name, raw)
     if name == "verify":
         if raw.strip().lower() == "auto":

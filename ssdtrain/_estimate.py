@@ -70,7 +70,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._config import OffloadConfig
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._hosttier import HostBudget, budget_bytes, has_ssd_tier
-from ._policy import KEEP_BUDGET, TRACKER, TailWindow, is_offloadable_kind, keep_reason
+from ._policy import (KEEP_BUDGET, KEEP_QUOTA, TRACKER, TailWindow, is_offloadable_kind,
+                      keep_reason)
 from ._profile import LayerProfiler, _tensors, default_layers
 from ._records import State, find_record
 
@@ -152,6 +153,7 @@ class Measurement:
     kept_bytes: int = 0
     kept_tail_bytes: int = 0
     over_budget_bytes: int = 0
+    quota_kept_bytes: int = 0      # kept because the replayed offload quota was spent
     dropped_bytes: int = 0
     # the host tier (NOTE [ Host tier ] in _hosttier.py), as Stats counts it
     host_bytes: int = 0            # in the host budget at the end of forward
@@ -289,7 +291,7 @@ class _Replay:
     estimate's own bookkeeping (per layer bytes, storages held for the memory terms)."""
 
     def __init__(self, cfg: OffloadConfig, profiler: Optional[LayerProfiler], m: Measurement,
-                 device_records: bool = False):
+                 device_records: bool = False, quota: Optional[int] = None):
         self.cfg = cfg
         # NOTE [ Host tier ] in _hosttier.py: the same HostBudget as Store._admit_locked.
         budget = budget_bytes(cfg.host_budget_bytes)
@@ -301,6 +303,7 @@ class _Replay:
         self.registry: Dict[int, List[_Rec]] = {}
         self.storages: Dict[int, _Storage] = {}
         self.window = TailWindow(cfg.keep_tail_bytes, cfg.max_spill_bytes)
+        self.window.begin_step(quota)  # Store._begin_pass_locked (NOTE [ The offload quota ])
         self._inbox = collections.deque()
 
     def _layer(self):
@@ -378,10 +381,13 @@ class _Replay:
                 m.kept_bytes += rec.nbytes
                 lb.kept_bytes += rec.nbytes
                 continue
-            if reason == KEEP_BUDGET:
+            if reason == KEEP_BUDGET or reason == KEEP_QUOTA:
                 rec.fate = State.KEPT
                 m.kept_bytes += rec.nbytes
-                m.over_budget_bytes += rec.nbytes
+                if reason == KEEP_BUDGET:
+                    m.over_budget_bytes += rec.nbytes
+                else:
+                    m.quota_kept_bytes += rec.nbytes
                 lb.kept_bytes += rec.nbytes
             else:   # written (Stats.offloaded_bytes counts it however soon it dies)
                 rec.fate = State.ON_DISK
@@ -569,7 +575,8 @@ def _call(model, inputs):
 def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig, *,
             batch: Optional[int] = None, gradient_checkpointing: bool = False,
             count_flops: bool = False, layers=None, device: str = "cpu",
-            device_records: Optional[bool] = None) -> Measurement:
+            device_records: Optional[bool] = None,
+            offload_quota: Optional[int] = None) -> Measurement:
     """Build the model on the meta device, run one forward on fake tensors with the
     replayed pack hooks, and return what it saved.
 
@@ -586,6 +593,9 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
         device: the device the fake tensors claim (kernel choice follows it).
         device_records: whether the saved tensors are device records (the host tier,
             ``host_budget_bytes``, takes only those); default: ``device == "cuda"``.
+        offload_quota: the step's offload quota to replay (``Stats.offload_quota_bytes``
+            of a step under ``policy="auto"``, NOTE [ The offload quota ] in _auto.py);
+            ``None``: no quota, the static rules (what ``"auto"`` offloads at most).
 
     Raises:
         EstimateError: the forward has data-dependent shapes, or failed on fake tensors.
@@ -614,7 +624,8 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
     m.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     prof = LayerProfiler(named, Stats(), 1) if named else None
     probe = _InputProbe(named)
-    sim = _Replay(cfg, prof, m, device == "cuda" if device_records is None else device_records)
+    sim = _Replay(cfg, prof, m, device == "cuda" if device_records is None else device_records,
+                  offload_quota)
     out = None
     try:
         if prof is not None:

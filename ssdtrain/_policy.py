@@ -16,9 +16,17 @@ record. Three pieces decide it, and both callers (``Store.pack``/``_pack_locked`
    end: it is used again, late). When the window holds more, its oldest records
    leave it *at that pack*, each decided once: to be written (it reserves its worst
    case of spill slots, :func:`slot_bound`), or kept in memory because
-   ``max_spill_bytes`` would be exceeded (``KEEP_BUDGET``). A record freed while in the
-   window was never decided (dropped: nothing to write). When forward ends, what is
-   left in the window is the kept tail (``KEEP_TAIL``).
+   ``max_spill_bytes`` would be exceeded (``KEEP_BUDGET``), or kept because the step's
+   offload quota is spent (``KEEP_QUOTA``: the default policy, ``"auto"``, NOTE [ The
+   offload quota ] in ``_auto.py``). A record freed while in the window was never
+   decided (dropped: nothing to write). When forward ends, what is left in the window
+   is the kept tail (``KEEP_TAIL``).
+
+The quota is the one input that is not configuration: a byte count fixed when a step
+(a forward pass) begins, from what earlier steps measured, and the same for the whole
+step. Within the step the decision stays a pure function of the saves and releases,
+the configuration and that number (:attr:`Stats.offload_quota_bytes` shows it; the
+estimate replays a given quota, ``ssdtrain estimate --offload-quota``).
 
 A record that left the window stays out of it whatever happens next: a later save of
 the same bytes does not bring it back, whether its write has started or not. The
@@ -47,7 +55,7 @@ from ._identity import StorageWeakRef, storage_key
 
 __all__ = ["ModuleStateTracker", "TRACKER", "is_offloadable_kind", "keep_reason", "TailWindow",
            "slot_bound", "KEEP_SMALL", "KEEP_KIND", "KEEP_LEAF", "KEEP_STATE", "KEEP_TAIL",
-           "KEEP_BUDGET", "KEEP_CAPTURE"]
+           "KEEP_BUDGET", "KEEP_QUOTA", "KEEP_CAPTURE"]
 
 # Why a saved tensor or a record stays in memory (NOTE [ The pack decision ]).
 KEEP_SMALL = "small"    # fewer bytes than min_tensor_bytes
@@ -56,6 +64,7 @@ KEEP_LEAF = "leaf"      # a leaf that requires grad (autograd saves the tensor i
 KEEP_STATE = "state"    # a parameter or buffer of a module that ran
 KEEP_TAIL = "tail"      # in the tail window when forward ended
 KEEP_BUDGET = "budget"  # writing it would exceed max_spill_bytes
+KEEP_QUOTA = "quota"    # the step's offload quota was spent (policy "auto")
 KEEP_CAPTURE = "capture"  # saved during a CUDA graph capture (NOTE [ Device records ], rule 8)
 
 
@@ -119,9 +128,13 @@ class TailWindow:
         nbytes: their bytes.
         reserved: spill bytes reserved by records decided to be written and not yet
             released (:meth:`release`).
+        quota: the most bytes the step may decide to write (``None``: no limit), set by
+            :meth:`begin_step`.
+        written: bytes decided to be written since :meth:`begin_step`.
     """
 
-    __slots__ = ("keep_bytes", "limit", "records", "nbytes", "reserved")
+    __slots__ = ("keep_bytes", "limit", "records", "nbytes", "reserved", "quota", "written",
+                 "spent")
 
     def __init__(self, keep_tail_bytes: int, max_spill_bytes=None):
         self.keep_bytes = keep_tail_bytes
@@ -129,6 +142,18 @@ class TailWindow:
         self.records = collections.OrderedDict()
         self.nbytes = 0
         self.reserved = 0
+        self.quota = None
+        self.written = 0
+        self.spent = False
+
+    def begin_step(self, quota=None) -> None:
+        """A step (forward pass) begins with an offload ``quota`` in bytes (``None``: no
+        limit): its earliest records are written while they fit in it, and from the
+        first that does not, every record the step decides is kept (``KEEP_QUOTA``).
+        Backward needs the earliest records last, so their reads have the most time."""
+        self.quota = quota
+        self.written = 0
+        self.spent = quota is not None and quota <= 0
 
     def add(self, rec) -> None:
         """A new record: the newest of the window."""
@@ -156,22 +181,29 @@ class TailWindow:
     def overflow(self, outside: int = 0):
         """The records that leave the window now, oldest first, with their decision:
         ``(rec, None)`` to be written (its :func:`slot_bound` reserved), ``(rec,
-        KEEP_BUDGET)`` kept because the reservation would take the spill tier beyond
-        ``max_spill_bytes``. ``outside``: spill bytes in use that belong to no record
-        (a bandwidth probe, quarantined slots)."""
+        KEEP_QUOTA)`` kept because the step's quota is spent (:meth:`begin_step`),
+        ``(rec, KEEP_BUDGET)`` kept because the reservation would take the spill tier
+        beyond ``max_spill_bytes``. ``outside``: spill bytes in use that belong to no
+        record (a bandwidth probe, quarantined slots)."""
         out = []
         recs = self.records
         while self.nbytes > self.keep_bytes and recs:
             rec, _ = recs.popitem(last=False)
             self.nbytes -= rec.nbytes
             reason = None
-            if self.limit is not None:
+            if self.quota is not None and (self.spent or
+                                           self.written + rec.nbytes > self.quota):
+                self.spent = True  # a prefix of the step's records: none after it either
+                reason = KEEP_QUOTA
+            elif self.limit is not None:
                 need = slot_bound(rec.nbytes)
                 if self.reserved + outside + need > self.limit:
                     reason = KEEP_BUDGET
                 else:
                     self.reserved += need
                     rec.reserved = need
+            if reason is None:
+                self.written += rec.nbytes
             out.append((rec, reason))
         return out
 

@@ -118,7 +118,8 @@ from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError, resource_error
 from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
-from ._policy import KEEP_CAPTURE, TRACKER, TailWindow, keep_reason
+from ._config import MAX_BYTES
+from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers, unmap_now
@@ -191,7 +192,10 @@ class Store(WriteBack, Prefetch, HostTier):
         self._extra_slots = set()              # slots allocated outside records (bandwidth probe)
         self._task = -1                        # the graph task whose end drains (unpack)
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
-        self.write_behind = config.write_behind_bytes  # in force; see limit_write_behind
+        self.quota = None                      # each pass's offload quota (policy "auto",
+                                               # NOTE [ The offload quota ] in _auto.py)
+        self.write_behind = None               # in force; see limit_write_behind
+        self.limit_write_behind(None)
         self.closed = False
         self._kicks = queue.SimpleQueue()      # wakes the I/O thread
         self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._kicks),
@@ -236,9 +240,13 @@ class Store(WriteBack, Prefetch, HostTier):
 
     def limit_write_behind(self, nbytes=None) -> None:
         """Put ``nbytes`` in force as the write-behind limit (an applied plan's, lowered
-        to fit its memory budget), or the config's with ``None``. The config itself is
-        never changed (NOTE [ One resolved config ])."""
-        self.write_behind = self.cfg.write_behind_bytes if nbytes is None else nbytes
+        to fit its memory budget), or the config's with ``None``: none under
+        ``policy="auto"``, whose forward never waits for a write (NOTE [ The offload
+        quota ] in _auto.py). The config itself is never changed (NOTE [ One resolved
+        config ])."""
+        if nbytes is None:
+            nbytes = MAX_BYTES if self.cfg.policy == "auto" else self.cfg.write_behind_bytes
+        self.write_behind = nbytes
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
@@ -253,6 +261,7 @@ class Store(WriteBack, Prefetch, HostTier):
         # (NOTE [ Unmapping off the training thread ] in _readbuf.py).
         self._buffers.trim()
         self._current = _Pass()
+        self._window.begin_step(self.quota)
 
     def end_pass(self):
         """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
@@ -352,6 +361,18 @@ class Store(WriteBack, Prefetch, HostTier):
         outside = 0 if self.cfg.max_spill_bytes is None else self._outside_spill_bytes()
         host = self._host
         for rec, reason in self._window.overflow(outside):
+            if reason is KEEP_QUOTA:
+                self._keep_locked(rec)
+                self.stats.quota_kept_bytes += rec.nbytes
+                # Backward uses it before any record the step wrote (those are older):
+                # like the kept tail it fills the prefetch window, so reads start as
+                # backward consumes it and kept + read-back bytes stay within
+                # prefetch_bytes; else the reads would bring the written bytes back
+                # while the kept ones are still held, and the step's peak would be no
+                # lower (NOTE [ The offload quota ] in _auto.py).
+                rec.prefetched = True
+                self._ahead += rec.nbytes
+                continue
             if reason is None and host is not None:  # NOTE [ Host tier ] in _hosttier.py
                 if rec.device is None:
                     if not host.evicts:  # in host memory already, and no SSD tier

@@ -4,6 +4,7 @@ import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -93,6 +94,17 @@ class Stats:
     host_loaded_bytes: int = 0
     """Bytes loaded back to the device from the host tier (``bytes_read``: from the
     SSD)."""
+    offload_quota_bytes: Optional[int] = None
+    """With ``policy="auto"``: the most bytes the current step may decide
+    to offload, chosen when it began from what earlier steps measured (NOTE [ The offload
+    quota ] in ``_auto.py``; 0 in the first steps, which measure). ``None`` with the
+    other policies."""
+    offload_quota_reason: str = ""
+    """Why :attr:`offload_quota_bytes` is what it is: the measurements it came from and
+    whether the last step lowered or raised it."""
+    quota_kept_bytes: int = 0
+    """Bytes kept in memory because the step's offload quota was spent (also counted in
+    ``kept_bytes``)."""
 
     def summary(self) -> str:
         """One line for logs."""
@@ -186,6 +198,13 @@ class Offloader:
         self._store = Store(config, spill, engine, self._stats)
         self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()
+        self._auto = None     # _auto.AutoQuota: the quota of each step (policy "auto")
+        if config.policy == "auto":
+            from ._auto import AutoQuota
+            store = self._store
+            self._auto = AutoQuota(config.max_slowdown,
+                                   lambda nbytes: store.time_io(nbytes, repeats=2), self._stats,
+                                   window_bytes=config.prefetch_bytes)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
@@ -243,6 +262,8 @@ class Offloader:
             raise SSDTrainError("ssdtrain: policy='adaptive' plans per layer and needs the "
                                 "layers: call offloader.track(model) before the first forward "
                                 "(or use policy='static').")
+        if self._auto is not None:  # may probe the disk, once: before the pass opens
+            self._store.quota = self._auto.begin_step()
         fwd.move(Phase.OPENING)
         fwd.site = site
         self._store.begin_pass()
@@ -357,6 +378,8 @@ class Offloader:
             self._store.raise_pending_error()
 
     def _close_step(self):
+        if self._auto is not None:
+            self._auto.end_forward()
         if self._layers is not None:
             self._layers.end_forward()
         self._store.end_pass()

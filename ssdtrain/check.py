@@ -264,7 +264,8 @@ def check_model(model: torch.nn.Module, inputs, *, loss_fn: Optional[Callable] =
         if offloader is None:
             if spill_dir is None:
                 spill_dir = own_dir = tempfile.mkdtemp(prefix="ssdtrain-check-")
-            fields = dict(min_tensor_bytes=0, keep_tail_bytes=0)
+            # every tensor offloaded (the static policy): what is checked is the offload path
+            fields = dict(policy="static", min_tensor_bytes=0, keep_tail_bytes=0)
             fields.update(overrides)
             offloader = own_off = ssdtrain.Offloader(OffloadConfig(spill_dir=spill_dir, **fields))
         before = dataclasses.asdict(offloader.stats())

@@ -571,7 +571,8 @@ def _md(rows, right):
 # -------------------------------------------------------------------- the estimate
 def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, dtype=None,
              gradient_checkpointing: bool = False, config: Optional[OffloadConfig] = None,
-             hardware: Optional[Hardware] = None, layers=None) -> Estimate:
+             hardware: Optional[Hardware] = None, layers=None,
+             offload_quota: Optional[int] = None) -> Estimate:
     """Estimate what ssdtrain saves, offloads and keeps for one micro-batch of ``model``.
 
     Args:
@@ -590,6 +591,9 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
         layers: a callable ``model -> [(name, module), ...]`` naming the repeated blocks
             (the model is built inside, so modules cannot be passed); default: the
             children of every ``nn.ModuleList`` (``ssdtrain._profile.default_layers``).
+        offload_quota: with ``policy="auto"``: a step's offload quota in
+            bytes to replay (``Stats.offload_quota_bytes`` of that step); ``None``: no
+            quota, which is the most ``"auto"`` offloads (and what ``"static"`` does).
 
     Raises:
         ConfigError: a bad argument (path, dtype, factory string, hardware number).
@@ -604,9 +608,20 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"ssdtrain estimate: {name} must be an int >= 1, got {v!r}.")
     notes = []
-    if cfg.policy != "static":
+    if offload_quota is not None:
+        offload_quota = parse_bytes(offload_quota, name="offload_quota")
+        if cfg.policy != "auto":
+            raise ConfigError(f"ssdtrain estimate: offload_quota is the quota of "
+                              f"policy='auto', but the config's policy is {cfg.policy!r}; "
+                              f"drop offload_quota or use policy='auto'.")
+    if cfg.policy == "adaptive":
         notes.append("policy='adaptive' decides per layer at run time; the estimate replays "
                      "the static rules.")
+    elif cfg.policy == "auto" and offload_quota is None:
+        notes.append("policy='auto' offloads at most this: each step's offload "
+                     "quota is chosen at run time from what earlier steps measured (the first "
+                     "steps offload nothing); pass --offload-quota (a step's "
+                     "Stats.offload_quota_bytes) to replay one step.")
     label = "factory"
     if isinstance(model, str) and ":" in model and not os.path.exists(model):
         label = model
@@ -660,7 +675,7 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
             build, _ = _factory_builder(factory, batch=b, seq=seq, dtype=dtype,
                                         gradient_checkpointing=gc)
             cache[key] = measure(build, cfg, batch=b, gradient_checkpointing=gc,
-                                 count_flops=flops, layers=layers)
+                                 count_flops=flops, layers=layers, offload_quota=offload_quota)
         return cache[key]
 
     _, batch_varies = _factory_builder(factory, batch=batch or 1, seq=seq, dtype=dtype,
@@ -1098,6 +1113,8 @@ def _parser(prog="ssdtrain estimate"):
     g.add_argument("--prefetch-bytes", help="default 256MiB (memory model only)")
     g.add_argument("--write-behind-bytes", help="default 1GiB (memory model only)")
     g.add_argument("--max-spill-bytes", help="disk budget (default none)")
+    g.add_argument("--offload-quota", help="replay one step's offload quota of the default "
+                   "policy (Stats.offload_quota_bytes; default: none, the most it offloads)")
     h = p.add_argument_group("hardware (all optional)")
     h.add_argument("--device-memory", help="accelerator memory for one process, e.g. 80GiB")
     h.add_argument("--ssd-write-gbps", type=float, help="per drive, GB/s")
@@ -1161,7 +1178,8 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
             if a.memory_budget is not None:
                 _parse_budget(a.memory_budget)
         est = estimate(model, batch=a.batch, seq=a.seq, dtype=dtype,
-                       gradient_checkpointing=a.gradient_checkpointing, config=cfg, hardware=hw)
+                       gradient_checkpointing=a.gradient_checkpointing, config=cfg, hardware=hw,
+                       offload_quota=a.offload_quota)
         if a.plan:
             planned = est.plan(a.memory_budget)
     except ConfigError as e:

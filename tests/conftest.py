@@ -32,11 +32,17 @@ def spill_dir(tmp_path):
 
 @pytest.fixture
 def make_offloader(spill_dir):
-    """``make_offloader(**overrides)``: an Offloader on ``spill_dir``, closed at teardown."""
+    """``make_offloader(**overrides)``: an Offloader on ``spill_dir``, closed at teardown.
+
+    Its policy is ``"static"`` (the default) unless given: the tests that use it are
+    about the offload machinery (records written, read back, failures), which
+    ``policy="auto"`` only uses after its baseline steps and within its quota (tested
+    in tests/test_default_policy.py)."""
     made = []
 
     def make(**overrides):
         overrides.setdefault("spill_dir", str(spill_dir))
+        overrides.setdefault("policy", "static")
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(**overrides))
         made.append(off)
         return off

@@ -367,7 +367,8 @@ class Scenario:
     record (dedup).
     """
 
-    CONFIG = dict(min_tensor_bytes=1 * KiB, keep_tail_bytes=0, prefetch_bytes=32 * KiB,
+    CONFIG = dict(policy="static",
+                  min_tensor_bytes=1 * KiB, keep_tail_bytes=0, prefetch_bytes=32 * KiB,
                   write_behind_bytes=32 * KiB, io_timeout_s=5, io_threads=2)
 
     #: How a step runs its forward under the offloader:

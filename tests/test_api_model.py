@@ -45,7 +45,8 @@ from torch import nn
 import ssdtrain
 
 # Every activation of the models below (32 x 64 fp32 = 8 KiB) is offloaded.
-CONFIG = dict(engine="posix", min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="64KiB",
+CONFIG = dict(policy="static",
+              engine="posix", min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="64KiB",
               io_timeout_s=10)
 NAMES = ("a", "b")
 BATCH, WIDTH, DEPTH = 32, 64, 3

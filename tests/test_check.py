@@ -44,7 +44,8 @@ def _mlp():
 
 
 def _offloader(spill_dir):
-    return ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(spill_dir), min_tensor_bytes=0,
+    return ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static",
+                                                     spill_dir=str(spill_dir), min_tensor_bytes=0,
                                                      keep_tail_bytes=0, verify=False))
 
 

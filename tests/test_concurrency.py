@@ -15,7 +15,7 @@ from helpers import assert_grads_equal as _assert_grads_equal, grads as _grads
 from helpers import variant as _variant
 from models import ALL_MODELS
 
-DISK = dict(min_tensor_bytes=4096, keep_tail_bytes=0)
+DISK = dict(policy="static", min_tensor_bytes=4096, keep_tail_bytes=0)
 
 
 

@@ -308,6 +308,7 @@ def test_from_env_reads_every_field(tmp_path):
         "SSDTRAIN_MEMORY_BUDGET_BYTES": "2GiB",
         "SSDTRAIN_PROFILE_STEPS": "3",
         "SSDTRAIN_REPLAN_STALL_FRACTION": "0.25",
+        "SSDTRAIN_MAX_SLOWDOWN": "0.05",
         "PATH": "/nonexistent",           # other variables are ignored
         "XSSDTRAIN_ENGINE": "native",
     }
@@ -327,7 +328,7 @@ def test_from_env_reads_every_field(tmp_path):
                                                                             "raise")
     assert cfg.host_budget_bytes == 3 * GiB
     assert (cfg.policy, cfg.memory_budget_bytes, cfg.profile_steps,
-            cfg.replan_stall_fraction) == ("adaptive", 2 * GiB, 3, 0.25)
+            cfg.replan_stall_fraction, cfg.max_slowdown) == ("adaptive", 2 * GiB, 3, 0.25, 0.05)
     assert {f.name for f in dataclasses.fields(OffloadConfig)} == {
         k[len("SSDTRAIN_"):].lower() for k in environ if k.startswith("SSDTRAIN_")}
 
@@ -612,7 +613,8 @@ def test_tmpfs_spill_dir_warns_and_works(caplog):
         ref_grad, x.grad = x.grad, None
 
         with caplog.at_level(logging.WARNING, logger="ssdtrain"):
-            off = Offloader(OffloadConfig(spill_dir=shm, keep_tail_bytes=0, prefetch_bytes=0))
+            off = Offloader(OffloadConfig(spill_dir=shm, policy="static", keep_tail_bytes=0,
+                                          prefetch_bytes=0))
         try:
             warnings = [r for r in caplog.records
                         if r.name == "ssdtrain" and r.levelno == logging.WARNING]

@@ -214,7 +214,8 @@ def test_counting_flops_does_not_change_the_bytes(spill_dir):
     shape = dict(batch=2, seq=16, dtype=torch.float32)
     settings = dict(min_tensor_bytes="1KiB", keep_tail_bytes="8KiB")
     est = E.estimate(fac, **shape, config=ssdtrain.OffloadConfig(**settings))
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(spill_dir), **settings))
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(spill_dir), policy="static",
+                                                    **settings))
     try:
         torch.manual_seed(0)
         real = _step(off, *fac(**shape), 0)
@@ -274,7 +275,8 @@ def shared_offloader(tmp_path_factory):
     compute thread: the models are tiny, and a second thread only waits for the first
     on a loaded machine."""
     d = tmp_path_factory.mktemp("spill")
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(d), **HF_SETTINGS))
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(d), policy="static",
+                                                    **HF_SETTINGS))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -45,7 +45,7 @@ from ssdtrain.integrations.distributed import rank_subdir_name  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KiB = 1 << 10
 STEPS = 3
-SECTION = {"min_tensor_bytes": 4 * KiB, "keep_tail_bytes": 0}
+SECTION = {"policy": "static", "min_tensor_bytes": 4 * KiB, "keep_tail_bytes": 0}
 
 
 # ------------------------------------------------------------------ set-up

@@ -57,7 +57,8 @@ def _loss(out):
 def real_run(model, inputs, overrides, spill_dir):
     """One real step under an Offloader: ``(Stats after the forward's writes, kept tail
     bytes, per-layer unique bytes from track())``."""
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(spill_dir), **overrides))
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(spill_dir), policy="static",
+                                                    **overrides))
     if default_layers(model):
         off.track(model)
     try:

@@ -30,7 +30,7 @@ from ssdtrain.io import faulty
 from ssdtrain.io.faulty import Fault
 
 # Everything >= 4 KiB is offloaded, nothing is kept back as the tail.
-DISK = dict(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB")
+DISK = dict(policy="static", min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB")
 WRITE_ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "EFBIG": errno.EFBIG,
                 "EDQUOT": errno.EDQUOT, "short": errno.EIO}
 needs_crc = pytest.mark.skipif(not _checksum.available(), reason="needs ssdtrain._C")
@@ -271,7 +271,7 @@ _FSIZE_CHILD = textwrap.dedent("""
     ref = run_step(model, inputs)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # EFBIG instead of a signal
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
-    off = ssdtrain.Offloader(spill_dir=sys.argv[1], engine=sys.argv[4],
+    off = ssdtrain.Offloader(policy="static", spill_dir=sys.argv[1], engine=sys.argv[4],
                              on_spill_error=sys.argv[2], min_tensor_bytes=4096,
                              keep_tail_bytes=0, write_behind_bytes=0)
     try:

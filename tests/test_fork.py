@@ -66,7 +66,7 @@ ENGINES = pytest.mark.parametrize("engine", [
 ])
 IN_FLIGHT = pytest.mark.parametrize("in_flight", [False, True], ids=["settled", "in_flight"])
 # Every activation of the MLP qualifies and is written (no tail kept in memory).
-DISK = dict(min_tensor_bytes=4096, keep_tail_bytes=0)
+DISK = dict(policy="static", min_tensor_bytes=4096, keep_tail_bytes=0)
 CHILD_DEADLINE_S = 20.0
 
 

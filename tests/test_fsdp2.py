@@ -130,7 +130,8 @@ def _rank(rank, out_dir):
         model = _sharded(_model())
         spill = Path(out_dir) / f"spill{rank}"
         spill.mkdir()
-        off = ssdtrain.Offloader(spill_dir=str(spill), min_tensor_bytes="16KiB", keep_tail_bytes=0)
+        off = ssdtrain.Offloader(policy="static",
+                                 spill_dir=str(spill), min_tensor_bytes="16KiB", keep_tail_bytes=0)
         off.attach(model)  # after fully_shard: FSDP2's root pre-hook runs before ours
         counts = {"unsharded_param_packs": 0, "unsharded_param_offloaded": 0}
         pack = off._store.pack

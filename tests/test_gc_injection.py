@@ -52,7 +52,8 @@ import ssdtrain
 
 KiB = 1024
 # prefetch_bytes also bounds the idle read buffers a pool keeps for reuse: room for all.
-CONFIG = dict(min_tensor_bytes=1 * KiB, keep_tail_bytes=0, prefetch_bytes=1024 * KiB,
+CONFIG = dict(policy="static",
+              min_tensor_bytes=1 * KiB, keep_tail_bytes=0, prefetch_bytes=1024 * KiB,
               io_timeout_s=5, io_threads=2)
 STORE_MODULES = tuple("ssdtrain." + name[:-3] for name in inject.STORE_MODULES)
 _LOCK_TYPE = type(threading.Lock())

@@ -47,7 +47,8 @@ def test_callback_with_gradient_accumulation_and_detaches(tmp_path):
     kw = dict(steps=2, batch=2, grad_accum=3)
     ref = hf_finetune.train(hf_finetune.build_model(**DIMS), ds, out_dir=str(tmp_path), **kw)
     model = hf_finetune.build_model(**DIMS)
-    cb = SSDTrainCallback(spill_dir=str(tmp_path), min_tensor_bytes="16KiB", keep_tail_bytes=0)
+    cb = SSDTrainCallback(spill_dir=str(tmp_path), policy="static", min_tensor_bytes="16KiB",
+                          keep_tail_bytes=0)
     got = hf_finetune.train(model, ds, out_dir=str(tmp_path), callbacks=[cb], **kw)
     assert len(got[1]) == 6
     assert hf_finetune.compare(ref, got) == ""

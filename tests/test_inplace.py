@@ -39,7 +39,7 @@ MIN_TENSOR_BYTES = 4096
 
 
 def _offloader(spill_dir, **overrides):
-    cfg = dict(spill_dir=str(spill_dir), min_tensor_bytes=MIN_TENSOR_BYTES,
+    cfg = dict(spill_dir=str(spill_dir), policy="static", min_tensor_bytes=MIN_TENSOR_BYTES,
                keep_tail_bytes=0, prefetch_bytes=0)
     cfg.update(overrides)
     return ssdtrain.Offloader(**cfg)

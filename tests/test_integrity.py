@@ -16,7 +16,7 @@ from ssdtrain import _checksum
 pytestmark = pytest.mark.skipif(not _checksum.available(),
                                 reason="verify=True needs ssdtrain._C (pip install -e .)")
 
-DISK = dict(min_tensor_bytes=1, keep_tail_bytes=0, prefetch_bytes=0)
+DISK = dict(policy="static", min_tensor_bytes=1, keep_tail_bytes=0, prefetch_bytes=0)
 
 
 @pytest.mark.parametrize("engine", ["native", "posix"])

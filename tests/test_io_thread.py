@@ -296,7 +296,7 @@ def test_memory_is_released_by_the_io_thread(make_offloader):
 def test_thread_ends_with_close_and_with_the_store(spill_dir):
     def new_thread():
         before = set(_io_threads())
-        off = ssdtrain.Offloader(spill_dir=str(spill_dir), keep_tail_bytes=0,
+        off = ssdtrain.Offloader(policy="static", spill_dir=str(spill_dir), keep_tail_bytes=0,
                                  min_tensor_bytes=4096)
         (thread,) = set(_io_threads()) - before
         a, y = _chain(off, _tensors(3))
@@ -344,14 +344,16 @@ def test_a_failed_round_is_raised_at_the_next_pack(make_offloader, caplog):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_has_no_io_thread_and_offloads_with_its_own(spill_dir):
-    off = ssdtrain.Offloader(spill_dir=str(spill_dir), keep_tail_bytes=0, min_tensor_bytes=4096)
+    off = ssdtrain.Offloader(policy="static",
+                             spill_dir=str(spill_dir), keep_tail_bytes=0, min_tensor_bytes=4096)
     a, y = _chain(off, _tensors(3))
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only
         code = 1
         try:
             if not _io_threads() and off.closed:
-                child = ssdtrain.Offloader(spill_dir=str(spill_dir), keep_tail_bytes=0,
+                child = ssdtrain.Offloader(policy="static",
+                                           spill_dir=str(spill_dir), keep_tail_bytes=0,
                                            min_tensor_bytes=4096)
                 own = len(_io_threads()) == 1
                 xs = _tensors(5)

@@ -37,7 +37,7 @@ from gpt import GPT, GPTConfig, make_batch  # noqa: E402
 
 MODELS = sorted(ALL_MODELS)
 # Small enough that every model's activations qualify; zero tail so that they are written.
-DISK = dict(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes=0)
+DISK = dict(policy="static", min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes=0)
 
 
 
@@ -723,7 +723,7 @@ def test_write_ending_during_unpack_keeps_the_data(spill_dir, monkeypatch):
 
     from ssdtrain._store import Store
 
-    off = ssdtrain.Offloader(spill_dir=str(spill_dir), min_tensor_bytes=4096,
+    off = ssdtrain.Offloader(policy="static", spill_dir=str(spill_dir), min_tensor_bytes=4096,
                              keep_tail_bytes=0, prefetch_bytes=0)
     store = off._store
     real_write, held, in_backward = store.engine.write, [], [False]
@@ -772,7 +772,7 @@ spill, mode = sys.argv[1], sys.argv[2]
 cfg = GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)
 model = GPT(cfg).train()
 gen = torch.Generator().manual_seed(0)
-off = ssdtrain.Offloader(spill_dir=spill, min_tensor_bytes=4096, keep_tail_bytes=0)
+off = ssdtrain.Offloader(policy="static", spill_dir=spill, min_tensor_bytes=4096, keep_tail_bytes=0)
 keep = []
 for step in range(3):
     with off:

@@ -80,7 +80,8 @@ def _rows(logger):
 
 
 def _offloader(spill_dir):
-    return ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(spill_dir), min_tensor_bytes=0,
+    return ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static",
+                                                     spill_dir=str(spill_dir), min_tensor_bytes=0,
                                                      keep_tail_bytes=0))
 
 
@@ -129,7 +130,8 @@ def test_validation_is_not_offloaded(tmp_path, spill_dir):
 
 
 def test_owned_offloader_is_created_and_closed(tmp_path, spill_dir):
-    cb = SSDTrainCallback(spill_dir=str(spill_dir), min_tensor_bytes=0, keep_tail_bytes=0)
+    cb = SSDTrainCallback(spill_dir=str(spill_dir), policy="static", min_tensor_bytes=0,
+                          keep_tail_bytes=0)
     net, _ = _fit(tmp_path, [cb], "owned")
     assert cb.offloader.closed
     assert cb.offloader.stats().offloaded_bytes > 0

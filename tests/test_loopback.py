@@ -186,7 +186,7 @@ def test_delay_schedules_exact_no_leak_no_hang(spill_dir, producer, consumer, d2
     n = 1 << 12
     dev = LoopbackDevice(d2h_delay=_schedule(d2h), h2d_delay=_schedule(h2d))
     off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
-        spill_dir=str(spill_dir), min_tensor_bytes=0, keep_tail_bytes=tail * n * 4,
+        policy="static", spill_dir=str(spill_dir), min_tensor_bytes=0, keep_tail_bytes=tail * n * 4,
         prefetch_bytes=window * n * 4, io_timeout_s=20))
     attach(off, dev)
     try:

@@ -50,7 +50,7 @@ OFFLOADED = 2                                   # offload_layers in most tests (
 # backward reads every record back from the disk (a tiny model's backward would otherwise
 # often find its records still being written and use them from memory).
 # min_tensor_bytes above the 1 KiB bool attention mask, below everything else.
-OPTIONS = dict(keep_tail_bytes=0, write_behind_bytes=0, min_tensor_bytes=2048)
+OPTIONS = dict(policy="static", keep_tail_bytes=0, write_behind_bytes=0, min_tensor_bytes=2048)
 
 RECOMPUTE = {
     "none": {},

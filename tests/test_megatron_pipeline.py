@@ -49,7 +49,8 @@ MICRO_BATCHES = 4
 STEPS = 3
 # keep_tail_bytes=0: every record is written and read back, so the prefetch counters
 # cover every offloaded record; min_tensor_bytes above the 1 KiB bool mask.
-OPTIONS = dict(keep_tail_bytes=0, write_behind_bytes=0, min_tensor_bytes=2048, engine="posix")
+OPTIONS = dict(policy="static", keep_tail_bytes=0, write_behind_bytes=0, min_tensor_bytes=2048,
+               engine="posix")
 # name -> (virtual_pipeline_model_parallel_size, TransformerConfig overrides).
 # deallocate_pipeline_outputs (Megatron-LM's default): a stage's output is emptied once
 # sent, and backward runs through Megatron's custom_backward.

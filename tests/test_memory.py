@@ -110,7 +110,7 @@ _CHILD = textwrap.dedent(r'''
     off = None
     if mode == "ssdtrain":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
-            spill_dir=spill_dir, min_tensor_bytes="64KiB", keep_tail_bytes="8MiB",
+            policy="static", spill_dir=spill_dir, min_tensor_bytes="64KiB", keep_tail_bytes="8MiB",
             prefetch_bytes="16MiB"))
 
     def step(inp):

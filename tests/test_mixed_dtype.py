@@ -229,7 +229,7 @@ def test_mixed_dtype_views_give_exact_gradients(module_spill_dir, mode, case):
     base, nodes = _materialize(*case)
     ref = _run(nodes)
     off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
-        spill_dir=str(module_spill_dir), min_tensor_bytes=0, **MODES[mode]))
+        policy="static", spill_dir=str(module_spill_dir), min_tensor_bytes=0, **MODES[mode]))
     try:
         got = _run(nodes, off, settle=mode != "kept")
         off.wait()

@@ -104,7 +104,7 @@ def _ddp_rank(rank, port, out_dir, spill_base):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         off = None
         if name == "ssdtrain":
-            off = ssdtrain.Offloader(spill_dir=rank_spill_dir(spill_base),
+            off = ssdtrain.Offloader(policy="static", spill_dir=rank_spill_dir(spill_base),
                                      min_tensor_bytes=4 * KiB, keep_tail_bytes=0)
         steps = []
         for idx, targets in data:

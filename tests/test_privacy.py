@@ -169,7 +169,8 @@ def test_symlink_of_another_user_is_not_followed(shared_dir):
     with pytest.raises(ConfigError, match="symbolic link owned by uid 65534"):
         ssdtrain.Offloader(spill_dir=link)
     os.lchown(link, os.geteuid(), os.getegid())  # one's own link is followed
-    off = ssdtrain.Offloader(spill_dir=link, min_tensor_bytes=4096, keep_tail_bytes=0)
+    off = ssdtrain.Offloader(policy="static",
+                             spill_dir=link, min_tensor_bytes=4096, keep_tail_bytes=0)
     try:
         x = torch.randn(256, 256, requires_grad=True)
         with off:
@@ -221,7 +222,8 @@ def test_another_user_cannot_open_the_data(shared_dir, monkeypatch):
     """A forked child that drops to uid 65534 can reach none of the spill data: not the
     anonymous file (through /proc/<pid>/fd), not a fallback file in the instant it has a
     name, not the default spill directory's contents."""
-    off = ssdtrain.Offloader(spill_dir=shared_dir, min_tensor_bytes=4096, keep_tail_bytes=0)
+    off = ssdtrain.Offloader(policy="static",
+                             spill_dir=shared_dir, min_tensor_bytes=4096, keep_tail_bytes=0)
     named, named_path = _named_fallback_file(shared_dir, monkeypatch)
     monkeypatch.setattr(tempfile, "tempdir", shared_dir)
     private = default_spill_dir()
@@ -287,7 +289,8 @@ _CRASH_CHILD = textwrap.dedent("""
                 raise OSError(95, "Operation not supported")
             return real_open(path, flags, mode, dir_fd=dir_fd)
         _spill.os.open = no_tmpfile
-    off = ssdtrain.Offloader(spill_dir=sys.argv[1], min_tensor_bytes=4096, keep_tail_bytes=0)
+    off = ssdtrain.Offloader(policy="static",
+                             spill_dir=sys.argv[1], min_tensor_bytes=4096, keep_tail_bytes=0)
     x = torch.randn(1024, 1024, requires_grad=True)
     with off:
         y = x

@@ -81,10 +81,11 @@ def _run(program, retain, off=None, settle=False):
     return loss.detach(), [t.grad for t in leaves]
 
 
-SETTINGS = [dict(min_tensor_bytes=1, keep_tail_bytes=0, prefetch_bytes=0),
-            dict(min_tensor_bytes=1, keep_tail_bytes=0, prefetch_bytes="64KiB"),
-            dict(min_tensor_bytes=8192, keep_tail_bytes="32KiB", prefetch_bytes="16MiB"),
-            dict(min_tensor_bytes="1MiB")]  # everything kept in memory
+SETTINGS = [dict(policy="static", min_tensor_bytes=1, keep_tail_bytes=0, prefetch_bytes=0),
+            dict(policy="static", min_tensor_bytes=1, keep_tail_bytes=0, prefetch_bytes="64KiB"),
+            dict(policy="static",
+                 min_tensor_bytes=8192, keep_tail_bytes="32KiB", prefetch_bytes="16MiB"),
+            dict(policy="static", min_tensor_bytes="1MiB")]  # everything kept in memory
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import ssdtrain
 from ssdtrain import tools
 
 # Everything >= 4 KiB is offloaded, nothing is kept back as the tail.
-DISK = dict(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB")
+DISK = dict(policy="static", min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB")
 
 
 def _activation(n=4096):

@@ -89,7 +89,7 @@ def test_soak(tmp_path):
 
     spill = tmp_path / "spill"
     spill.mkdir()
-    off = ssdtrain.Offloader(spill_dir=str(spill), min_tensor_bytes=4096,
+    off = ssdtrain.Offloader(policy="static", spill_dir=str(spill), min_tensor_bytes=4096,
                              keep_tail_bytes="64KiB", prefetch_bytes="256KiB")
     spill_fd = off._store.spill.files[0].fd
     seen = {"fds": [], "threads": [], "rss": [], "size": [], "records": [], "dead": 0,

@@ -230,7 +230,7 @@ class StoreMachine(RuleBasedStateMachine):
         # that most sequences do something first (and a shrunk one closes at once).
         self.close_after = close_after
         self.config = ssdtrain.OffloadConfig(
-            spill_dir=self.dir, engine="posix", io_threads=threads,
+            policy="static", spill_dir=self.dir, engine="posix", io_threads=threads,
             min_tensor_bytes=MIN_BYTES, keep_tail_bytes=keep_tail, prefetch_bytes=prefetch,
             io_timeout_s=IO_TIMEOUT_S, verify=verify)
         self._open()
@@ -814,7 +814,8 @@ def test_store_agrees_with_model():
 def test_manual_engine_runs_requests_only_when_told(tmp_path):
     """The helper itself: requests wait, complete() runs them for real on this thread,
     an injected failure moves no data, shutdown() fails what is left."""
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(tmp_path), engine="posix",
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", spill_dir=str(tmp_path),
+                                                    engine="posix",
                                                     io_timeout_s=IO_TIMEOUT_S))
     try:
         engine = install(off)
@@ -850,7 +851,8 @@ def test_manual_engine_runs_requests_only_when_told(tmp_path):
 def test_manual_engine_abandon(tmp_path):
     """``abandon()`` (a forked child): pending requests are forgotten, never settled (their
     memory is the parent's), new ones fail at once, and it is idempotent."""
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(tmp_path), engine="posix",
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", spill_dir=str(tmp_path),
+                                                    engine="posix",
                                                     io_timeout_s=IO_TIMEOUT_S))
     engine = install(off)
     try:

@@ -208,7 +208,8 @@ def _reference(numel):
 def _run_once(spill_dir, engine, scenario, mode, size_mib, verify):
     """One repetition; prints what happened. Returns (timed out?, close raised?)."""
     numel = (size_mib << 20) // 4 + 37  # not a whole number of blocks: partial edge blocks
-    cfg = dict(spill_dir=spill_dir, engine=engine, io_timeout_s=IO_TIMEOUT_S, verify=verify,
+    cfg = dict(spill_dir=spill_dir, policy="static",
+                                    engine=engine, io_timeout_s=IO_TIMEOUT_S, verify=verify,
                min_tensor_bytes=4096, keep_tail_bytes=0,
                write_behind_bytes=(1 << 20) if scenario == "write_forward" else (1 << 30))
     off = ssdtrain.Offloader(**cfg)

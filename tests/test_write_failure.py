@@ -17,7 +17,7 @@ N = 256  # 256 x 256 fp32 = 256 KiB per saved tensor
 
 
 def _failing_offloader(spill_dir):
-    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(spill_dir),
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", spill_dir=str(spill_dir),
                                                     min_tensor_bytes=4096, keep_tail_bytes=0))
     calls = []
 

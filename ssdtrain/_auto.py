@@ -1,0 +1,239 @@
+"""The default policy, ``"auto"``: offload what the disk can absorb in time, keep the rest.
+
+NOTE [ The offload quota ]
+
+With ``policy="auto"`` (opt-in) each step (a forward pass and everything until the
+next one begins) runs with an offload *quota*: a byte count fixed when the step begins.
+Its records are decided as the static policy decides them (NOTE [ The pack decision ] in
+``_policy.py``), except that once the bytes decided to be written would exceed the quota,
+every later record of the step is kept in memory (``KEEP_QUOTA``). So the earliest
+records are the ones written: backward needs them last, so their reads have the most
+time. Within a step the decision is a pure function of the saves, the configuration
+and the quota; the quota changes only between steps, from what earlier steps measured.
+The store never makes forward wait for a write under ``"auto"`` (the ``write_behind_bytes``
+throttle is off): a write the disk has not finished leaves its record in memory, which
+is what keeping it would have cost, and shows up as a measurement instead.
+
+How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
+:func:`slowed`, :func:`next_scale`):
+
+1. *Baseline.* The first ``BASELINE_STEPS`` steps offload nothing (quota 0) and
+   measure the forward time ``F``, the step time ``T`` (begin to next begin) and the
+   bytes the step saves that could be offloaded (``S``, after dedup). The baseline
+   times are the fastest seen since, in every step (one-time costs of the first
+   steps do not count).
+2. *Disk.* Once, after the baseline, :meth:`Store.time_io` writes and reads a probe of
+   ``S / 8`` bytes (between 8 and 64 MiB), best of two: write bandwidth ``W``, read
+   bandwidth ``R`` (one request at a time: a low estimate). This happens in the
+   offloader's ``__enter__``, before the step's clock starts.
+3. *Bound.* Writes of the quota must end within forward (else their memory is not
+   freed when forward's peak comes), ``Q <= W * F``; the reads must end by the end of
+   backward, ``Q <= R * (T - F + m * T)`` with ``m = max_slowdown``, and they start
+   only once backward has used all but ``prefetch_bytes`` of the kept records: the
+   records kept for want of quota fill the prefetch window as the kept tail does (else
+   the reads would bring the written bytes back while the kept ones are still held,
+   and the step's peak would be no lower), which with backward using the step's
+   bytes evenly gives ``Q * (1 - R * B / S) <= R * B * prefetch_bytes / S + R * m * T``
+   (``B = T - F``; no limit when ``R * B >= S``); and ``Q <= S``. The bound is
+   ``SAFETY`` (0.8) times the least of these (:func:`quota_bound`).
+4. *Feedback.* The quota is ``scale * bound``, ``scale`` starting at
+   ``START_SCALE`` (0.5). A step is *slowed* when it waited on I/O (read stalls and
+   write waits) for more than ``m * T`` or took more than ``(1 + m) * T`` (CPU or
+   memory contention from the I/O shows only there): ``scale`` halves. A step that
+   wrote nothing is not judged (its time owes nothing to the disk). Otherwise it
+   grows by ``STEP_UP`` (0.25) up to ``MAX_SCALE`` (1.5: the probe's bandwidth is a low
+   estimate, and the feedback is what holds the margin).
+
+The first steps therefore use as much memory as no offloading: the default never makes
+a step slower than ``1 + max_slowdown`` times its time without ssdtrain, but it does not
+make a model fit that does not fit without offloading (``policy="static"`` offloads
+everything eligible; ``policy="adaptive"`` plans for a memory budget). A step whose
+time varies for reasons of its own (data of varying length) reads as slowed now and
+then, which only lowers the quota. ``Stats.offload_quota_bytes`` and
+``Stats.offload_quota_reason`` show the quota in force and why.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+__all__ = ["AutoQuota", "StepSample", "quota_bound", "slowed", "next_scale", "probe_bytes",
+           "BASELINE_STEPS", "SAFETY", "START_SCALE", "STEP_UP", "MAX_SCALE"]
+
+MiB = 1 << 20
+BASELINE_STEPS = 2     # steps measured without offloading
+SAFETY = 0.8           # of the bandwidth bound
+START_SCALE = 0.5      # the first quota's share of the bound
+STEP_UP = 0.25         # scale added after a step that was not slowed
+MAX_SCALE = 1.5        # most of the bound the feedback may reach
+MIN_PROBE = 8 * MiB
+MAX_PROBE = 64 * MiB
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """What one step measured (between two calls of :meth:`AutoQuota.begin_step`)."""
+
+    step_s: float          #: begin of the step to the begin of the next
+    forward_s: float       #: begin to end of forward (the whole step if it never ended)
+    stall_s: float         #: time waiting on I/O: unpack's reads and the write throttle
+    saved_bytes: int       #: bytes of new records (what could be offloaded, after dedup)
+    quota: int             #: the quota the step ran with
+    offloaded_bytes: int = 0  #: bytes the step decided to write
+
+
+def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: float,
+                read_bps: float, max_slowdown: float, safety: float = SAFETY,
+                window_bytes: Optional[int] = None) -> int:
+    """The most bytes a step can offload without waiting on the disk (NOTE [ The offload
+    quota ], step 3): never above ``saved_bytes``, never below 0, and monotone
+    non-decreasing in each bandwidth and each time. ``window_bytes``: the prefetch
+    window (``prefetch_bytes``), which the kept records fill first, so the reads start
+    only once backward has used all but that much of them; ``None``: at the end of
+    forward."""
+    if saved_bytes <= 0 or not (write_bps > 0 and read_bps > 0):
+        return 0
+    forward_s = max(0.0, forward_s)
+    back_s = max(0.0, step_s - forward_s)
+    slack_s = max_slowdown * max(0.0, step_s)
+    reads = read_bps * (back_s + slack_s)
+    if window_bytes is not None:
+        # Backward uses the S saved bytes evenly over back_s; the reads of the Q written
+        # (used last) start when S - Q - window bytes are used and must end by back_s:
+        # Q / R <= back_s * (Q + window) / S + slack, i.e. Q * (1 - R * back_s / S) <=
+        # R * back_s * window / S + R * slack (no limit when R * back_s >= S).
+        drain = read_bps * back_s / saved_bytes
+        if drain < 1.0:
+            reads = min(reads, (drain * window_bytes + read_bps * slack_s) / (1.0 - drain))
+    q = safety * min(write_bps * forward_s, reads)
+    if not math.isfinite(q):
+        return int(saved_bytes)
+    return int(max(0.0, min(float(saved_bytes), q)))
+
+
+def slowed(sample: StepSample, base_step_s: float, max_slowdown: float) -> bool:
+    """Whether ``sample`` cost more than the margin over the baseline step time: it
+    waited on I/O for longer, or took longer."""
+    margin = max_slowdown * base_step_s
+    return sample.stall_s > margin or sample.step_s > base_step_s + margin
+
+
+def next_scale(scale: float, was_slowed: bool) -> float:
+    """Multiplicative decrease after a slowed step, additive increase otherwise."""
+    if was_slowed:
+        return scale * 0.5
+    return min(MAX_SCALE, scale + STEP_UP)
+
+
+def probe_bytes(saved_bytes: int) -> int:
+    """The disk probe's size: an eighth of a step's bytes, 8 to 64 MiB, whole 4 KiB
+    blocks."""
+    n = min(MAX_PROBE, max(MIN_PROBE, saved_bytes // 8))
+    return n - n % 4096
+
+
+class AutoQuota:
+    """The quota controller of ``policy="auto"`` (NOTE [ The offload quota ]).
+
+    Args:
+        max_slowdown: the margin (``OffloadConfig.max_slowdown``).
+        probe: ``nbytes -> (write_s, read_s)``, the store's bandwidth probe.
+        stats: the offloader's :class:`~ssdtrain.Stats` (read for stalls and saved bytes,
+            written for the quota in force).
+        clock: seconds, monotonic (tests pass their own).
+        window_bytes: the prefetch window (``prefetch_bytes``), see :func:`quota_bound`.
+    """
+
+    def __init__(self, max_slowdown: float, probe: Callable[[int], Tuple[float, float]],
+                 stats, clock: Callable[[], float] = time.perf_counter,
+                 window_bytes: Optional[int] = None):
+        self.max_slowdown = max_slowdown
+        self.window_bytes = window_bytes
+        self._probe = probe
+        self._stats = stats
+        self._clock = clock
+        self.samples = []                 # StepSample of every step measured
+        self.write_bps: Optional[float] = None
+        self.read_bps: Optional[float] = None
+        self.base_forward_s = math.inf
+        self.base_step_s = math.inf
+        self.scale = START_SCALE
+        self.bound = 0
+        self.quota = 0
+        self.reason = ""
+        self._slowed = None               # whether the last step measured was slowed
+        self._begin = None                # the running step: clock at begin, at end of forward
+        self._end = None
+        self._counters = None             # (stall, saved, offloaded) at its begin
+
+    def _read_counters(self):
+        s = self._stats
+        return s.stall_seconds + s.write_stall_seconds, s.unique_bytes, s.offloaded_bytes
+
+    def end_forward(self) -> None:
+        """Forward of the running step ended (the first end counts)."""
+        if self._begin is not None and self._end is None:
+            self._end = self._clock()
+
+    def begin_step(self) -> int:
+        """A step begins: measure the one before, choose this one's quota and return it."""
+        now = self._clock()
+        if self._begin is not None:
+            stall, saved, offloaded = self._read_counters()
+            end = self._end if self._end is not None else now
+            self._observe(StepSample(step_s=now - self._begin, forward_s=end - self._begin,
+                                     stall_s=stall - self._counters[0],
+                                     saved_bytes=saved - self._counters[1], quota=self.quota,
+                                     offloaded_bytes=offloaded - self._counters[2]))
+        self.quota, self.reason = self._choose()
+        self._stats.offload_quota_bytes = self.quota
+        self._stats.offload_quota_reason = self.reason
+        self._begin = self._clock()  # after the probe: it is not the step's time
+        self._end = None
+        self._counters = self._read_counters()
+        return self.quota
+
+    def _observe(self, sample: StepSample) -> None:
+        measured = len(self.samples) >= BASELINE_STEPS
+        self.samples.append(sample)
+        # Only a step that wrote something is judged: one whose records all stayed in
+        # memory (the kept tail took them) was not slowed by ssdtrain's I/O.
+        if measured and sample.offloaded_bytes > 0:
+            self._slowed = slowed(sample, self.base_step_s, self.max_slowdown)
+            self.scale = next_scale(self.scale, self._slowed)
+        else:
+            self._slowed = None
+        # The fastest step seen is the one nearest to no overhead at all (one-time costs
+        # of the first steps, noise): the baseline never grows.
+        self.base_forward_s = min(self.base_forward_s, sample.forward_s)
+        self.base_step_s = min(self.base_step_s, sample.step_s)
+
+    def _choose(self):
+        n = len(self.samples)
+        if n < BASELINE_STEPS:
+            return 0, (f"measuring: step {n + 1} of {BASELINE_STEPS} runs without offloading "
+                       f"(the baseline)")
+        last = self.samples[-1]
+        if self.write_bps is None:
+            nbytes = probe_bytes(last.saved_bytes)
+            write_s, read_s = self._probe(nbytes)
+            self.write_bps = nbytes / max(write_s, 1e-9)
+            self.read_bps = nbytes / max(read_s, 1e-9)
+        self.bound = quota_bound(last.saved_bytes, self.base_forward_s, self.base_step_s,
+                                 self.write_bps, self.read_bps, self.max_slowdown,
+                                 window_bytes=self.window_bytes)
+        quota = int(min(self.bound * self.scale, last.saved_bytes))
+        why = (f"{self.scale:.2f} x the bound {self.bound / MiB:.1f} MiB (0.8 x the least of "
+               f"write {self.write_bps / 1e9:.2f} GB/s x forward {self.base_forward_s * 1e3:.0f}"
+               f" ms, read {self.read_bps / 1e9:.2f} GB/s x rest of step "
+               f"{(self.base_step_s - self.base_forward_s) * 1e3:.0f} ms + "
+               f"{self.max_slowdown:.0%}; saved {last.saved_bytes / MiB:.1f} MiB)")
+        was = self._slowed
+        if was is True:
+            why += (f"; lowered: the last step took {last.step_s * 1e3:.0f} ms and waited "
+                    f"{last.stall_s * 1e3:.0f} ms on I/O, over the baseline "
+                    f"{self.base_step_s * 1e3:.0f} ms + {self.max_slowdown:.0%}")
+        elif was is False:
+            why += "; raised: the last step kept within the margin"
+        return quota, why

@@ -1,0 +1,318 @@
+"""The policy ``"auto"`` (ssdtrain/_auto.py, NOTE [ The offload quota ]).
+
+Each step offloads its earliest records up to a byte quota chosen from what earlier steps
+measured, keeps the rest, and forward never waits on the disk. Here: the quota logic as
+pure functions (bounded, monotone in bandwidth, lowered after a stall), the controller
+with a fake clock, the decision given a quota (a prefix, deterministic), gradients under
+the default across steps, forward with a hung engine, and the estimate's replay of a
+step's quota. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import manual_engine
+import models
+import ssdtrain
+from helpers import assert_grads_equal, grads
+from ssdtrain import estimate as E
+from ssdtrain._auto import (BASELINE_STEPS, AutoQuota, StepSample, next_scale, probe_bytes,
+                            quota_bound, slowed)
+from ssdtrain._policy import KEEP_QUOTA, TailWindow
+from ssdtrain._records import State
+
+KiB = 1 << 10
+MiB = 1 << 20
+SMALL = dict(min_tensor_bytes="8KiB", keep_tail_bytes=0, policy="auto")
+
+pos = st.floats(1e-3, 1e12, allow_nan=False)
+times = st.floats(0.0, 100.0, allow_nan=False)
+
+
+# ------------------------------------------------------------------ pure functions
+@settings(max_examples=200, deadline=None)
+@given(saved=st.integers(0, 1 << 40), f=times, t=times, w=pos, r=pos, k=st.floats(1, 1e3),
+       m=st.floats(0, 1))
+def test_bound_is_within_the_step_and_monotone_in_bandwidth(saved, f, t, w, r, k, m):
+    q = quota_bound(saved, f, t, w, r, m)
+    assert 0 <= q <= saved
+    assert quota_bound(saved, f, t, w * k, r, m) >= q
+    assert quota_bound(saved, f, t, w, r * k, m) >= q
+    assert quota_bound(saved, f, t + 1.0, w, r, m) >= q      # more time, more bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(saved=st.integers(1, 1 << 40), f=times, t=times, w=pos, r=pos, k=st.floats(1, 1e3),
+       window=st.integers(0, 1 << 40), m=st.floats(0, 1))
+def test_bound_with_the_prefetch_window_is_lower_and_monotone(saved, f, t, w, r, k, window, m):
+    q = quota_bound(saved, f, t, w, r, m, window_bytes=window)
+    assert 0 <= q <= quota_bound(saved, f, t, w, r, m)
+    assert quota_bound(saved, f, t, w, r * k, m, window_bytes=window) >= q
+    assert quota_bound(saved, f, t, w, r, m, window_bytes=window * 2) >= q
+
+
+def test_bound_is_the_tighter_of_writes_in_forward_and_reads_in_the_rest():
+    # 1 GB/s writes for a 0.1 s forward (100 MB) vs 0.25 GB/s reads for 0.2 s + 3% of 0.3 s.
+    q = quota_bound(1 << 40, 0.1, 0.3, 1e9, 0.25e9, 0.03, safety=1.0)
+    assert q == int(0.25e9 * (0.2 + 0.03 * 0.3))
+    assert quota_bound(1 << 40, 0.1, 0.3, 0.1e9, 1e12, 0.0, safety=1.0) == int(0.1e9 * 0.1)
+    assert quota_bound(0, 0.1, 0.3, 1e9, 1e9, 0.03) == 0
+    assert quota_bound(1 << 20, 0.1, 0.3, 0.0, 1e9, 0.03) == 0   # no bandwidth known
+    # 1000 MB saved, read at 1 GB/s over a 0.5 s backward (half of it in time): the
+    # reads wait for the kept bytes to drain to the 100 MB window, Q <= 2 * 50 MB.
+    assert quota_bound(10 ** 9, 1.0, 1.5, 1e12, 1e9, 0.0, safety=1.0,
+                       window_bytes=10 ** 8) == pytest.approx(10 ** 8, rel=1e-9)
+
+
+@given(scale=st.floats(1e-6, 1.5), stall=st.floats(0, 10), base=st.floats(1e-3, 10),
+       m=st.floats(0, 0.5))
+def test_a_step_that_stalls_past_the_margin_lowers_the_scale(scale, stall, base, m):
+    s = StepSample(step_s=base, forward_s=base / 3, stall_s=stall, saved_bytes=1,
+                   quota=1, offloaded_bytes=1)
+    if stall > m * base:
+        assert slowed(s, base, m)
+        assert next_scale(scale, True) < scale
+    assert next_scale(scale, False) >= min(scale, 1.5)
+
+
+def test_a_slower_step_without_stall_is_slowed_too():
+    s = StepSample(step_s=1.05, forward_s=0.3, stall_s=0.0, saved_bytes=1, quota=1)
+    assert slowed(s, 1.0, 0.03) and not slowed(s, 1.0, 0.06)
+
+
+def test_probe_size_is_an_eighth_of_the_step_within_limits():
+    assert probe_bytes(0) == 8 * MiB and probe_bytes(1 << 40) == 64 * MiB
+    assert probe_bytes(256 * MiB) == 32 * MiB and probe_bytes(256 * MiB + 5) % 4096 == 0
+
+
+# --------------------------------------------------------------------- controller
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _step(ctl, clock, stats, forward_s, rest_s, saved, stall=0.0):
+    """One step of the fake world: begin (the quota), forward, the rest."""
+    q = ctl.begin_step()
+    clock.now += forward_s
+    stats.unique_bytes += saved
+    stats.offloaded_bytes += min(q, saved)
+    ctl.end_forward()
+    clock.now += rest_s
+    stats.stall_seconds += stall
+    return q
+
+
+def test_controller_measures_then_probes_once_then_follows_stalls():
+    clock, stats, probes = _Clock(), ssdtrain.Stats(), []
+
+    def probe(nbytes):
+        probes.append(nbytes)
+        return nbytes / 1e9, nbytes / 0.5e9   # 1 GB/s writes, 0.5 GB/s reads
+
+    ctl = AutoQuota(0.03, probe, stats, clock=clock)
+    saved = 400 * MiB
+    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(BASELINE_STEPS)]
+    assert quotas == [0] * BASELINE_STEPS and not probes
+    assert "measuring" in stats.offload_quota_reason
+    first = _step(ctl, clock, stats, 0.1, 0.2, saved)
+    assert probes == [probe_bytes(saved)]
+    bound = quota_bound(saved, 0.1, 0.3, 1e9, 0.5e9, 0.03)
+    assert first == pytest.approx(0.5 * bound, rel=1e-6) and stats.offload_quota_bytes == first
+    second = _step(ctl, clock, stats, 0.1, 0.2, saved)          # kept within the margin
+    assert second > first and "raised" in stats.offload_quota_reason
+    third = _step(ctl, clock, stats, 0.1, 0.2, saved, stall=0.05)  # stalls: 17% of 0.3 s
+    assert third > second                                        # (chosen before it)
+    lowered = _step(ctl, clock, stats, 0.1, 0.2, saved)
+    assert lowered < third and "lowered" in stats.offload_quota_reason
+    assert len(probes) == 1
+    assert all(0 <= q <= saved for q in quotas + [first, second, third, lowered])
+
+
+def test_controller_does_not_judge_a_step_that_wrote_nothing():
+    clock, stats = _Clock(), ssdtrain.Stats()
+    ctl = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), stats, clock=clock)
+    for _ in range(BASELINE_STEPS + 1):
+        _step(ctl, clock, stats, 0.1, 0.2, 64 * MiB)
+    q = ctl.begin_step()            # stats.offloaded_bytes stays: nothing written
+    scale = ctl.scale
+    clock.now += 1.0                # ten times slower, but nothing written: noise
+    stats.unique_bytes += 64 * MiB
+    ctl.end_forward()
+    ctl.begin_step()
+    assert q > 0 and ctl.scale == scale
+
+
+# ------------------------------------------------------------- decision given Q
+class _R:
+    def __init__(self, nbytes):
+        self.nbytes, self.reserved = nbytes, 0
+
+
+@given(sizes=st.lists(st.integers(1, 1000), max_size=40), quota=st.integers(0, 20000),
+       tail=st.integers(0, 3000))
+def test_quota_decides_a_prefix_of_the_step_records(sizes, quota, tail):
+    w = TailWindow(tail)
+    w.begin_step(quota)
+    decided = []
+    for n in sizes:
+        w.add(_R(n))
+        decided += w.overflow()
+    written = [r.nbytes for r, why in decided if why is None]
+    kept = [i for i, (_, why) in enumerate(decided) if why == KEEP_QUOTA]
+    assert sum(written) <= quota
+    assert written == [r.nbytes for r, _ in decided[:len(written)]]   # a prefix
+    assert kept == list(range(len(written), len(decided)))
+    assert w.written == sum(written)
+    w.begin_step(quota)             # a new step: its own quota
+    assert w.written == 0 and (w.spent == (quota <= 0))
+
+
+def _fixed_quota(off, quota):
+    """The controller as is, with ``quota`` in force from now on (no measuring)."""
+    off._auto.begin_step = lambda: quota
+    off._store.quota = quota
+
+
+def _written_seqs(off):
+    return sorted((r.seq, r.nbytes) for r in off._store.records()
+                  if r.state in (State.WRITING, State.ON_DISK))
+
+
+def test_decision_given_a_quota_is_the_same_in_every_run(spill_dir, tmp_path):
+    runs = []
+    for i in range(2):
+        d = tmp_path / f"s{i}"
+        d.mkdir()
+        off = ssdtrain.Offloader(spill_dir=str(d), **SMALL)
+        try:
+            model, inputs = models.mlp()
+            with off:  # measure the whole step's bytes once
+                model(*inputs).backward()
+            before = off.stats()
+            unique = before.unique_bytes
+            _fixed_quota(off, unique // 3)
+            with off:
+                loss = model(*inputs)
+            off.wait()
+            after = off.stats()
+            # what the quota kept fills the prefetch window, as the kept tail does
+            assert off._store._ahead >= after.quota_kept_bytes - before.quota_kept_bytes > 0
+            runs.append((_written_seqs(off), after.offloaded_bytes - before.offloaded_bytes,
+                         after.quota_kept_bytes - before.quota_kept_bytes))
+            loss.backward()
+        finally:
+            off.close()
+    assert runs[0] == runs[1]
+    (seqs, offloaded, quota_kept) = runs[0]
+    assert 0 < offloaded <= unique // 3 and quota_kept > 0
+    assert offloaded + quota_kept == unique
+
+
+# --------------------------------------------------------------------- the default
+def test_default_policy_is_static_and_max_slowdown_is_validated():
+    cfg = ssdtrain.OffloadConfig()
+    # "auto" is opt-in until it is measured where the disk is the bottleneck on a GPU.
+    assert cfg.policy == "static" and cfg.max_slowdown == 0.03
+    assert ssdtrain.OffloadConfig(max_slowdown=0).max_slowdown == 0.0
+    for bad in (-0.01, float("nan"), float("inf"), 11, "3%", True):
+        with pytest.raises(ssdtrain.ConfigError, match="max_slowdown"):
+            ssdtrain.OffloadConfig(max_slowdown=bad)
+    assert ssdtrain.OffloadConfig.from_env({"SSDTRAIN_MAX_SLOWDOWN": "0.1"}).max_slowdown == 0.1
+
+
+def test_default_gradients_are_exact_across_steps(spill_dir):
+    """Baseline steps (nothing offloaded), then a quota: every step's gradients equal a
+    run without ssdtrain, and some step really wrote part of its records."""
+    model, inputs = models.gpt()
+    ref_model, _ = models.gpt()
+    ref_model.load_state_dict(model.state_dict())
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+    off._auto._probe = lambda n: (n / 1e12, n / 1e12)   # a fast disk: a quota > 0
+    per_step = []
+    try:
+        for step in range(BASELINE_STEPS + 3):
+            for m in (model, ref_model):
+                m.zero_grad(set_to_none=True)
+            before = off.stats()
+            with off:
+                loss = model(*inputs)
+            loss.backward()
+            ref_model(*inputs).backward()
+            assert_grads_equal(grads(ref_model), grads(model))
+            after = off.stats()
+            per_step.append((after.offload_quota_bytes,
+                             after.offloaded_bytes - before.offloaded_bytes,
+                             after.unique_bytes - before.unique_bytes))
+    finally:
+        off.close()
+    assert [q for q, _, _ in per_step[:BASELINE_STEPS]] == [0] * BASELINE_STEPS
+    assert all(w == 0 for _, w, _ in per_step[:BASELINE_STEPS])
+    q, written, unique = per_step[BASELINE_STEPS]
+    assert 0 < written <= q < unique          # part of the step, within its quota
+    assert all(w <= q for q, w, _ in per_step)
+
+
+def test_forward_never_waits_on_the_disk_in_the_default(spill_dir):
+    """A hung engine (requests run only when told) and write_behind_bytes=0: the static
+    policy's forward would wait for the first write; the default's goes on, the records
+    being written stay in memory and backward uses them from there."""
+    model, inputs = models.mlp()
+    ref_model, _ = models.mlp()
+    ref_model.load_state_dict(model.state_dict())
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", write_behind_bytes=0,
+                             io_timeout_s=30, **SMALL)
+    engine = manual_engine.install(off)
+    try:
+        with off:
+            model(*inputs).backward()
+        _fixed_quota(off, 1 << 40)           # offload everything eligible
+        with off:
+            loss = model(*inputs)
+        assert off.stats().offloaded_bytes > 0
+        assert engine.pending() and off.stats().write_stall_seconds == 0.0
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        ref_model(*inputs).backward()
+        assert_grads_equal(grads(ref_model), grads(model))
+        engine.complete_all()
+    finally:
+        engine.complete_all()
+        off.close()
+
+
+def test_estimate_replays_a_step_quota(spill_dir):
+    make = models.gpt
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+    off._auto._probe = lambda n: (n / 1e12, n / 1e12)
+    try:
+        for _ in range(BASELINE_STEPS + 1):
+            model, inputs = make()
+            before = off.stats()
+            with off:
+                loss = model(*inputs)
+            off.wait()
+            after = off.stats()
+            loss.backward()
+    finally:
+        off.close()
+    quota = after.offload_quota_bytes
+    est = E.estimate(make, config=ssdtrain.OffloadConfig(**SMALL), offload_quota=quota)
+    m = est.measurement
+    assert quota > 0
+    assert est.offloadable_bytes == after.offloaded_bytes - before.offloaded_bytes > 0
+    assert m.quota_kept_bytes == after.quota_kept_bytes - before.quota_kept_bytes > 0
+    assert est.kept_bytes == after.kept_bytes - before.kept_bytes
+    plain = E.estimate(make, config=ssdtrain.OffloadConfig(**SMALL))
+    assert plain.offloadable_bytes == est.unique_bytes    # no quota: the static rules
+    assert any("policy='auto'" in n for n in plain.notes)
+    with pytest.raises(ssdtrain.ConfigError, match="offload_quota"):
+        E.estimate(make, config=ssdtrain.OffloadConfig(**dict(SMALL, policy="static")),
+                   offload_quota=quota)
