@@ -1,6 +1,7 @@
 # ssdtrain developer tasks. Everything runs inside ./.venv, created on demand.
 #
-#   make test [PYTEST_ARGS="-k equivalence -x"]
+#   make test [PYTEST_ARGS="-k equivalence -x"] [TEST_WORKERS=2]
+#                                       TEST_WORKERS pytest-xdist processes (0: in this one)
 #   make demo | make bench | make clean | make distclean
 #   make soak [SOAK_STEPS=500]          500 steps: nothing may grow (tests/test_soak.py)
 #   make asan-test [ASAN_PYTEST_ARGS=...]   native engine under ASan+UBSan (see below)
@@ -18,6 +19,7 @@ TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 EXTRAS         ?= test,bench,megatron,deepspeed,hf,lightning
 PYTEST_ARGS    ?=
+TEST_WORKERS   ?= 2
 CXX            ?= g++
 
 VPY   := $(VENV)/bin/python
@@ -50,8 +52,12 @@ $(STAMP): setup.py pyproject.toml $(NATIVE_SRCS)
 
 venv: $(STAMP)
 
+# Tests run in TEST_WORKERS processes (pytest-xdist, --dist load --maxschedchunk 2: each
+# worker takes the next two tests as it finishes, in collection order, which
+# tests/conftest.py makes longest first). Most of the suite waits on the disk, sleeps or runs a child, so two
+# workers on two cores take well under the time of one.
 test: $(STAMP)
-	$(VPY) -m pytest tests $(PYTEST_ARGS)
+	$(VPY) -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist load --maxschedchunk 2) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VPY) examples/quickstart.py

@@ -66,3 +66,21 @@ def _settle_background_release():
     # Megatron and transformers loaded a full collection takes ~0.25 s, which over
     # two thousand tests was minutes of the suite.
     gc.freeze()
+
+
+# The files that take longest, longest first (seconds with two workers on this VM's two
+# cores, measured with --durations). `make test` runs tests in pytest-xdist workers that
+# take the next tests in collection order as they finish (--dist load --maxschedchunk
+# 2): a long test collected last would leave one worker running it alone at the end.
+# Outside xdist the order does not matter; no test depends on which ran before it.
+LONGEST_FIRST = ("test_interrupts.py", "test_loopback_sweeps.py", "test_experiments.py",
+                 "test_many_records.py", "test_hosttier.py", "test_io_benchmarks.py",
+                 "test_benchmarks.py", "test_estimate.py", "test_pipeline_sweep.py",
+                 "test_gc_injection.py", "test_timeouts.py", "test_multirank.py",
+                 "test_megatron_pipeline.py", "test_megatron.py", "test_store_model.py",
+                 "test_accel_emulator.py", "test_fork.py", "test_lifecycle.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable

@@ -43,6 +43,7 @@ INVALID = {
     "profile_steps": [0, 1001, True, 1.5, None, "2", 10 ** 5000],
     "replan_stall_fraction": [0, -0.1, float("nan"), True, "x", None, -float("inf"),
                               10 ** 400, -10 ** 400],
+    "host_budget_bytes": [-1, "lots", True, [1], 2.5, "autoo", "9" * 5000],
     "max_slowdown": [-0.01, -1e-320, float("nan"), True, "3%", None, 10.5, float("inf"),
                      -float("inf"), 10 ** 400, -10 ** 400],
 }
@@ -66,6 +67,7 @@ INVALID_ENV = {
     "memory_budget_bytes": ["-1", "lots"],
     "profile_steps": ["0", "two", "9" * 400],
     "replan_stall_fraction": ["0", "often", "1e999", "9" * 400, "nan", "-inf"],
+    "host_budget_bytes": ["-1", "lots", "9" * 400],
     "max_slowdown": ["-0.1", "soon", "1e999", "9" * 400, "nan", "inf"],
 }
 

@@ -391,6 +391,8 @@ def test_offload_plan_predicts_at_least_what_it_holds(make_offloader, keep_tail,
     assert p.prediction.peak_bytes + slack >= measured, (p.prediction.peak_bytes, measured)
     if budget < 1 << 40:
         # Without a budget forward counts every write as in flight (the model has no
-        # latency); under one the throttle bounds them, and the prediction is close.
+        # latency); under one the throttle bounds them, and the prediction is close
+        # (within one record more: on a loaded machine the measured step may hold the
+        # record the throttle lets through at another moment than the peak).
         assert p.prediction.peak_bytes <= min(budget, measured + step.prefetch_bytes +
-                                              step.head_bytes)
+                                              step.head_bytes + slack)
