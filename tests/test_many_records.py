@@ -1,9 +1,10 @@
-"""100k tiny records: exact, with mapped memory bounded by the read-buffer pool.
+"""70k tiny records: exact, with mapped memory bounded by the read-buffer pool.
 
 Before the pool, every read mapped its own buffer: a backward that held many small
 records at once (one op saving them all, here) passed ``vm.max_map_count`` (65,530
 mappings) and the process died (ENOMEM, then SIGABRT). Each record here is written
-and read back (``keep_tail_bytes=0``, ``min_tensor_bytes=0``).
+and read back (``keep_tail_bytes=0``, ``min_tensor_bytes=0``): 70,000 of them, more than
+the mappings the kernel allows (100,000 took the suite's time for nothing more).
 """
 
 import gc
@@ -11,7 +12,7 @@ import gc
 import pytest
 import torch
 
-N_RECORDS = 100_000
+N_RECORDS = 70_000  # > vm.max_map_count (65,530)
 
 
 class _SaveMany(torch.autograd.Function):
@@ -35,7 +36,7 @@ def _mappings():
 
 
 @pytest.mark.parametrize("engine", ["native"])
-def test_100k_tiny_records_exact_and_bounded(make_offloader, engine):
+def test_70k_tiny_records_exact_and_bounded(make_offloader, engine):
     gc.collect()
     before = _mappings()
     g = torch.Generator().manual_seed(0)
@@ -54,7 +55,7 @@ def test_100k_tiny_records_exact_and_bounded(make_offloader, engine):
     assert torch.equal(total, want)
     assert torch.equal(w.grad, want)
     assert off.stats().records_read >= N_RECORDS - 300  # prefetch may pin a few in flight
-    # 100k one-block read buffers in 4 MiB slabs: ~100 mappings, not 100k.
+    # 70k one-block read buffers in 4 MiB slabs: ~70 mappings, not 70k.
     assert maps - before < 1000, f"{maps - before} new mappings for {N_RECORDS} records"
     del y, xs
     gc.collect()
