@@ -143,6 +143,12 @@ _SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request l
 _JOIN_S = 10.0     # how long close() waits for the I/O thread to end its round
 
 
+def _free_slot(rec):
+    """Give back the disk slot a request of ``rec`` that never reached the engine took."""
+    slot, rec.slot = rec.slot, None
+    if slot is not None:
+        slot.file.free(slot)
+
 class Store(WriteBack, Prefetch, HostTier):
     """The records of one offloader, and every transition between their states."""
 
@@ -828,15 +834,11 @@ class Store(WriteBack, Prefetch, HostTier):
             rec.host = None
             self._move_locked(rec, State.KEPT)
         elif rec.state is State.SPILLING:
-            slot, rec.slot = rec.slot, None
-            if slot is not None:
-                slot.file.free(slot)
+            _free_slot(rec)
             rec.evict = True
             self._move_locked(rec, State.HOSTED)
         elif rec.state is State.WRITING:
-            slot, rec.slot = rec.slot, None
-            if slot is not None:
-                slot.file.free(slot)
+            _free_slot(rec)
             rec.staging = None
             self._window.release(rec)
             self._move_locked(rec, State.KEPT)

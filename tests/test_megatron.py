@@ -527,6 +527,19 @@ def _adapter_targets(mode, spill_dir):
     return inject.targets(counter.counts)
 
 
+def interrupted(step, armed):
+    """Run ``step()`` under the trace function ``armed`` (an ``inject.InterruptAt``), as a
+    loop that catches Ctrl-C at the step; whether the interrupt fired."""
+    sys.settrace(armed)
+    try:
+        step()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return armed.fired
+
+
 @pytest.mark.parametrize("mode", ["none", "full-block"])
 def test_interrupt_at_each_adapter_line(mode, spill_dir):
     """KeyboardInterrupt at each line of the adapter a step runs (the first run of each;
@@ -559,15 +572,7 @@ def test_interrupt_at_each_adapter_line(mode, spill_dir):
 
         for file, line, k, n in tgts:
             where = f"megatron.py:{line} (run {k} of {n})"
-            armed = inject.InterruptAt(file, line, k)
-            sys.settrace(armed)
-            try:
-                step()
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
-            fired += armed.fired
+            fired += interrupted(step, inject.InterruptAt(file, line, k))
             try:
                 assert_same_history([(ref_loss, ref_grads)], [step()])
             except (AssertionError, ssdtrain.SSDTrainError) as e:
@@ -582,14 +587,7 @@ def test_interrupt_at_each_adapter_line(mode, spill_dir):
                 off.wait()
             if off.live_records():
                 failures.append(f"{where}: {off.live_records()} records left after the next step")
-        file, line, k, _ = tgts[len(tgts) // 2]
-        sys.settrace(inject.InterruptAt(file, line, k))
-        try:
-            step()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
+        interrupted(step, inject.InterruptAt(*tgts[len(tgts) // 2][:3]))
     finally:
         handle.disable()
     assert off.closed
