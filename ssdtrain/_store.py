@@ -1099,10 +1099,16 @@ class Store(WriteBack, Prefetch, HostTier):
             self._guarded_locked(self._raise_event_locked)
 
     def snapshot(self):
-        """(live records, resident bytes, spill bytes in use) for stats and tests."""
+        """(live records, resident bytes, spill bytes in use) for stats and tests.
+
+        Live records are those a graph still references. A record whose handles are all
+        gone while its write (or read) is still in flight stays in the registry until
+        the I/O completes (``_released_locked``): it is not live, but its memory and
+        slot are still held and counted in the other two (``flush()`` settles them)."""
         with self._lock:
             self._guarded_locked(self._sweep_locked)
-            out = self._live, self._resident, self.spill.used_bytes()
+            live = sum(1 for group in self._registry.values() for r in group if r.tokens)
+            out = live, self._resident, self.spill.used_bytes()
         self._settle()  # what the sweep released goes with the I/O thread
         return out
 

@@ -459,11 +459,14 @@ class Offloader:
         return self._store.snapshot()[0]
 
     def resident_bytes(self) -> int:
-        """Bytes of saved storages ssdtrain holds in memory right now."""
+        """Bytes of saved storages ssdtrain holds in memory right now (including those of
+        records whose graph is gone while their write is still in flight; :meth:`wait`
+        settles them)."""
         return self._store.snapshot()[1]
 
     def spill_bytes_in_use(self) -> int:
-        """Bytes of spill-file slots currently allocated."""
+        """Bytes of spill-file slots currently allocated (as :meth:`resident_bytes`, a
+        freed record's slot goes when its write has landed)."""
         return self._store.snapshot()[2]
 
     @property

@@ -704,9 +704,11 @@ class StoreMachine(RuleBasedStateMachine):
         check = getattr(store, "check_invariants", None)  # the new store's self-check
         if check is not None:
             check()
-        live = self.records
-        n = self.off.live_records()
-        assert n == len(live), (f"live_records()={n}, the model has {len(live)}: {live}")
+        live = self.records  # every record the store holds, in flight included
+        held = [r for r in live if any(self.graphs[gid].alive for gid in r.graphs)]
+        n = self.off.live_records()  # only those a graph still references
+        assert n == len(held), (f"live_records()={n}, the model has {len(held)} held by "
+                                f"graphs: {held}")
 
         resident = self.off.resident_bytes()
         must = sum(r.nbytes for r in live if r.failed is None
