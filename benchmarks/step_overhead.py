@@ -167,9 +167,28 @@ def _thread_cpu_seconds(native_id):
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def _io_thread_ids():
+    """Native ids of ssdtrain's threads: Python threads named ``ssdtrain-*`` (the store's
+    I/O thread, the posix engine's pool, the device copy waiter) and threads whose OS
+    name says so (the native engine's workers, named ``ssdtrain-io`` in C++)."""
+    ids = {t.native_id for t in threading.enumerate()
+           if t.name.startswith("ssdtrain") and t.native_id is not None}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return ids
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("ssdtrain"):
+                    ids.add(int(tid))
+        except (OSError, ValueError):
+            continue
+    return ids
+
+
 def _io_threads_cpu_seconds():
-    return sum(_thread_cpu_seconds(t.native_id) for t in threading.enumerate()
-               if t.name.startswith("ssdtrain-io") and t.native_id is not None)
+    return sum(_thread_cpu_seconds(i) for i in _io_thread_ids())
 
 
 def filesystem_of(path):

@@ -88,6 +88,29 @@ def test_backend_is_reported():
         auto.shutdown()
 
 
+def _thread_names():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("backend", ["threads", "auto"])
+def test_worker_threads_are_named_for_tools(engines, backend):
+    """The engine's workers carry the OS name "ssdtrain-io" (top, perf, py-spy, and
+    step_overhead's I/O CPU column find them by it), and go with the engine."""
+    before = _thread_names().count("ssdtrain-io")
+    e = engines(workers=3, backend=backend)
+    assert _thread_names().count("ssdtrain-io") == before + 3
+    e.shutdown()
+    assert _thread_names().count("ssdtrain-io") == before
+
+
 @pytest.mark.parametrize("kwargs", [dict(backend="spdk"), dict(io_threads=0),
                                     dict(chunk_bytes=1000), dict(chunk_bytes=0)])
 def test_bad_arguments_are_config_errors(kwargs):

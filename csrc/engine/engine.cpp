@@ -2,6 +2,7 @@
 #include "engine/crc32c.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -305,6 +306,11 @@ thread_local const Engine::State* tls_worker_of = nullptr;
 // Holds the shared state, so a detached worker (see Engine::shutdown) keeps it alive.
 void worker_main(std::shared_ptr<Engine::State> s, std::size_t index) {
   tls_worker_of = s.get();
+#ifdef __linux__
+  // Named as the posix engine's threads are, so top, perf, py-spy and profilers (and
+  // benchmarks/step_overhead.py's I/O-thread CPU column) can tell them from compute.
+  pthread_setname_np(pthread_self(), "ssdtrain-io");
+#endif
   Worker& w = *s->workers[index];
   for (;;) {
     Piece p;
