@@ -8,10 +8,16 @@ or overwritten as it is then (the hazards NOTE [ Device records ] orders against
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 
 import torch
 
 from ssdtrain._loopback import LoopbackDevice, attach
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import helpers  # noqa: E402
 
 __all__ = ["LoopbackDevice", "attach", "loopback_offloader", "write_later", "read_later",
            "SaveForBackward", "SlowRead"]
@@ -44,16 +50,10 @@ def read_later(dev, t, sink, seconds=0.0):
     dev.kernel(run, seconds=seconds)
 
 
-class SaveForBackward(torch.autograd.Function):
-    """``apply(anchor, sink, *tensors)``: saves ``tensors``; backward appends clones of
-    what it got back to ``sink`` (host ops: on the loopback's default stream they run
-    once the loads have landed)."""
-
-    @staticmethod
-    def forward(ctx, anchor, sink, *tensors):
-        ctx.sink = sink
-        ctx.save_for_backward(*tensors)
-        return anchor * 1
+class SaveForBackward(helpers.SaveForBackward):
+    """``helpers.SaveForBackward`` whose backward appends clones of what it got back to
+    ``sink`` (host ops: on the loopback's default stream they run once the loads have
+    landed; the loaded blocks themselves go back to the device afterwards)."""
 
     @staticmethod
     def backward(ctx, grad):
