@@ -21,15 +21,13 @@ accelerate 1.15 (``tests/test_hf.py``).
 
 from __future__ import annotations
 
-import logging
-
 from transformers import TrainerCallback
 
 import ssdtrain
 
-__all__ = ["SSDTrainCallback"]
+from ._callback import FitAttachment, metrics
 
-log = logging.getLogger("ssdtrain")
+__all__ = ["SSDTrainCallback"]
 
 
 class SSDTrainCallback(TrainerCallback):
@@ -52,43 +50,25 @@ class SSDTrainCallback(TrainerCallback):
 
     def __init__(self, offloader: ssdtrain.Offloader = None, config: ssdtrain.OffloadConfig = None,
                  *, log_stats: bool = True, **overrides):
-        if offloader is not None and (config is not None or overrides):
-            raise ssdtrain.ConfigError("ssdtrain: SSDTrainCallback got an offloader and config "
-                                       "fields; configure the offloader you pass, or pass only "
-                                       "the fields.")
-        self.offloader = offloader
-        self._owned = offloader is None
-        self._config, self._overrides = config, overrides
+        self._fit = FitAttachment(offloader, config, overrides)
         self._log_stats = log_stats
-        self._model = None
+
+    @property
+    def offloader(self) -> ssdtrain.Offloader:
+        """The offloader (``None`` before the first fit when the callback creates it)."""
+        return self._fit.offloader
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise ssdtrain.SSDTrainError("ssdtrain: SSDTrainCallback.on_train_begin got no model; "
                                          "it must be used as a transformers.Trainer callback.")
-        if self.offloader is None or (self._owned and self.offloader.closed):
-            self.offloader = ssdtrain.Offloader(self._config, **self._overrides)
-        self.offloader.attach(model)
-        self._model = model
-        log.info("ssdtrain: attached to %s (%r)", type(model).__name__, self.offloader)
+        self._fit.start(model)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not self._log_stats or logs is None or self.offloader is None \
-                or self.offloader.closed:
+        if not self._log_stats or logs is None or not self._fit.open:
             return
-        s = self.offloader.stats()
-        mib = 1 << 20
-        logs["ssdtrain/offloaded_mib"] = round(s.offloaded_bytes / mib, 3)
-        logs["ssdtrain/read_mib"] = round(s.bytes_read / mib, 3)
-        logs["ssdtrain/peak_resident_mib"] = round(s.peak_resident_bytes / mib, 3)
-        logs["ssdtrain/prefetch_misses"] = s.prefetch_misses
-        logs["ssdtrain/stall_s"] = round(s.stall_seconds + s.write_stall_seconds, 4)
+        for k, v in metrics(self.offloader.stats()).items():
+            logs[k] = round(v, 4)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.offloader is None or self._model is None:
-            return
-        self.offloader.detach(self._model)
-        self._model = None
-        log.info("ssdtrain: %s", self.offloader.stats().summary())
-        if self._owned:
-            self.offloader.close()
+        self._fit.finish()

@@ -41,10 +41,11 @@ try:  # the unified package first; the standalone one where only it is installed
 except ImportError:  # pragma: no cover - exercised only without `lightning`
     from pytorch_lightning import Callback
 
+from ._callback import FitAttachment, metrics
+
 __all__ = ["SSDTrainCallback"]
 
 log = logging.getLogger("ssdtrain")
-_MIB = 1 << 20
 
 
 class SSDTrainCallback(Callback):
@@ -67,30 +68,24 @@ class SSDTrainCallback(Callback):
 
     def __init__(self, offloader: ssdtrain.Offloader = None, config: ssdtrain.OffloadConfig = None,
                  *, module: str = None, log_stats: bool = True, **overrides):
-        if offloader is not None and (config is not None or overrides):
-            raise ssdtrain.ConfigError("ssdtrain: SSDTrainCallback got an offloader and config "
-                                       "fields; configure the offloader you pass, or pass only "
-                                       "the fields.")
-        self.offloader = offloader
-        self._owned = offloader is None
-        self._config, self._overrides = config, overrides
+        self._fit = FitAttachment(offloader, config, overrides)
         self._module_path, self._log_stats = module, log_stats
-        self._attached = None
         self._checked = False
+
+    @property
+    def offloader(self) -> ssdtrain.Offloader:
+        """The offloader (``None`` before the first fit when the callback creates it)."""
+        return self._fit.offloader
 
     # ------------------------------------------------------------------ fitting
     def setup(self, trainer, pl_module, stage):
         if stage != "fit":
             return
-        target = self._target(pl_module)
-        if self.offloader is None or (self._owned and self.offloader.closed):
-            self.offloader = ssdtrain.Offloader(self._config, **self._overrides)
-        self.offloader.attach(target)
-        self._attached, self._checked = target, False
-        log.info("ssdtrain: attached to %s (%r)", type(target).__name__, self.offloader)
+        self._fit.start(self._target(pl_module))
+        self._checked = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.offloader is None or self.offloader.closed:
+        if not self._fit.open:
             return
         s = self.offloader.stats()
         if not self._checked:
@@ -99,38 +94,25 @@ class SSDTrainCallback(Callback):
                 log.warning("ssdtrain: the first training batch saved nothing through the "
                             "offloader: training_step does not call the forward of %s. Pass "
                             "SSDTrainCallback(module='<attribute>') naming the submodule it "
-                            "calls.", type(self._attached).__name__)
+                            "calls.", type(self._fit.module).__name__)
         if self._log_stats:
             pl_module.log_dict(self.metrics(s), on_step=True, on_epoch=False, logger=True,
                                prog_bar=False, batch_size=1)
 
     def teardown(self, trainer, pl_module, stage):
         if stage == "fit":
-            self._finish()
+            self._fit.finish()
 
     def on_exception(self, trainer, pl_module, exception):
         # A fit that raises (KeyboardInterrupt included) gets no teardown hooks in
         # Lightning 2.x: detach (and close what the callback owns) here.
-        self._finish()
-
-    def _finish(self):
-        if self._attached is None:
-            return
-        self.offloader.detach(self._attached)
-        self._attached = None
-        log.info("ssdtrain: %s", self.offloader.stats().summary())
-        if self._owned:
-            self.offloader.close()
+        self._fit.finish()
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def metrics(s: ssdtrain.Stats) -> dict:
         """The logged counters of a :class:`~ssdtrain.Stats` snapshot."""
-        return {"ssdtrain/offloaded_mib": s.offloaded_bytes / _MIB,
-                "ssdtrain/read_mib": s.bytes_read / _MIB,
-                "ssdtrain/peak_resident_mib": s.peak_resident_bytes / _MIB,
-                "ssdtrain/prefetch_misses": float(s.prefetch_misses),
-                "ssdtrain/stall_s": s.stall_seconds + s.write_stall_seconds}
+        return metrics(s)
 
     def _target(self, pl_module):
         if self._module_path is None:

@@ -146,7 +146,7 @@ def test_a_fit_that_raises_leaves_nothing_behind(tmp_path, spill_dir):
     with pytest.raises((SystemExit, KeyboardInterrupt)):
         _fit(tmp_path, [cb], "raises", fail_at=2)
     assert cb.offloader.closed
-    assert cb._attached is None
+    assert cb._fit.module is None  # detached
 
 
 def test_submodule_and_a_warning_when_nothing_is_saved(tmp_path, spill_dir, caplog):
