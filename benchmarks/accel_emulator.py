@@ -626,6 +626,10 @@ def run_mode(cfg):
             t0 = time.perf_counter()
             with (off if off is not None else contextlib.nullcontext()):
                 loss = model()
+                if off is not None and cfg.get("settle"):
+                    # (tests) every write lands before backward, so every offloaded
+                    # record is read back from the disk, however late the I/O thread
+                    off.wait()
             EMU.sample()
             loss.backward()
             dt = time.perf_counter() - t0 - EMU.sample_s

@@ -121,6 +121,40 @@ def test_staging_is_pooled_accounted_and_exact(make_offloader):
     assert off.stats().staging_bytes == 0
 
 
+class _OwnedLock:
+    """The store's lock, remembering which thread holds it (a ``threading.Lock`` does
+    not say)."""
+
+    def __init__(self, inner):
+        self.inner, self.owner = inner, None
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self.inner.acquire(blocking, timeout):
+            self.owner = threading.get_ident()
+            return True
+        return False
+
+    def release(self):
+        self.owner = None
+        self.inner.release()
+
+    def locked(self):
+        return self.inner.locked()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _until(cond, timeout=30.0):
+    """Wait (polling) until ``cond()``; the caller's asserts say what did not happen."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_pinned_staging_is_allocated_outside_the_store_lock(make_offloader):
     """The store's I/O thread reserves staging before it takes the store lock (a pinned
     allocation costs milliseconds on a GPU host): no pinned allocation on that thread
@@ -130,13 +164,10 @@ def test_pinned_staging_is_allocated_outside_the_store_lock(make_offloader):
     real = dev.pinned
     off = _offloader(make_offloader, dev, min_tensor_bytes=0, keep_tail_bytes=0,
                      prefetch_bytes=0)
-    lock = off._store._lock
+    lock = off._store._lock = _OwnedLock(off._store._lock)
 
     def pinned(n):
-        mine = not lock.acquire(timeout=1.0)  # held by this very thread: cannot be taken
-        if not mine:
-            lock.release()
-        calls.append((threading.current_thread().name, mine))
+        calls.append((threading.current_thread().name, lock.owner == threading.get_ident()))
         return real(n)
     dev.pinned = pinned
     sink, out = [], torch.zeros((), requires_grad=True)
@@ -145,8 +176,8 @@ def test_pinned_staging_is_allocated_outside_the_store_lock(make_offloader):
             t = dev.alloc((N * (i + 1),))    # four sizes: four allocations
             t.fill_(float(i))
             out = SaveForBackward.apply(out, sink, t)
-            time.sleep(0.05)                 # the I/O thread starts each write
-        del t
+            _until(lambda: all(r.state != "PENDING" for r in off.records()))  # the I/O
+        del t                                                # thread started the write
         off.wait()
     out.backward()
     on_io = [mine for name, mine in calls if name == "ssdtrain-store"]
