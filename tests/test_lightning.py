@@ -80,9 +80,12 @@ def _rows(logger):
 
 
 def _offloader(spill_dir):
+    # write_behind_bytes=0: each pack waits for the write before it, so every record but
+    # a step's last is on disk when backward starts and is read back, however late the
+    # I/O thread runs on a busy machine (else backward may serve them all from memory).
     return ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static",
                                                      spill_dir=str(spill_dir), min_tensor_bytes=0,
-                                                     keep_tail_bytes=0))
+                                                     keep_tail_bytes=0, write_behind_bytes=0))
 
 
 def test_fit_is_bitwise_equal_and_offloads(tmp_path, spill_dir):
