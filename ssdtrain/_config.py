@@ -390,13 +390,14 @@ class OffloadConfig:
         The variables are ``SSDTRAIN_`` + the upper-case field name, e.g.
         ``SSDTRAIN_SPILL_DIR=/nvme0/a:/nvme1/b``, ``SSDTRAIN_PREFETCH_BYTES=1GiB``,
         ``SSDTRAIN_ENGINE=posix``. Unknown ``SSDTRAIN_*`` variables raise
-        :class:`ConfigError` (a typo should not be silently ignored).
+        :class:`ConfigError` (a typo should not be silently ignored), except
+        ``SSDTRAIN_TEST_*``, which are ssdtrain's own test suite's knobs (tests/).
         """
         environ = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, raw in environ.items():
-            if not key.startswith("SSDTRAIN_"):
+            if not key.startswith("SSDTRAIN_") or key.startswith("SSDTRAIN_TEST_"):
                 continue
             name = key[len("SSDTRAIN_"):].lower()
             if name not in fields:

@@ -20,6 +20,9 @@ if _TESTS not in sys.path:
 
 import ssdtrain  # noqa: E402
 from helpers import assert_same, run_step  # noqa: E402,F401  (re-exported for convenience)
+import late_io  # noqa: E402
+
+late_io.install()  # SSDTRAIN_TEST_IO_DELAY_MS: every request completes late (late_io.py)
 
 
 @pytest.fixture

@@ -69,18 +69,18 @@ KiB = 1024
 # The store, as split by the rebuild; whichever of them exist are traced.
 STORE_MODULES = ("_store.py", "_records.py", "_writeback.py", "_prefetch.py", "_readbuf.py",
                  "_spill.py", "_device.py", "_hosttier.py")
-# SSDTRAIN_INJECT_LOOPBACK=1 (inherited by the child processes): every offloader made here
+# SSDTRAIN_TEST_INJECT_LOOPBACK=1 (inherited by the child processes): every offloader made here
 # takes its CPU tensors for device memory of a loopback device (ssdtrain/_loopback.py), so
 # the sweeps run over the device path (NOTE [ Device records ] in _device.py).
-LOOPBACK_ENV = "SSDTRAIN_INJECT_LOOPBACK"
-# SSDTRAIN_INJECT_HOST_BUDGET=<bytes> (with the loopback): every offloader made here has
+LOOPBACK_ENV = "SSDTRAIN_TEST_INJECT_LOOPBACK"
+# SSDTRAIN_TEST_INJECT_HOST_BUDGET=<bytes> (with the loopback): every offloader made here has
 # that host tier (NOTE [ Host tier ] in _hosttier.py), so records go to RAM, the
 # earliest on to the SSD.
-HOST_BUDGET_ENV = "SSDTRAIN_INJECT_HOST_BUDGET"
+HOST_BUDGET_ENV = "SSDTRAIN_TEST_INJECT_HOST_BUDGET"
 
 
 def host_budget():
-    """``{"host_budget_bytes": ...}`` when ``SSDTRAIN_INJECT_HOST_BUDGET`` is set, else ``{}``."""
+    """``{"host_budget_bytes": ...}`` when ``SSDTRAIN_TEST_INJECT_HOST_BUDGET`` is set, else ``{}``."""
     value = os.environ.get(HOST_BUDGET_ENV)
     return {"host_budget_bytes": int(value)} if value else {}
 
@@ -470,7 +470,7 @@ def make_offloader(spill_dir, sc=None, **overrides):
 
 
 def maybe_loopback(off):
-    """``off``, with a loopback device attached when ``SSDTRAIN_INJECT_LOOPBACK=1``: every
+    """``off``, with a loopback device attached when ``SSDTRAIN_TEST_INJECT_LOOPBACK=1``: every
     CPU tensor it saves takes the device path, its copies a little late."""
     if os.environ.get(LOOPBACK_ENV) == "1":
         from ssdtrain._loopback import LoopbackDevice, attach
@@ -545,7 +545,7 @@ def settle_and_check(off, failures, *, settle_s=1.0, device_memory=True):
     use beyond ``Stats.quarantined_bytes`` (memory kept on purpose for a request that may
     be in flight), and ``check_invariants()`` where the store has it. Appends to
     ``failures``; returns the quarantined bytes. With a loopback device attached
-    (``SSDTRAIN_INJECT_LOOPBACK``): no error on its streams and, with ``device_memory``,
+    (``SSDTRAIN_TEST_INJECT_LOOPBACK``): no error on its streams and, with ``device_memory``,
     none of its memory in use."""
     gc.collect()
     deadline = time.monotonic() + settle_s

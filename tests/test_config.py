@@ -367,6 +367,18 @@ def test_from_env_unknown_variable(key):
     _assert_config_error(excinfo, key)
 
 
+def test_from_env_leaves_the_test_suites_knobs_alone(tmp_path):
+    """``SSDTRAIN_TEST_*`` (the suite's own switches: full sweeps, a slow disk) are not
+    config fields, and an Offloader built from the environment while one is set still
+    works (before, every such Offloader raised, so `SSDTRAIN_INTERRUPT_FULL=1 make
+    test` failed in every test that used the environment)."""
+    env = {"SSDTRAIN_TEST_INTERRUPT_FULL": "1", "SSDTRAIN_TEST_IO_DELAY_MS": "30",
+           "SSDTRAIN_SPILL_DIR": str(tmp_path)}
+    assert OffloadConfig.from_env(env).spill_dir == [str(tmp_path)]
+    with pytest.raises(ConfigError):  # a near miss of the prefix is still a typo
+        OffloadConfig.from_env({"SSDTRAIN_TESTS_X": "1"})
+
+
 @pytest.mark.parametrize("raw", ["four", "", "4.0", "0x4"])
 def test_from_env_bad_io_threads_not_an_int(raw):
     with pytest.raises(ConfigError) as excinfo:

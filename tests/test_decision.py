@@ -261,8 +261,8 @@ def _architectures():
 ARCHS = _architectures()
 # The suite's time: a default run checks every third architecture of the generated list,
 # a different third each ISO week (so three weeks of CI cover them all); set
-# SSDTRAIN_ALL_ARCHS=1 to check every one (about 2 minutes here).
-ALL_ARCHS = os.environ.get("SSDTRAIN_ALL_ARCHS") == "1"
+# SSDTRAIN_TEST_ALL_ARCHS=1 to check every one (about 2 minutes here).
+ALL_ARCHS = os.environ.get("SSDTRAIN_TEST_ALL_ARCHS") == "1"
 ARCH_STRIDE, ARCH_PHASE = 3, datetime.date.today().isocalendar()[1] % 3
 HF_SETTINGS = dict(min_tensor_bytes="1KiB", keep_tail_bytes="8KiB")
 SHAPE = dict(batch=1, seq=8, dtype=torch.float32)
@@ -295,7 +295,7 @@ def test_estimate_is_exact_on_every_text_architecture(model_type, class_name,
     or whose model does not run at them on this CPU, and one the estimate refuses
     (data-dependent shapes, docs/estimate.md)."""
     if not ALL_ARCHS and ARCHS.index((model_type, class_name)) % ARCH_STRIDE != ARCH_PHASE:
-        pytest.skip("another third of the architectures this week (SSDTRAIN_ALL_ARCHS=1 "
+        pytest.skip("another third of the architectures this week (SSDTRAIN_TEST_ALL_ARCHS=1 "
                     "checks every one)")
     try:
         cfg = hf_tiny.tiny_config(model_type, class_name)

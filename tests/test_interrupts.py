@@ -22,7 +22,7 @@ the step level; then:
 4. ``close()`` returns within ``io_timeout_s`` + 5 s (``io_timeout_s=5``).
 
 The default run covers every line once per engine (posix: first run of each line;
-native: last run); ``SSDTRAIN_INTERRUPT_FULL=1`` runs the first, middle and last run of
+native: last run); ``SSDTRAIN_TEST_INTERRUPT_FULL=1`` runs the first, middle and last run of
 every line on both engines (slow). A failure names the file:line, the occurrence and
 the check. Only the training thread is traced: engine completions run on engine
 threads, which a SIGINT never interrupts.
@@ -43,7 +43,7 @@ import pytest
 
 import inject
 
-FULL = os.environ.get("SSDTRAIN_INTERRUPT_FULL") == "1"
+FULL = os.environ.get("SSDTRAIN_TEST_INTERRUPT_FULL") == "1"
 ENGINES = ("posix", "native")
 # Default selection per engine: together they interrupt the first and the last run of
 # every line the scenario executes (lines run once: by both).
@@ -82,8 +82,8 @@ def test_scenario_exercises_the_store(spill_dir):
     assert stats.deduplicated_bytes > 0
 
 
-# One engine's sweep a week, in turn (the suite's time): both with SSDTRAIN_INTERRUPT_FULL=1
-# or SSDTRAIN_BOTH_ENGINES=1.
+# One engine's sweep a week, in turn (the suite's time): both with SSDTRAIN_TEST_INTERRUPT_FULL=1
+# or SSDTRAIN_TEST_BOTH_ENGINES=1.
 THIS_WEEKS_ENGINE = ENGINES[datetime.date.today().isocalendar()[1] % len(ENGINES)]
 
 
@@ -92,14 +92,14 @@ def test_interrupt_at_each_store_line(spill_dir, engine):
     """KeyboardInterrupt at every store line the scenario runs on the training thread
     (posix: the first run of each line; native: the last)."""
     if engine != THIS_WEEKS_ENGINE and not FULL \
-            and os.environ.get("SSDTRAIN_BOTH_ENGINES") != "1":
+            and os.environ.get("SSDTRAIN_TEST_BOTH_ENGINES") != "1":
         pytest.skip(f"this ISO week's store sweep is {THIS_WEEKS_ENGINE}'s (the engines take "
-                    f"turns; SSDTRAIN_BOTH_ENGINES=1 runs both)")
+                    f"turns; SSDTRAIN_TEST_BOTH_ENGINES=1 runs both)")
     _sweep(spill_dir, engine, SELECT[engine], SWEEP_BUDGET_S)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL, reason="set SSDTRAIN_INTERRUPT_FULL=1 (first, middle and last "
+@pytest.mark.skipif(not FULL, reason="set SSDTRAIN_TEST_INTERRUPT_FULL=1 (first, middle and last "
                                      "run of every line, both engines)")
 @pytest.mark.parametrize("engine", ENGINES)
 def test_interrupt_at_each_store_line_full(spill_dir, engine):
@@ -128,7 +128,7 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # "deepspeed" sweeps the adapter's engine-forward hook. The planner (_planner.py,
 # pure arithmetic run hundreds of times per plan) and the bandwidth probe's slot
 # bookkeeping (_profile.measure_bandwidth, its slot is not yet interrupt-safe) are in
-# the full sweep only (SSDTRAIN_INTERRUPT_FULL=1: every mode, every step module, the
+# the full sweep only (SSDTRAIN_TEST_INTERRUPT_FULL=1: every mode, every step module, the
 # first, middle and last run of every line, both engines).
 STEP_SWEEPS = {
     "with": dict(engine="posix", select="first", only="api.py,_forward.py,_policy.py"),
@@ -171,7 +171,7 @@ def test_interrupt_at_each_step_line(spill_dir, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL, reason="set SSDTRAIN_INTERRUPT_FULL=1 (every mode, every step "
+@pytest.mark.skipif(not FULL, reason="set SSDTRAIN_TEST_INTERRUPT_FULL=1 (every mode, every step "
                                      "module, first, middle and last run, both engines)")
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("mode", sorted(STEP_SWEEPS))

@@ -4,7 +4,7 @@ tests/test_interrupts.py raises KeyboardInterrupt at every line of the store mod
 (``_device.py`` included) that its scenario runs on the training thread, and
 tests/test_gc_injection.py runs a garbage collection inside every locked region of the
 store; here both run with a loopback device attached (ssdtrain/_loopback.py,
-``SSDTRAIN_INJECT_LOOPBACK=1`` in their child processes), so every record is a device
+``SSDTRAIN_TEST_INJECT_LOOPBACK=1`` in their child processes), so every record is a device
 record: staged through pinned memory, copied on the loopback's streams, loaded for the
 compute stream. The checks are theirs, plus: no device memory left in use, no error
 on the device's streams.
@@ -45,7 +45,7 @@ def test_interrupt_at_each_device_line(spill_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not test_interrupts.FULL, reason="set SSDTRAIN_INTERRUPT_FULL=1 (every "
+@pytest.mark.skipif(not test_interrupts.FULL, reason="set SSDTRAIN_TEST_INTERRUPT_FULL=1 (every "
                                                      "store line on the device path: minutes)")
 def test_interrupt_at_each_store_line_on_the_device_path(spill_dir):
     """KeyboardInterrupt at the first run of every store line, on the device path."""

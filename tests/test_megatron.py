@@ -543,14 +543,14 @@ def interrupted(step, armed):
 @pytest.mark.parametrize("mode", ["none", "full-block"])
 def test_interrupt_at_each_adapter_line(mode, spill_dir):
     """KeyboardInterrupt at each line of the adapter a step runs (the first run of each;
-    the last too with SSDTRAIN_INTERRUPT_FULL=1: block pre-forward hook, per-layer enter and exit, the full-recompute
+    the last too with SSDTRAIN_TEST_INTERRUPT_FULL=1: block pre-forward hook, per-layer enter and exit, the full-recompute
     wrappers, the layer meter), as a training loop that catches Ctrl-C at the step and
     goes on sees it: the same model's next step is exact, no forward stays open and no
     record is left; after a last interrupted step, disable() closes the offloader
     (NOTE [ Interrupted block forwards ] in integrations/megatron.py)."""
     import inject
     tgts = _adapter_targets(mode, spill_dir)
-    if os.environ.get("SSDTRAIN_INTERRUPT_FULL") != "1":
+    if os.environ.get("SSDTRAIN_TEST_INTERRUPT_FULL") != "1":
         tgts = [t for t in tgts if t[2] == 1]  # first runs only: the suite's time
     assert len(tgts) > 20, tgts
     ref_loss, ref_grads = reference(mode)[0]
