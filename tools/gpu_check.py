@@ -13,8 +13,12 @@ phases gave:
    compatibility mode, where the "GPUDirect" path really goes through host memory);
 3. **tests**: every test marked ``cuda`` (``pytest -m cuda``), JUnit XML kept;
    then ``ssdtrain check`` on a small Llama on the GPU (bitwise, forced through the SSD);
-4. **smoke**: ``benchmarks/gpu_smoke.py --small``, then the ~1B GPT (none, ssdtrain,
-   save_on_cpu, checkpoint): step time, device peak, host RSS, bitwise equality.
+4. **smoke**: ``benchmarks/gpu_smoke.py --small``, then the ~1B GPT (none, ssdtrain
+   SSD only, ssdtrain-host: host RAM then the SSD, ssdtrain-ram: host RAM only,
+   save_on_cpu, checkpoint): step time, device peak, host RSS, pinned host peak,
+   the host tier's bytes in RAM and on the SSD, bitwise equality; and for each run one
+   verdict line, the host tier (ssdtrain-ram) against save_on_cpu at equal memory
+   (step-time ratio), or "not measured" when either did not run.
 
 The report (``report.md``, ``report.json`` and each phase's log) goes to the folder
 named by ``GPU_CHECK_DIR`` (default: a fresh folder under the system temp dir; the
@@ -166,15 +170,24 @@ def gds_probe() -> dict:
     return out
 
 
-def _smoke_table(path: str) -> str:
-    """The rendered table of a gpu_smoke JSON, or why there is none."""
-    if not os.path.exists(path):
-        return "(no JSON written)"
-    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+def _gpu_smoke():
+    for path in (REPO_ROOT, os.path.join(REPO_ROOT, "benchmarks")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     import gpu_smoke
+    return gpu_smoke
+
+
+def _smoke_section(path: str) -> tuple:
+    """``(table, verdict)`` of a gpu_smoke JSON: the rendered table (or why there is
+    none) and the host tier vs save_on_cpu line ("not measured" without a run)."""
+    gpu_smoke = _gpu_smoke()
+    if not os.path.exists(path):
+        return "(no JSON written)", gpu_smoke.host_tier_verdict({})
     with open(path) as f:
         data = json.load(f)
-    return gpu_smoke.render_table(data["summary"], data["modes"])
+    return (gpu_smoke.render_table(data["summary"], data["modes"]),
+            gpu_smoke.host_tier_verdict(data["summary"]))
 
 
 def write_report(out_dir, env, phases, smoke_jsons, started) -> None:
@@ -198,13 +211,16 @@ def write_report(out_dir, env, phases, smoke_jsons, started) -> None:
                    or " error" in ln]
         if summary:
             lines += ["", f"Tests: {summary[-1].strip('= ')}"]
+    verdicts = {}
     for name, path in smoke_jsons.items():
-        lines += ["", f"## {name}", "", _smoke_table(path)]
+        table, verdicts[name] = _smoke_section(path)
+        lines += ["", f"## {name}", "", table, "", f"**Verdict**: {verdicts[name]}."]
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump({"environment": env, "phases": phases.results,
-                   "smoke": {k: os.path.basename(v) for k, v in smoke_jsons.items()}}, f, indent=1)
+                   "smoke": {k: os.path.basename(v) for k, v in smoke_jsons.items()},
+                   "host_tier_vs_save_on_cpu": verdicts}, f, indent=1)
 
 
 def main() -> int:
