@@ -29,7 +29,8 @@ Environment: ``GPU_CHECK_DIR``; ``GPU_CHECK_SPILL_DIR`` (the NVMe folder for spi
 files, default a temp folder); ``GPU_CHECK_BUDGET_S`` (the whole run's wall-clock
 budget, default 480); ``GPU_CHECK_SKIP`` (phases to skip, comma-separated:
 build, tests, check, smoke-small, smoke-1b); ``GPU_CHECK_SMOKE_ARGS`` (extra arguments for the ~1B run,
-e.g. ``--batch-size 2``); ``GPU_CHECK_PYTEST_ARGS`` (extra pytest arguments).
+e.g. ``--batch-size 2``, or ``--modes none ssdtrain-ram save_on_cpu`` where six modes do
+not fit the budget); ``GPU_CHECK_PYTEST_ARGS`` (extra pytest arguments).
 """
 
 from __future__ import annotations
