@@ -103,10 +103,17 @@ def digest(loss, named_parameters, loss_sha256=False):
     return out
 
 
+# Stats fields that are not running totals: maxima (``peak_*``) and levels held now.
+_NOT_COUNTERS = ("staging_bytes", "host_bytes", "offload_quota_bytes")
+
+
 def stats_delta(after, before):
-    """Per-step ``Stats``: counters as differences; ``peak_resident_bytes`` (a maximum) as is."""
-    return {k: (v if k == "peak_resident_bytes" else v - before[k]) for k, v in after.items()
-            if isinstance(v, (int, float))}
+    """Per-step ``Stats``: counters as differences; maxima (``peak_resident_bytes``,
+    ``peak_staging_bytes``, ``peak_host_bytes``) and levels (``staging_bytes``,
+    ``host_bytes``, ``offload_quota_bytes``) as they are after the step (a difference of
+    two maxima or two levels means nothing)."""
+    return {k: (v if k.startswith("peak_") or k in _NOT_COUNTERS else v - before[k])
+            for k, v in after.items() if isinstance(v, (int, float))}
 
 
 def jsonable_config(config):

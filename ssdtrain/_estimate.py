@@ -291,11 +291,13 @@ class _Replay:
     estimate's own bookkeeping (per layer bytes, storages held for the memory terms)."""
 
     def __init__(self, cfg: OffloadConfig, profiler: Optional[LayerProfiler], m: Measurement,
-                 device_records: bool = False, quota: Optional[int] = None):
+                 device_records: bool = False, quota: Optional[int] = None,
+                 ssd_tier: Optional[bool] = None):
         self.cfg = cfg
         # NOTE [ Host tier ] in _hosttier.py: the same HostBudget as Store._admit_locked.
         budget = budget_bytes(cfg.host_budget_bytes)
-        self.host = None if budget is None else HostBudget(budget, has_ssd_tier(cfg), m)
+        ssd = has_ssd_tier(cfg) if ssd_tier is None else ssd_tier
+        self.host = None if budget is None else HostBudget(budget, ssd, m)
         self.device_records = device_records
         self.min_bytes = max(1, cfg.min_tensor_bytes)
         self.prof = profiler
@@ -576,7 +578,8 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
             batch: Optional[int] = None, gradient_checkpointing: bool = False,
             count_flops: bool = False, layers=None, device: str = "cpu",
             device_records: Optional[bool] = None,
-            offload_quota: Optional[int] = None) -> Measurement:
+            offload_quota: Optional[int] = None,
+            ssd_tier: Optional[bool] = None) -> Measurement:
     """Build the model on the meta device, run one forward on fake tensors with the
     replayed pack hooks, and return what it saved.
 
@@ -596,6 +599,10 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
         offload_quota: the step's offload quota to replay (``Stats.offload_quota_bytes``
             of a step under ``policy="auto"``, NOTE [ The offload quota ] in _auto.py);
             ``None``: no quota, the static rules (what ``"auto"`` offloads at most).
+        ssd_tier: with ``host_budget_bytes``, whether an SSD tier lies beyond the host
+            tier (records beyond the budget go on to it) or not (they stay in device
+            memory); ``None``: as ``cfg`` says (``_hosttier.has_ssd_tier``: a
+            ``spill_dir``, or no host tier). The estimate never opens a spill directory.
 
     Raises:
         EstimateError: the forward has data-dependent shapes, or failed on fake tensors.
@@ -625,7 +632,7 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
     prof = LayerProfiler(named, Stats(), 1) if named else None
     probe = _InputProbe(named)
     sim = _Replay(cfg, prof, m, device == "cuda" if device_records is None else device_records,
-                  offload_quota)
+                  offload_quota, ssd_tier)
     out = None
     try:
         if prof is not None:

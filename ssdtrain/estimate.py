@@ -8,7 +8,10 @@ bandwidth needed to hide the I/O behind compute, the largest micro-batch that fi
 device memory with no offload, full recompute and ssdtrain, and the drives' write
 volume and endurance; with ``--plan`` the adaptive policy's keep / offload /
 recompute plan per block within a memory budget, and its predicted step time and peak
-memory beside none, checkpoint-all and offload-all (NOTE [ Plan from the estimate ]).
+memory beside none, checkpoint-all and offload-all (NOTE [ Plan from the estimate ]);
+with ``--host-budget`` the host-RAM tier (NOTE [ Host tier ] in ``_hosttier.py``): the
+bytes held in RAM, their peak, and those that go on to the SSD (or, with ``--no-ssd``,
+stay in device memory).
 Nothing is allocated: an 8B-parameter model at sequence 4096 estimates in seconds on a
 laptop. Formulas: docs/estimate.md.
 
@@ -41,9 +44,10 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ._config import OffloadConfig, parse_bytes
+from ._config import MAX_BYTES, OffloadConfig, parse_bytes
 from ._errors import ConfigError
 from ._estimate import EstimateError, Measurement, measure
+from ._hosttier import budget_bytes, has_ssd_tier
 
 __all__ = ["estimate", "Estimate", "Hardware", "EstimateError", "hf_factory", "load_factory",
            "main", "DTYPES", "PlanEstimate", "make_plan", "plan_costs", "predict_choices",
@@ -366,6 +370,11 @@ class Estimate:
     tb_written_per_day: Optional[float] = None
     drive_years: Optional[float] = None
     notes: tuple = ()
+    host_budget_bytes: Optional[int] = None
+    """The host tier's budget in bytes (``"auto"``/``"unlimited"`` resolved), or None."""
+    ssd_tier: bool = True
+    """Whether an SSD tier takes what is offloaded beyond the host tier (or everything,
+    without one); False: a host tier alone, what does not fit stays in device memory."""
 
     # the fixed keys
     @property
@@ -387,6 +396,30 @@ class Estimate:
     @property
     def layers(self):
         return self.measurement.layers
+
+    @property
+    def ssd_bytes(self) -> int:
+        """Bytes written to the SSD per micro-batch: everything offloaded without a host
+        tier; with one, what goes past RAM (``host_spilled_bytes``); 0 without an SSD."""
+        m = self.measurement
+        if not self.ssd_tier:
+            return 0
+        return m.offloadable_bytes if self.host_budget_bytes is None else m.host_spilled_bytes
+
+    def host_tier(self) -> Optional[dict]:
+        """The host tier per micro-batch (``--json``'s ``host_tier``), or None without one:
+        ``budget_bytes``; ``ssd_tier``; ``host_bytes`` (in RAM when forward ends: what
+        backward loads from RAM); ``peak_host_bytes`` (the most in RAM at once, at most the
+        budget); ``ssd_bytes`` (went past RAM to the SSD); ``device_bytes`` (kept in device
+        memory beyond the budget, only without an SSD tier). As ``Stats.host_bytes``,
+        ``peak_host_bytes``, ``host_spilled_bytes``, ``over_budget_bytes`` count them."""
+        if self.host_budget_bytes is None:
+            return None
+        m = self.measurement
+        return {"budget_bytes": self.host_budget_bytes, "ssd_tier": self.ssd_tier,
+                "host_bytes": m.host_bytes, "peak_host_bytes": m.peak_host_bytes,
+                "ssd_bytes": m.host_spilled_bytes,
+                "device_bytes": 0 if self.ssd_tier else m.over_budget_bytes}
 
     def to_json(self) -> dict:
         """The ``--json`` object. Fixed keys: ``unique_bytes``, ``offloadable_bytes``,
@@ -419,8 +452,11 @@ class Estimate:
                          "keep_tail_bytes": self.config.keep_tail_bytes,
                          "prefetch_bytes": self.config.prefetch_bytes,
                          "write_behind_bytes": self.config.write_behind_bytes,
-                         "max_spill_bytes": self.config.max_spill_bytes},
+                         "max_spill_bytes": self.config.max_spill_bytes,
+                         "host_budget_bytes": self.host_budget_bytes},
         }
+        if self.host_budget_bytes is not None:
+            out["host_tier"] = self.host_tier()
         if self.hardware.given:
             out["hardware"] = {k: v for k, v in dataclasses.asdict(self.hardware).items()
                                if v is not None}
@@ -471,14 +507,28 @@ class Estimate:
         lines += _md(rows, right=range(1, 6))
         lines.append("")
         per_pack = m.kept_bytes - m.kept_tail_bytes - m.over_budget_bytes
+        over = "host_budget_bytes" if not self.ssd_tier else "max_spill_bytes"
         lines.append(f"kept = {_b(per_pack)} per pack ({_b(m.kept_state_bytes)} of them "
                      f"parameters, {_b(per_pack - m.kept_state_bytes)} small or other kinds) + "
                      f"{_b(m.kept_tail_bytes)} tail"
-                     + (f" + {_b(m.over_budget_bytes)} over max_spill_bytes"
+                     + (f" + {_b(m.over_budget_bytes)} over {over}"
                         if m.over_budget_bytes else "")
                      + f"; deduplicated {_b(m.deduplicated_bytes)}"
                      + ("" if m.flops is None else
                         f"; forward {m.flops / 1e12:.3g} TFLOP per micro-batch"))
+        tier = self.host_tier()
+        if tier is not None:
+            budget = "unlimited" if tier["budget_bytes"] >= MAX_BYTES else \
+                _b(tier["budget_bytes"])
+            lines.append("")
+            lines += _md([("host tier (host_budget_bytes " + budget + ", "
+                           + ("SSD beyond" if self.ssd_tier else "no SSD tier") + ")", ""),
+                          ("in host RAM when forward ends", _b(tier["host_bytes"])),
+                          ("peak in host RAM", _b(tier["peak_host_bytes"])),
+                          ("on to the SSD (beyond the budget)" if self.ssd_tier else
+                           "kept in device memory (beyond the budget)",
+                           _b(tier["ssd_bytes"] if self.ssd_tier else tier["device_bytes"]))],
+                         right=(1,))
         hw = []
         if self.required_write_gbps is not None:
             t = self.times
@@ -572,7 +622,7 @@ def _md(rows, right):
 def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, dtype=None,
              gradient_checkpointing: bool = False, config: Optional[OffloadConfig] = None,
              hardware: Optional[Hardware] = None, layers=None,
-             offload_quota: Optional[int] = None) -> Estimate:
+             offload_quota: Optional[int] = None, ssd_tier: Optional[bool] = None) -> Estimate:
     """Estimate what ssdtrain saves, offloads and keeps for one micro-batch of ``model``.
 
     Args:
@@ -594,6 +644,12 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
         offload_quota: with ``policy="auto"``: a step's offload quota in
             bytes to replay (``Stats.offload_quota_bytes`` of that step); ``None``: no
             quota, which is the most ``"auto"`` offloads (and what ``"static"`` does).
+        ssd_tier: with the config's ``host_budget_bytes``: whether an SSD lies beyond the
+            host tier (True, ``--host-budget``) or not (False, ``--no-ssd``: what does not
+            fit stays in device memory); ``None``: as the config says (a ``spill_dir``,
+            which is never opened, or none: no SSD tier, as a real run). The saved tensors
+            are replayed as device tensors, as on an accelerator: the host tier takes
+            only those (NOTE [ Host tier ]). ``"auto"`` is resolved on *this* machine.
 
     Raises:
         ConfigError: a bad argument (path, dtype, factory string, hardware number).
@@ -604,6 +660,7 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
         raise ConfigError("ssdtrain estimate: config must be an OffloadConfig.")
     hw = hardware if hardware is not None else Hardware()
     dtype = _dtype(dtype)
+    host_budget, ssd = _host_tier_settings(cfg, ssd_tier)
     for name, v in (("batch", batch), ("seq", seq)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"ssdtrain estimate: {name} must be an int >= 1, got {v!r}.")
@@ -674,8 +731,11 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
         if key not in cache:
             build, _ = _factory_builder(factory, batch=b, seq=seq, dtype=dtype,
                                         gradient_checkpointing=gc)
+            # device_records: the run modelled is an accelerator's (only the host tier
+            # tells device records from host ones).
             cache[key] = measure(build, cfg, batch=b, gradient_checkpointing=gc,
-                                 count_flops=flops, layers=layers, offload_quota=offload_quota)
+                                 count_flops=flops, layers=layers, offload_quota=offload_quota,
+                                 device_records=True, ssd_tier=ssd)
         return cache[key]
 
     _, batch_varies = _factory_builder(factory, batch=batch or 1, seq=seq, dtype=dtype,
@@ -691,7 +751,18 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
                              f"not applied.")
     main_m = at(batch, gradient_checkpointing, flops=True)
     est = Estimate(measurement=main_m, config=cfg, hardware=hw, batch=batch, seq=seq,
-                   dtype=dtype, model=label)
+                   dtype=dtype, model=label, host_budget_bytes=host_budget, ssd_tier=ssd)
+    if host_budget is not None:
+        if cfg.host_budget_bytes == "auto":
+            notes.append(f"host_budget_bytes='auto' is resolved on this machine (half its "
+                         f"memory limit, at most RLIMIT_MEMLOCK where CUDA pins): "
+                         f"{_b(host_budget)}; give a size for another host's.")
+        if ssd:
+            notes.append("the bandwidth and endurance figures count only the bytes that "
+                         "reach the SSD; the device <-> host copies of the host tier are "
+                         "assumed to hide behind compute (not modelled). --plan prices "
+                         "every offloaded byte at the SSD's bandwidth: with a host tier an "
+                         "upper bound on its I/O time.")
     _hardware_math(est, main_m, hw, gradient_checkpointing)
     if hw.device_memory is not None:
         static = _static_bytes(main_m, hw)
@@ -723,6 +794,27 @@ def _dtype(d):
                       f"{', '.join(sorted(DTYPES))}.")
 
 
+def _host_tier_settings(cfg: OffloadConfig, ssd_tier):
+    """``(host budget bytes or None, whether there is an SSD tier)`` of an estimate, with
+    the refusals ``OffloadConfig.resolve`` makes for a host tier without an SSD."""
+    host_budget = budget_bytes(cfg.host_budget_bytes)
+    if host_budget is None:
+        if ssd_tier is False:
+            raise ConfigError("ssdtrain estimate: no SSD tier (ssd_tier=False, --no-ssd) needs "
+                              "a host tier to offload to; give host_budget_bytes "
+                              "(--host-budget), e.g. --host-budget 64GiB.")
+        return None, True
+    ssd = has_ssd_tier(cfg) if ssd_tier is None else bool(ssd_tier)
+    if not ssd and cfg.max_spill_bytes is not None:
+        raise ConfigError("ssdtrain estimate: max_spill_bytes (--max-spill-bytes) is a budget "
+                          "for the SSD tier, but a host tier without an SSD (--no-ssd) has "
+                          "none; drop one of them.")
+    if not ssd and cfg.policy == "adaptive":
+        raise ConfigError("ssdtrain estimate: policy='adaptive' plans against an SSD's "
+                          "bandwidth; a host tier without an SSD has none.")
+    return host_budget, ssd
+
+
 def _static_bytes(m: Measurement, hw: Hardware) -> int:
     """Weights, gradients and optimizer state: trainable x bytes_per_param + frozen + buffers."""
     return int(m.trainable_params * hw.bytes_per_param + m.frozen_param_bytes + m.buffer_bytes)
@@ -740,7 +832,9 @@ def _memory(m: Measurement, plain: Measurement, cfg: OffloadConfig, static: int)
     tail = m.kept_tail_bytes
     writes = min(cfg.write_behind_bytes, m.offloadable_bytes)
     window = min(m.unique_bytes, max(cfg.prefetch_bytes, tail))
-    base = static + m.kept_held_bytes + m.inputs_unseen_bytes
+    # Records kept past a budget (max_spill_bytes, or host_budget_bytes without an SSD
+    # tier) stay in device memory from their decision until backward uses them.
+    base = static + m.kept_held_bytes + m.inputs_unseen_bytes + m.over_budget_bytes
     fwd = base + tail + writes
     # In use during backward: the block being differentiated (recomputed, with
     # checkpointing), or the part outside the blocks (head and loss), backward's first.
@@ -793,7 +887,7 @@ def _hardware_math(est: Estimate, m: Measurement, hw: Hardware, gc: bool):
     else:
         return
     t_b = t_f * (passes - 1)
-    w = m.offloadable_bytes
+    w = est.ssd_bytes   # with a host tier, only what goes past RAM reaches the SSD
     est.times = {"forward": t_f, "backward": t_b}
     est.required_write_gbps = w / t_f / 1e9
     est.required_read_gbps = w / t_b / 1e9
@@ -992,6 +1086,10 @@ def plan_costs(est: "Estimate"):
     from ._planner import LayerCost, StepCost
     m, hw, cfg = est.measurement, est.hardware, est.config
     _check_plan_inputs(hw, m.gradient_checkpointing)
+    if not est.ssd_tier:
+        raise ConfigError("ssdtrain estimate: --plan prices offloading at the SSD's bandwidth; "
+                          "a host tier without an SSD (--no-ssd) has none. Drop --no-ssd or "
+                          "--plan.")
     if not m.layers:
         raise EstimateError(f"ssdtrain estimate: --plan plans per repeated block, and "
                             f"{m.model_name or 'the model'} has none (no nn.ModuleList); "
@@ -1019,7 +1117,8 @@ def plan_costs(est: "Estimate"):
     step = StepCost(write_bps=write, read_bps=read, fwd_other_s=outside_s,
                     bwd_head_s=2.0 * outside_s, tail_s=0.0, prefetch_bytes=cfg.prefetch_bytes,
                     write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=m.kept_held_bytes,
-                    head_bytes=m.outside.unique_bytes, keep_tail_bytes=cfg.keep_tail_bytes)
+                    head_bytes=m.outside.unique_bytes, keep_tail_bytes=cfg.keep_tail_bytes,
+                    host_budget_bytes=est.host_budget_bytes or 0)
     return layers, step
 
 
@@ -1115,6 +1214,14 @@ def _parser(prog="ssdtrain estimate"):
     g.add_argument("--max-spill-bytes", help="disk budget (default none)")
     g.add_argument("--offload-quota", help="replay one step's offload quota of the default "
                    "policy (Stats.offload_quota_bytes; default: none, the most it offloads)")
+    g.add_argument("--host-budget", metavar="SIZE|auto|unlimited",
+                   help="host_budget_bytes: the host-RAM tier before the SSD (64GiB; 'auto': "
+                        "half of this machine's memory limit; 'unlimited'). Reports the bytes "
+                        "held in RAM, their peak and those going on to the SSD (default: no "
+                        "host tier)")
+    g.add_argument("--no-ssd", action="store_true",
+                   help="with --host-budget: no SSD tier (no spill_dir); what does not fit "
+                        "in the budget stays in device memory")
     h = p.add_argument_group("hardware (all optional)")
     h.add_argument("--device-memory", help="accelerator memory for one process, e.g. 80GiB")
     h.add_argument("--ssd-write-gbps", type=float, help="per drive, GB/s")
@@ -1155,7 +1262,21 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
                                                 "prefetch_bytes", "write_behind_bytes",
                                                 "max_spill_bytes")
                      if getattr(a, k) is not None}
-        cfg = OffloadConfig(**overrides)
+        if a.host_budget is not None:
+            word = a.host_budget.strip().lower()
+            overrides["host_budget_bytes"] = word if word in ("auto", "unlimited") else \
+                a.host_budget
+        elif a.no_ssd:
+            raise ConfigError("ssdtrain estimate: --no-ssd leaves only the host tier, which "
+                              "needs --host-budget (e.g. --host-budget 64GiB).")
+        try:
+            cfg = OffloadConfig(**overrides)
+        except ConfigError as e:
+            if "host_budget_bytes" in str(e):   # name the flag the user typed
+                raise ConfigError(f"{e} (--host-budget also takes 'auto' or "
+                                  f"'unlimited')") from None
+            raise
+        ssd_tier = False if a.no_ssd else True
         hw = Hardware(device_memory=a.device_memory, ssd_write_gbps=a.ssd_write_gbps,
                       ssd_read_gbps=a.ssd_read_gbps, step_seconds=a.step_seconds,
                       tflops=a.tflops, ssd_tbw=a.ssd_tbw, ssds=a.ssds,
@@ -1179,7 +1300,7 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
                 _parse_budget(a.memory_budget)
         est = estimate(model, batch=a.batch, seq=a.seq, dtype=dtype,
                        gradient_checkpointing=a.gradient_checkpointing, config=cfg, hardware=hw,
-                       offload_quota=a.offload_quota)
+                       offload_quota=a.offload_quota, ssd_tier=ssd_tier)
         if a.plan:
             planned = est.plan(a.memory_budget)
     except ConfigError as e:

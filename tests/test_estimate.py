@@ -318,6 +318,14 @@ def test_cli_json_keys(capsys):
     (["--factory", "models:gpt", "--device-memory", "lots"], "device_memory"),
     (["--factory", "models:gpt", "--batch", "0"], "batch"),
     (["--factory", "models:gpt", "--min-tensor-bytes", "-1"], "min_tensor_bytes"),
+    (["--factory", "models:gpt", "--host-budget", "lots"],
+     "host_budget_bytes must be a byte count"),
+    (["--factory", "models:gpt", "--host-budget=-1GiB"], "host_budget_bytes must be"),
+    (["--factory", "models:gpt", "--no-ssd"], "--no-ssd leaves only the host tier"),
+    (["--factory", "models:gpt", "--host-budget", "1GiB", "--no-ssd", "--max-spill-bytes",
+      "1GiB"], "max_spill_bytes (--max-spill-bytes) is a budget for the SSD tier"),
+    (["--factory", "models:gpt", "--host-budget", "1GiB", "--no-ssd", "--plan",
+      "--step-seconds", "1", "--ssd-write-gbps", "1"], "--plan prices offloading"),
 ])
 def test_cli_errors_exit_2_without_traceback(argv, message, capsys):
     assert E.main(argv) == 2
@@ -421,6 +429,61 @@ def test_cli_json_is_finite_at_the_edges_of_the_ranges(hw, capsys):
         out = _finite_json(capsys.readouterr().out)
         if "--ssd-tbw" in hw and extra:
             assert out["drive_years"] is None   # nothing written: lasts forever
+
+
+_HOST_ARGV = ["--factory", "models:gpt", "--min-tensor-bytes", "16KiB", "--keep-tail-bytes", "0",
+              "--step-seconds", "0.5", "--ssd-write-gbps", "1", "--ssd-tbw", "600",
+              "--device-memory", "1GiB"]
+
+
+def test_cli_host_budget_shows_the_tier_in_text_and_json(capsys):
+    """``--host-budget``: the tier's bytes in RAM when forward ends, their peak, and what
+    goes on to the SSD (``--no-ssd``: stays in device memory), in the text and in finite
+    JSON; the SSD figures count only what reaches the SSD, and device memory counts what
+    stays there. Fails without the option (argparse exits), and without the estimate
+    replaying device records (the host tier takes none: every host number is 0)."""
+    assert E.main(_HOST_ARGV + ["--json"]) == 0
+    plain = _finite_json(capsys.readouterr().out)
+    assert "host_tier" not in plain and plain["settings"]["host_budget_bytes"] is None
+
+    assert E.main(_HOST_ARGV + ["--host-budget", "1MiB", "--json"]) == 0
+    out = _finite_json(capsys.readouterr().out)
+    tier = out["host_tier"]
+    assert tier["budget_bytes"] == 1 << 20 == out["settings"]["host_budget_bytes"]
+    assert tier["ssd_tier"] is True and tier["device_bytes"] == 0
+    assert 0 < tier["host_bytes"] <= tier["peak_host_bytes"] <= 1 << 20
+    assert 0 < tier["ssd_bytes"] < out["offloadable_bytes"] == plain["offloadable_bytes"]
+    t_fwd = 0.5 / 3
+    assert out["required_write_gbps"] == pytest.approx(tier["ssd_bytes"] / t_fwd / 1e9)
+    assert out["required_write_gbps"] < plain["required_write_gbps"]
+    assert out["memory_bytes"] == plain["memory_bytes"]   # RAM and SSD: off the device
+
+    assert E.main(_HOST_ARGV + ["--host-budget", "1MiB", "--no-ssd", "--json"]) == 0
+    ram = _finite_json(capsys.readouterr().out)
+    tier = ram["host_tier"]
+    assert tier["ssd_tier"] is False and tier["ssd_bytes"] == 0
+    assert 0 < tier["peak_host_bytes"] <= 1 << 20
+    assert tier["device_bytes"] == ram["over_budget_bytes"] > 0
+    assert ram["required_write_gbps"] == 0 and ram["drive_years"] is None   # null, not inf
+    assert ram["memory_bytes"]["ssdtrain"] == \
+        plain["memory_bytes"]["ssdtrain"] + tier["device_bytes"]
+
+    assert E.main(_HOST_ARGV + ["--host-budget", "unlimited", "--no-ssd", "--json"]) == 0
+    tier = _finite_json(capsys.readouterr().out)["host_tier"]
+    assert tier["budget_bytes"] == (1 << 63) - 1 and tier["device_bytes"] == 0
+    assert 0 < tier["peak_host_bytes"] <= plain["offloadable_bytes"]
+
+    assert E.main(_HOST_ARGV + ["--host-budget", "1MiB"]) == 0
+    text = capsys.readouterr().out
+    assert "| host tier (host_budget_bytes 1.00 MiB, SSD beyond)" in text
+    for row in ("in host RAM when forward ends", "peak in host RAM",
+                "on to the SSD (beyond the budget)"):
+        assert f"| {row} " in text, row
+    assert "count only the bytes that reach the SSD" in text
+    assert E.main(_HOST_ARGV + ["--host-budget", "1MiB", "--no-ssd"]) == 0
+    text = capsys.readouterr().out
+    assert "no SSD tier)" in text and "| kept in device memory (beyond the budget) " in text
+    assert "over host_budget_bytes" in text
 
 
 @pytest.mark.parametrize("name,kind,needs", [

@@ -133,18 +133,48 @@ def _check_smoke(proc, out, modes):
 
 
 def test_gpu_smoke_cpu_dry_run(tmp_path, spill_dir):
-    """The script's whole loop (workers, digests, ssdtrain stats, table, JSON) on CPU.
+    """The script's whole loop (workers, digests, ssdtrain stats, the host tier's numbers,
+    table, verdict, JSON) on CPU, for every mode that offloads, at a tiny size.
 
-    ``--cpu-dry-run`` is a hidden flag for this test: memory columns are host RSS.
+    ``--cpu-dry-run`` is a hidden flag for this test: memory columns are host RSS, and
+    the ssdtrain modes run on the loopback device (the model's CPU tensors take the
+    device path, so the host tier takes them as it takes CUDA tensors). The host-tier
+    modes and their numbers are what fails without them (argparse refuses the modes).
     """
     out = tmp_path / "g.json"
+    modes = ["none", "ssdtrain", "ssdtrain-host", "ssdtrain-ram", "save_on_cpu"]
     proc = _run(GPU_SMOKE, "--small", "--cpu-dry-run", "--repeats", "1", "--steps", "1",
-                "--warmup", "1", "--modes", "none", "ssdtrain", "--spill-dir", spill_dir,
-                "--json", out)
-    result, ssd = _check_smoke(proc, out, ["none", "ssdtrain"])
+                "--warmup", "1", "--d-model", "64", "--seq-len", "64", "--vocab", "128",
+                "--modes", *modes, "--spill-dir", spill_dir, "--json", out)
+    result, ssd = _check_smoke(proc, out, modes)
+    summary = result["summary"]
     # Offloading happened, and the gradients are bitwise those of no offload.
-    assert ssd["offloaded_bytes_per_step"] > 0 and ssd["grads_equal"] is True
-    assert result["summary"]["none"]["grads_equal"] is True
+    for mode in modes:
+        assert summary[mode]["grads_equal"] is True, mode
+    assert ssd["offloaded_bytes_per_step"] > 0 and ssd["bytes_written_per_step"] > 0
+    assert "host_budget_bytes" not in ssd  # SSD only: no host tier
+    assert max(s["stats"]["peak_host_bytes"] for r in result["runs"] if r["mode"] == "ssdtrain"
+               for s in r["steps"]) == 0
+    # RAM first, the SSD beyond: the sizing step measured what the tier receives (the
+    # same decisions as the measured steps make), the default budget is half of it,
+    # never exceeded, and both tiers were used.
+    host = summary["ssdtrain-host"]
+    assert host["host_budget_sized_from"] == host["offloaded_bytes_per_step"] > 0
+    assert host["host_budget_bytes"] == host["host_budget_sized_from"] // 2
+    assert 0 < host["peak_host_bytes"] <= host["host_budget_bytes"]
+    assert host["host_spilled_bytes_per_step"] > 0 and host["bytes_written_per_step"] > 0
+    assert host["host_loaded_bytes_per_step"] > 0
+    # RAM only: nothing touches the disk, everything offloaded is held in RAM.
+    ram = summary["ssdtrain-ram"]
+    assert ram["host_budget_bytes"] == (1 << 63) - 1  # "unlimited"
+    assert ram["bytes_written_per_step"] == 0 and ram["host_spilled_bytes_per_step"] == 0
+    assert 0 < ram["peak_host_bytes"] <= ram["offloaded_bytes_per_step"]
+    assert ram["host_loaded_bytes_per_step"] > 0 and ram["over_budget_bytes_per_step"] == 0
+    assert "host tier budget unlimited: peak in RAM" in proc.stdout
+    # The verdict: the host tier alone against save_on_cpu, a step-time ratio.
+    verdict = result["host_tier_vs_save_on_cpu"]
+    assert verdict.startswith("host tier vs save_on_cpu: ssdtrain-ram step") and "ratio" in verdict
+    assert verdict in proc.stdout
     assert list(spill_dir.iterdir()) == []
 
 
@@ -158,10 +188,13 @@ def test_gpu_smoke_small_on_cuda(tmp_path, spill_dir):
     # whether bitwise equality of the other modes can be expected.
     proc = _run(GPU_SMOKE, "--small", "--repeats", "2", "--steps", "1", "--warmup", "1",
                 "--spill-dir", spill_dir, "--json", out, timeout=600)
-    result, ssd = _check_smoke(proc, out, ["none", "ssdtrain", "save_on_cpu", "checkpoint"])
+    modes = ["none", "ssdtrain", "ssdtrain-host", "ssdtrain-ram", "save_on_cpu", "checkpoint"]
+    result, ssd = _check_smoke(proc, out, modes)
     assert result["device"]["name"] and "cuda" in result["device"]
     # The table never hides that ssdtrain offloaded nothing (no GPU data path yet).
     assert ssd["offloaded_bytes_per_step"] > 0 or "NOTHING OFFLOADED" in proc.stdout
     if result["reference_repeats_bitwise"]:
-        for mode in ("ssdtrain", "save_on_cpu", "checkpoint"):
+        for mode in modes[1:]:
             assert result["summary"][mode]["grads_equal"] is True, mode
+    assert result["summary"]["ssdtrain-ram"]["bytes_written_per_step"] == 0
+    assert "ratio" in result["host_tier_vs_save_on_cpu"]

@@ -13,8 +13,12 @@ phases gave:
    compatibility mode, where the "GPUDirect" path really goes through host memory);
 3. **tests**: every test marked ``cuda`` (``pytest -m cuda``), JUnit XML kept;
    then ``ssdtrain check`` on a small Llama on the GPU (bitwise, forced through the SSD);
-4. **smoke**: ``benchmarks/gpu_smoke.py --small``, then the ~1B GPT (none, ssdtrain,
-   save_on_cpu, checkpoint): step time, device peak, host RSS, bitwise equality.
+4. **smoke**: ``benchmarks/gpu_smoke.py --small``, then the ~1B GPT (none, ssdtrain
+   SSD only, ssdtrain-host: host RAM then the SSD, ssdtrain-ram: host RAM only,
+   save_on_cpu, checkpoint): step time, device peak, host RSS, pinned host peak,
+   the host tier's bytes in RAM and on the SSD, bitwise equality; and for each run one
+   verdict line, the host tier (ssdtrain-ram) against save_on_cpu at equal memory
+   (step-time ratio), or "not measured" when either did not run.
 
 The report (``report.md``, ``report.json`` and each phase's log) goes to the folder
 named by ``GPU_CHECK_DIR`` (default: a fresh folder under the system temp dir; the
@@ -25,7 +29,8 @@ Environment: ``GPU_CHECK_DIR``; ``GPU_CHECK_SPILL_DIR`` (the NVMe folder for spi
 files, default a temp folder); ``GPU_CHECK_BUDGET_S`` (the whole run's wall-clock
 budget, default 480); ``GPU_CHECK_SKIP`` (phases to skip, comma-separated:
 build, tests, check, smoke-small, smoke-1b); ``GPU_CHECK_SMOKE_ARGS`` (extra arguments for the ~1B run,
-e.g. ``--batch-size 2``); ``GPU_CHECK_PYTEST_ARGS`` (extra pytest arguments).
+e.g. ``--batch-size 2``, or ``--modes none ssdtrain-ram save_on_cpu`` where six modes do
+not fit the budget); ``GPU_CHECK_PYTEST_ARGS`` (extra pytest arguments).
 """
 
 from __future__ import annotations
@@ -166,15 +171,24 @@ def gds_probe() -> dict:
     return out
 
 
-def _smoke_table(path: str) -> str:
-    """The rendered table of a gpu_smoke JSON, or why there is none."""
-    if not os.path.exists(path):
-        return "(no JSON written)"
-    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+def _gpu_smoke():
+    for path in (REPO_ROOT, os.path.join(REPO_ROOT, "benchmarks")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     import gpu_smoke
+    return gpu_smoke
+
+
+def _smoke_section(path: str) -> tuple:
+    """``(table, verdict)`` of a gpu_smoke JSON: the rendered table (or why there is
+    none) and the host tier vs save_on_cpu line ("not measured" without a run)."""
+    gpu_smoke = _gpu_smoke()
+    if not os.path.exists(path):
+        return "(no JSON written)", gpu_smoke.host_tier_verdict({})
     with open(path) as f:
         data = json.load(f)
-    return gpu_smoke.render_table(data["summary"], data["modes"])
+    return (gpu_smoke.render_table(data["summary"], data["modes"]),
+            gpu_smoke.host_tier_verdict(data["summary"]))
 
 
 def write_report(out_dir, env, phases, smoke_jsons, started) -> None:
@@ -198,13 +212,16 @@ def write_report(out_dir, env, phases, smoke_jsons, started) -> None:
                    or " error" in ln]
         if summary:
             lines += ["", f"Tests: {summary[-1].strip('= ')}"]
+    verdicts = {}
     for name, path in smoke_jsons.items():
-        lines += ["", f"## {name}", "", _smoke_table(path)]
+        table, verdicts[name] = _smoke_section(path)
+        lines += ["", f"## {name}", "", table, "", f"**Verdict**: {verdicts[name]}."]
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump({"environment": env, "phases": phases.results,
-                   "smoke": {k: os.path.basename(v) for k, v in smoke_jsons.items()}}, f, indent=1)
+                   "smoke": {k: os.path.basename(v) for k, v in smoke_jsons.items()},
+                   "host_tier_vs_save_on_cpu": verdicts}, f, indent=1)
 
 
 def main() -> int:
