@@ -120,11 +120,13 @@ def rank_spill_dir(spill_dir: Union[PathLike, Sequence[PathLike]], *, host: Opti
 
 
 def summarize(offloader: "ssdtrain.Offloader", group=None) -> "ssdtrain.Stats":
-    """All ranks' :class:`ssdtrain.Stats` in one: counters summed, peaks (``peak_*``) maxed.
+    """All ranks' :class:`ssdtrain.Stats` in one: counters summed, peaks (``peak_*``,
+    ``budget_*``) maxed.
 
     A collective over ``group``: every rank of it must call it, at the same point.
     Numeric fields are all-reduced (a sum, seconds included; the maximum for fields
-    named ``peak_*``); ``engine`` is this rank's. Without an initialized process
+    named ``peak_*``, and ``budget_*``: a step's peak against each rank's own
+    ``memory_budget_bytes``); ``engine`` is this rank's. Without an initialized process
     group it returns this rank's stats. Call ``offloader.wait()`` first for write
     counters that include every write submitted (they count at completion).
 
@@ -142,8 +144,8 @@ def summarize(offloader: "ssdtrain.Offloader", group=None) -> "ssdtrain.Stats":
     numeric = [f.name for f in dataclasses.fields(local)
                if isinstance(getattr(local, f.name), (int, float))
                and not isinstance(getattr(local, f.name), bool)]
-    summed = [n for n in numeric if not n.startswith("peak_")]
-    peaks = [n for n in numeric if n.startswith("peak_")]
+    peaks = [n for n in numeric if n.startswith(("peak_", "budget_"))]
+    summed = [n for n in numeric if n not in peaks]
     device = _collective_device(group)
     # float64 holds every byte count below 2**53 (8 PiB) exactly.
     values = {}

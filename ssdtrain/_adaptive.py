@@ -83,12 +83,62 @@ stalled for more than ``replan_stall_fraction`` of its duration and more than
 predicted, the disk is slower than the probe said (other I/O, CPU contention):
 both bandwidths are scaled by ``io / (io + excess)`` (``io``: the predicted I/O
 time of the step, ``excess``: stall seen minus stall predicted) and the plan
-is made again, at most ``_MAX_REPLANS`` times.
+is made again, at most ``_MAX_REPLANS`` times (memory re-plans included, NOTE [
+Measured memory ]).
+
+NOTE [ Measured memory ]
+
+The plan's peak is a prediction; the policy never lets it pass unchecked. While
+a plan is in force under a budget (``memory_budget_bytes``: ``policy="adaptive"``,
+or a plan set with ``set_plan``), every step measures what ssdtrain holds at the
+moments the planner's memory timeline counts (NOTE [ Memory timeline ] in
+_planner.py): when each tracked layer's forward ends, at the end of forward, and
+when each tracked layer's backward begins (a hook on the layer's output;
+``LayerProfiler.boundary``). What it holds there is the bytes of its records in
+memory (``Offloader.resident_bytes()``) plus the host memory the store has let go
+of and not yet released (its graveyard, NOTE [ Store lock discipline ] in
+_store.py), taken before the release below. A recomputed layer's working set is
+held by checkpoint, not by ssdtrain: when its backward begins, what the
+recompute-all profile step measured for it (``LayerCost.recompute_working_bytes``,
+as the planner counts it) is added to what is held after the release. The largest
+sample is the step's peak (``Stats.budget_measured_bytes``); at the end of the
+step's backward, and again when the next forward begins, it is compared with the
+budget:
+
+* over it: ``Stats.budget_exceeded_bytes`` keeps the largest overshoot, and one
+  warning per offloader gives the budget, the peak, the overshoot, the plan and its
+  prediction, what ssdtrain does about it and what the user can do;
+* with ``policy="adaptive"``, when the plan was predicted to fit and the step held
+  more than predicted, the model missed bytes (a record the throttle or the
+  prefetch window let past its limit, records the model does not place, memory let
+  go of late): the difference is counted as held whatever the plan
+  (``StepCost.fixed_bytes``, the plan table says so) and the plan is made again, at
+  most ``_MAX_REPLANS`` times in all. The margin only grows, so plans do not flip
+  back and forth. When no plan fits any more, the plan with the least memory is
+  used and that is said as at any plan (``_make_and_apply``).
+
+Not measured: what the budget does not count (docs/planner.md), a recompute's
+working set in this step (the profiled one stands in), and moments between the
+boundaries (the model's moments are the boundaries too; the prefetch window and the
+throttle may pass their limits by a record between them).
+
+Late frees: the store releases a host record's memory on its I/O thread, after the
+record is freed. On a loaded machine that thread may not run for a while, and memory
+the model counts as free stays allocated: on the accelerator emulator the head's
+6 MiB of records stayed alive through the layers' backward, and a plan predicted at
+41.0 MiB held 45.1 (docs/accelerator_regime.md). So at each boundary, once measured,
+the policy applies the releases autograd has queued (``Store._settle``) and
+releases what the I/O thread has not yet (``Store._bury``) on the training thread
+(or autograd's): every layer starts with what the model says is held. It costs the
+training thread only where the I/O thread lagged (the frees it would have done), and
+nothing for device records, which the store frees in place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import logging
 
 import torch
@@ -106,6 +156,25 @@ log = logging.getLogger("ssdtrain")
 
 _MISSING = object()
 _MAX_REPLANS = 8
+
+
+def _dropped_bytes(graveyard):
+    """Bytes of the host storages in the store's graveyard: let go of, not yet released
+    (NOTE [ Measured memory ]). Idle read buffers' mappings, also there, are not
+    activations (docs/planner.md) and are not counted; a storage is counted once."""
+    total, seen = 0, set()
+    for item in list(graveyard):  # one C call: the I/O thread pops from it meanwhile
+        if type(item) is not tuple:
+            continue
+        source, storage = item
+        if storage is None and source is not None:
+            storage = source.untyped_storage()
+        if storage is not None:
+            ptr = storage.data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += storage.nbytes()
+    return total
 
 
 class LayerPolicy:
@@ -134,6 +203,12 @@ class LayerPolicy:
         self._step_plan = {}        # id(StepSample) -> plan id in force during it
         self._warned = set()        # reasons already warned about (once each)
         self.last_incomplete = None  # why the latest timed step was not a complete profile
+        # NOTE [ Measured memory ]
+        self.margin = 0             # bytes steps held beyond the predictions: counted as held
+        self._checked = None        # (plan, budget) the running step is checked against
+        self._held = 0              # the running step's measured peak so far
+        self._end_queued = False    # the end-of-backward check is queued
+        self._budget_warned = False
 
     # ------------------------------------------------------------- store side
     def choice(self):
@@ -152,6 +227,7 @@ class LayerPolicy:
     # ----------------------------------------------------------- step events
     def begin_step(self):
         prof = self.profiler
+        self._check_budget()  # the step that ends (NOTE [ Measured memory ])
         closed = prof.close_step()
         if closed is not None and closed.timed and not closed.complete:
             self._incomplete(closed)
@@ -167,15 +243,129 @@ class LayerPolicy:
                 else:
                     self._make_and_apply("profiled")
             elif self.plan is not None:
-                self._check_stalls()
+                if not self._check_memory():
+                    self._check_stalls()
         prof.open_step(timed=timed, recompute=recompute)
+        budget = self.cfg.memory_budget_bytes
+        # NOTE [ Measured memory ]: every step a plan runs under a budget is measured.
+        checked = (self.plan, budget) if self.plan is not None and budget is not None and \
+            not recompute else None
+        self._checked, self._held, self._end_queued = checked, 0, False
+        prof.boundary = None if checked is None else self._boundary
         if self.plan is not None:
             self._step_plan[id(prof.step)] = self._plan_id
             self._step_plan = {k: v for k, v in self._step_plan.items()
                                if k in {id(s) for s in prof.samples} | {id(prof.step)}}
 
     def end_forward(self):
+        if self.profiler.boundary is not None:
+            self._boundary(None, False)
         self.profiler.end_forward()
+
+    # ------------------------------------------------- NOTE [ Measured memory ]
+    def _held_now(self):
+        """What ssdtrain holds now: its records in memory and what it let go of but has
+        not released."""
+        store = self.store
+        grave = store._graveyard
+        return store._resident + (_dropped_bytes(grave) if grave else 0)
+
+    def _boundary(self, i, backward):
+        """A layer boundary of a measured step (layer ``i``'s forward ended, or its backward
+        begins, or ``i`` None: forward ended): sample what ssdtrain holds, then release what
+        the I/O thread has not yet. When layer ``i``'s backward begins the step's check
+        is queued for the end of the backward pass, and a recomputed layer's working set
+        is added to what is held after the release (NOTE [ Measured memory ])."""
+        held = self._held_now()
+        if held > self._held:
+            self._held = held
+        if self._release_dropped() and backward:
+            held = self._held_now()
+        if backward:
+            p = self._checked[0] if self._checked is not None else None
+            if p is not None and p.choices[i] == RECOMPUTE:
+                held += p.layers[i].recompute_working_bytes
+                if held > self._held:
+                    self._held = held
+        if backward and not self._end_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            except RuntimeError:  # not inside a backward the engine runs: begin_step checks
+                return
+            self._end_queued = True
+
+    def _release_dropped(self):
+        """Apply the releases autograd has queued and release the memory the store let go
+        of, here, where the I/O thread has not yet (NOTE [ Measured memory ]: late
+        frees). Whether there was anything to do."""
+        store = self.store
+        if not (store._inbox or store._graveyard) or store.closed:
+            return False
+        store._settle_and_release()
+        return True
+
+    def _end_of_backward(self):
+        self._end_queued = False
+        self._check_budget()
+
+    def _check_budget(self):
+        """Compare the running step's measured peak with the budget: Stats, and one
+        warning per offloader when it is over. Idempotent (the end of backward and the
+        next forward's beginning both call it)."""
+        if self._checked is None:
+            return
+        p, budget = self._checked
+        held, stats = self._held, self.stats
+        stats.budget_measured_bytes = held
+        over = held - budget
+        if over <= 0:
+            return
+        stats.budget_exceeded_bytes = max(stats.budget_exceeded_bytes, over)
+        if self._budget_warned:
+            return
+        self._budget_warned = True
+        pred = p.prediction.peak_bytes
+        if not p.fits:
+            then = ("No plan is predicted to fit the budget: this is the plan with the least "
+                    "memory.")
+        elif self.adaptive and held > pred and self.replans < _MAX_REPLANS:
+            then = (f"ssdtrain re-plans with the {_size(held - pred)} the prediction missed "
+                    f"counted as held.")
+        elif self.adaptive:
+            then = "ssdtrain does not re-plan for it (re-plans used up, or none would help)."
+        else:
+            then = "The plan was set with set_plan() and stays in force."
+        log.warning(
+            "ssdtrain: memory_budget_bytes=%d (%s) was exceeded: a step held %s of saved "
+            "activations at its peak, %s over the budget, under the plan in force (%s; "
+            "predicted peak %s). %s Measured at each tracked layer's boundary: records in "
+            "memory, memory let go of but not yet released, and a recomputed layer's working "
+            "set as profiled; Stats.budget_exceeded_bytes keeps the largest overshoot (warned "
+            "once). To stay within the budget: plan against a budget lower by the overshoot "
+            "(keep it as a reserve), lower prefetch_bytes or write_behind_bytes (bytes held in "
+            "flight), raise the budget if the device has room, or lower the micro-batch.",
+            budget, _size(budget), _size(held), _size(over), _choices_label(p.choices),
+            _size(pred), then)
+
+    def _check_memory(self):
+        """At the beginning of a step: check the step that ended, and re-plan with what it
+        held beyond the prediction counted as held (NOTE [ Measured memory ]). Whether it
+        re-planned."""
+        checked = self._checked
+        if checked is None or not self.adaptive or checked[0] is not self.plan:
+            return False
+        p, budget = checked
+        pred = p.prediction.peak_bytes
+        if self._held <= budget or not p.fits or self._held <= pred or \
+                self.replans >= _MAX_REPLANS:
+            return False
+        missed = self._held - pred
+        self.margin += missed
+        self.replans += 1
+        self._make_and_apply(f"re-plan {self.replans}: a step held {_size(self._held)}, over "
+                             f"the budget of {_size(budget)}; the plan predicted {_size(pred)}: "
+                             f"{_size(missed)} more counted as held from now on")
+        return True
 
     def _incomplete(self, sample):
         """A timed step closed without a complete profile: say why, once per reason."""
@@ -210,7 +400,10 @@ class LayerPolicy:
             log.info("ssdtrain: engine bandwidth %.2f GB/s write, %.2f GB/s read (probe)",
                      self.bandwidth[0] / 1e9, self.bandwidth[1] / 1e9)
         w, r = self.bandwidth
-        return layers, step_cost(parts, w * self.scale, r * self.scale, self.cfg)
+        step = step_cost(parts, w * self.scale, r * self.scale, self.cfg)
+        if self.margin:  # NOTE [ Measured memory ]
+            step = dataclasses.replace(step, fixed_bytes=step.fixed_bytes + self.margin)
+        return layers, step
 
     def make_plan(self):
         """A plan from the profile and the budget (``None`` budget: no limit); not applied.
@@ -227,7 +420,15 @@ class LayerPolicy:
                    f"; the latest profiled step was incomplete: {self.last_incomplete}")
                 + "). Run more steps, then call plan() again.")
         layers, step = self._step_cost()
-        return plan(layers, self.cfg.memory_budget_bytes, step)
+        return self._noted(plan(layers, self.cfg.memory_budget_bytes, step))
+
+    def _noted(self, p):
+        """``p`` with a note of the margin its predictions include, if any."""
+        if not self.margin:
+            return p
+        return dataclasses.replace(p, notes=p.notes + (
+            f"Every predicted peak includes {_size(self.margin)} that earlier steps "
+            f"held beyond their plan's prediction (NOTE [ Measured memory ]).",))
 
     def set_choices(self, choices):
         """Apply ``choices`` (one per layer) as a plan, predicted when the profile is ready."""
@@ -252,8 +453,8 @@ class LayerPolicy:
             notes = ("Set by set_plan() before the profile was complete: no prediction.",)
         step = throttled_step(layers, choices, step, budget)
         pred = predict(layers, choices, step)
-        p = Plan(tuple(layers), choices, pred, budget, step,
-                 budget is None or pred.peak_bytes <= budget, 0, notes)
+        p = self._noted(Plan(tuple(layers), choices, pred, budget, step,
+                             budget is None or pred.peak_bytes <= budget, 0, notes))
         self.apply(p)
         self.history.append(("set_plan", p))
         if not p.fits:
@@ -343,11 +544,29 @@ class LayerPolicy:
 
     def remove(self):
         """Undo everything: module hooks, recompute wrappers."""
+        self._checked = None
         for i in list(self._wrapped):
             self._unwrap(i)
         self.profiler.remove()
         self.plan = self.choices = None
         self.store.limit_write_behind(None)
+
+
+def _size(n):
+    """``n`` bytes for a message: GiB, MiB or KiB to two decimals, else bytes."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _choices_label(choices):
+    """``"keep, recompute x3, ..."``: a plan's choices, runs of one choice counted."""
+    out = []
+    for c, run in itertools.groupby(choices):
+        n = len(list(run))
+        out.append(c if n == 1 else f"{c} x{n}")
+    return ", ".join(out)
 
 
 class _StateGuard:

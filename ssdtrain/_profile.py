@@ -361,6 +361,11 @@ class LayerProfiler:
         self._handles = []
         self._sync = {}              # device -> its synchronize (NOTE [ Timing asynchronous devices ])
         self.updates = [None] * len(self.modules)  # buffers each forward updates; None: not seen
+        # Called at each layer boundary of every step while set (NOTE [ Measured memory ]
+        # in _adaptive.py): ``boundary(i, False)`` when layer ``i``'s forward ends,
+        # ``boundary(i, True)`` when layer ``i``'s backward begins.
+        self.boundary = None
+        self._boundary_hooks = [self._on_boundary(i) for i in range(len(self.modules))]
         self._buffers0 = {}          # layer -> buffer_state() when its timed forward began
         seen = set()
         for i, m in enumerate(self.modules):
@@ -373,6 +378,7 @@ class LayerProfiler:
 
     def remove(self):
         """Remove the module hooks."""
+        self.boundary = None
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -521,6 +527,12 @@ class LayerProfiler:
             if not self.active or threading.get_ident() != self._owner:
                 return None
             self.current = self._stack.pop() if self._stack else None
+            boundary = self.boundary
+            if boundary is not None and torch.is_grad_enabled():
+                boundary(i, False)
+                y = _first_grad_tensor(output)
+                if y is not None:
+                    y.register_hook(self._boundary_hooks[i])
             s = self.step
             if s is not None and s.timed and torch.is_grad_enabled():
                 s.fwd_s[i] += self._now() - s._fwd_t0[i] - \
@@ -534,6 +546,14 @@ class LayerProfiler:
                     y.register_hook(self._on_bwd_begin(s, i))
             return None
         return post
+
+    def _on_boundary(self, i):
+        def hook(grad):  # layer i's backward begins: its output's gradient is complete
+            boundary = self.boundary
+            if boundary is not None:
+                boundary(i, True)
+            return None
+        return hook
 
     def _on_bwd_begin(self, s, i):
         def hook(grad):

@@ -105,6 +105,16 @@ class Stats:
     quota_kept_bytes: int = 0
     """Bytes kept in memory because the step's offload quota was spent (also counted in
     ``kept_bytes``)."""
+    budget_measured_bytes: int = 0
+    """With a per-layer plan in force under ``memory_budget_bytes``: the peak of what
+    ssdtrain held in the latest step, measured at each tracked layer's boundary (records
+    in memory, memory let go of but not yet released, and a recomputed layer's working
+    set as profiled: what the budget counts; NOTE [ Measured memory ] in
+    ``_adaptive.py``). 0 before such a step."""
+    budget_exceeded_bytes: int = 0
+    """The most bytes by which a step's measured peak (:attr:`budget_measured_bytes`)
+    went over ``memory_budget_bytes``; 0 while every step stayed within it. The first
+    overshoot is also logged as a warning, and ``policy="adaptive"`` re-plans for it."""
 
     def summary(self) -> str:
         """One line for logs."""
