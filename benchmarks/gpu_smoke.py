@@ -362,8 +362,8 @@ def _offloader(ssdtrain, mode, cfg, host_budget):
         raise SystemExit(f"gpu_smoke: {mode!r} is not an ssdtrain mode; please report")
     off = ssdtrain.Offloader(ssdtrain.OffloadConfig.from_env(**overrides))
     if cfg["cpu_dry_run"]:
-        from ssdtrain._loopback import LoopbackDevice, attach
-        attach(off, LoopbackDevice(claim_host_tensors=True, capacity=1 << 40))
+        from ssdtrain.tools import LoopbackDevice, attach_loopback
+        attach_loopback(off, LoopbackDevice(claim_host_tensors=True, capacity=1 << 40))
     return off
 
 
@@ -477,7 +477,7 @@ def _notes(mode, s):
                       f"{s['stall_s_median']:.3f} s/step; {s['prefetch_misses_median']:.0f} "
                       f"prefetch misses/step")
         if mode in HOST_TIER_MODES:
-            from ssdtrain._config import MAX_BYTES  # what "unlimited" resolves to
+            from ssdtrain.tools import MAX_BYTES  # what "unlimited" resolves to
             budget = s["host_budget_bytes"]
             sized = s.get("host_budget_sized_from")
             notes.append(

@@ -3,7 +3,9 @@
 These are the pieces the :class:`~ssdtrain.Offloader` is built from, public so that
 benchmarks (``benchmarks/io_bandwidth.py``) and examples (``examples/rok_curve.py``)
 can measure them alone without reaching into private modules. Training code does not
-need them.
+need them. ``LoopbackDevice``/``attach_loopback`` give an Offloader a stand-in
+accelerator (host memory taking the device path: benchmarks' CPU dry runs);
+``MAX_BYTES`` is what "unlimited" sizes resolve to.
 
 Example::
 
@@ -21,13 +23,17 @@ import torch
 
 from . import _checksum
 from ._align import BLOCK
+from ._config import MAX_BYTES
+from ._loopback import LoopbackDevice
+from ._loopback import attach as attach_loopback
 from ._planner import predict, rok_plans
 from ._readbuf import ReadBuffers
 from ._errors import SSDTrainError
 from ._spill import SpillFile, SpillSet, filesystem_type
 
 __all__ = ["BLOCK", "SpillFile", "SpillSet", "ReadBuffers", "filesystem_type", "rok_plans",
-           "predict", "crc32c", "crc32c_available", "uring_probe", "HookTimer"]
+           "predict", "crc32c", "crc32c_available", "uring_probe", "HookTimer",
+           "LoopbackDevice", "attach_loopback", "MAX_BYTES"]
 
 
 def crc32c_available() -> bool:
