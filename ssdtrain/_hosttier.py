@@ -245,7 +245,7 @@ class HostTier:
             return  # due: _start_write_locked sees tier == 0 and writes it to the SSD
         rec.evict = True
         if rec.state is State.HOSTED:
-            self._spill_due[rec] = None
+            self._table.queue_spill(rec)
 
     # ------------------------------------------------------------ device -> RAM
     def _start_host_locked(self, rec):

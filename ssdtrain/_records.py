@@ -8,7 +8,7 @@ checks the move against ``TRANSITIONS`` (an illegal move is a bug: it raises
 ``AssertionError``, always, not only under ``python -O``-less runs). The rule is kept by
 code, not by care: ``Record.state`` is a read-only property (assigning it raises
 ``AttributeError``), :func:`transition` is the one function that writes the slot behind
-it, and the store calls :func:`transition` only from ``Store._move_locked``, which also
+it, and the store calls :func:`transition` only from ``RecordTable.move``, which also
 moves the aggregates that follow the state. ``tests/test_contracts.py`` scans the source
 for any other writer::
 
@@ -45,7 +45,7 @@ for any other writer::
     any       -                 -         -               FREED   (last handle gone and no I/O in
                                                                    flight; or close())
 
-A record is *resident* (counted in ``Store._resident``) while it holds bytes in
+A record is *resident* (counted in ``RecordTable.resident``) while it holds bytes in
 memory: PENDING, WRITING, KEPT, LOADING (the read buffer), LOADED, HOSTING. FREED is
 final. "Memory" is the memory the saved tensor lives in: device memory for a device
 record. HOSTED and SPILLING hold the record's bytes in the host tier instead (pinned
@@ -86,8 +86,8 @@ GEOMETRY_ALIGN = 16  # the largest element size torch has (complex128); NOTE [ V
 
 
 class State(enum.Enum):
-    PENDING = "pending"    # in the tail window, or decided to be written (``Store._due``) and
-                           # its write not started; bytes in memory
+    PENDING = "pending"    # in the tail window, or decided to be written (``RecordTable.due``)
+                           # and its write not started; bytes in memory
     WRITING = "writing"    # write in flight; bytes in memory
     KEPT = "kept"          # stays in memory until freed
     ON_DISK = "on_disk"    # only on disk
@@ -196,7 +196,7 @@ class Record:
         self.staging = None             # pinned copy being written (CUDA records)
         self.ready = None               # event: the loaded device copy has landed
         self.produced = None            # event: the saved CUDA tensor is complete (pack)
-        self.due = False                # left the tail window to be written (Store._due)
+        self.due = False                # left the tail window to be written (RecordTable.due)
         self.reserved = 0               # spill bytes the decision reserved (TailWindow)
         self.host = None                # the host tier's pinned copy (a staging lease)
         self.tier = 0                   # its place in the host budget (HostBudget), 0: none

@@ -62,7 +62,7 @@ def _step(off):
             y = _Paced.apply(y, store)
             # The I/O thread started the write and it ended: backward reads every record
             # (a write still in flight when forward ends is served from memory).
-            _until(lambda: store._due_bytes == 0 == store._writing_bytes, "the write")
+            _until(lambda: store._table.due_bytes == 0 == store._table.writing_bytes, "the write")
         loss = y.sum()
     loss.backward()
     off.wait()
