@@ -3,7 +3,10 @@
 The records and their state table are in ``_records.py`` (NOTE [ Record state machine ]);
 the registry of a store's records and every count over their states (resident, due,
 writing, prefetched bytes...) in ``_table.py`` (NOTE [ Record table ]), whose
-``RecordTable.move`` is the one way a record's state changes;
+``RecordTable.move`` is the one way a record's state changes; the I/O thread's
+mechanism (its queue, loop, graveyard, end, fork, and the release of the engine and
+files) in ``_iothread.py`` (``IOThread``), what a round of it does here
+(``_background_round``);
 write-back (tail, throttle, budget, failure policy) in ``_writeback.py``; prefetch and
 reads in ``_prefetch.py``; read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
 
@@ -84,6 +87,12 @@ staging) is not an error: a prefetch read is left to backward (a miss), a device
 record that cannot be staged stays in device memory (KEPT); each is logged once.
 ``wrap_engine()`` pauses the thread while it swaps the engine.
 
+The thread itself is an :class:`~ssdtrain._iothread.IOThread` (``Store._io``): it owns
+the queue that wakes it (``kick``), the graveyard and its release (``bury``), its end
+(``stop``), what happens at a fork and the release of the engine and the files when
+the store is closed or collected. What a round does is the store's
+(``_background_round``: the lock, one request per hold).
+
 The thread holds the store only while it works (a weak reference otherwise), ends at
 ``close()`` (joined) or when the store is collected, does not exist in a forked child,
 and reports an exception escaping its round (a bug: the round's locked region has
@@ -108,7 +117,6 @@ slot (``_extra_slots``) is freed by the store when the last of them has ended (a
 import collections
 import logging
 import mmap
-import queue
 import threading
 import time
 import weakref
@@ -119,7 +127,7 @@ import torch
 
 from . import _fork, _trace
 from ._config import ResolvedConfig
-from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError, resource_error
+from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
 from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._config import MAX_BYTES
@@ -127,8 +135,9 @@ from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._table import RecordTable
 from ._prefetch import Prefetch, _Pass
-from ._readbuf import ReadBuffers, unmap_now
+from ._readbuf import ReadBuffers
 from ._hosttier import HostBudget, HostTier
+from ._iothread import IOThread
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
 from ._writeback import (_READ, _WRITTEN, WriteBack, _copy, _needed_by, _owning, _without_frames,
@@ -141,11 +150,8 @@ log = logging.getLogger("ssdtrain")
 _IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
 _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in _trace.py
-_NAME_THREAD = getattr(torch._C, "_set_thread_name", None)  # pthread_setname_np
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
-_STOP = object()   # tells the store's I/O thread to end
 _SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request left
-_JOIN_S = 10.0     # how long close() waits for the I/O thread to end its round
 
 
 def _free_slot(rec):
@@ -181,12 +187,14 @@ class Store(WriteBack, Prefetch, HostTier):
         self._seq = 0
         self._failure = None                   # the pending failure event (_writeback.Failure)
         self._ended = None                     # the pass whose forward ended last
-        # Memory dropped under the lock, released outside it by the I/O thread (NOTE [ The
-        # store's I/O thread ]): tensors whose last reference this was, read buffers'
-        # mappings (NOTE [ Unmapping off the training thread ] in _readbuf.py).
-        self._graveyard = collections.deque()
-        self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
         self._devices = {}                     # (leaf, device) -> DeviceTransfers
+        # The I/O thread (_iothread.py) and the memory it releases outside the lock (NOTE
+        # [ The store's I/O thread ]); kick and bury are bound once: the hooks call them.
+        self._io = IOThread(self, engine, spill, self._devices)
+        self._graveyard = self._io.graveyard
+        self._kick = self._io.kick
+        self._bury = self._io.bury
+        self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
@@ -200,26 +208,13 @@ class Store(WriteBack, Prefetch, HostTier):
         self.write_behind = None               # in force; see limit_write_behind
         self.limit_write_behind(None)
         self.closed = False
-        self._kicks = queue.SimpleQueue()      # wakes the I/O thread
-        self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._kicks),
-                                        name="ssdtrain-store", daemon=True)
-        self._background = False               # the I/O thread runs (else work is done inline)
-        self._idle = True                      # it waits for a kick (written by it alone)
         self._paused = False                   # wrap_engine(): the thread starts nothing
-        # Threads and files go when the store becomes unreachable (the Offloader and
-        # every graph holding its handles are gone) or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _release_in_background, engine, spill,
-                                           self._devices, self._kicks, self._worker)
         _fork.register(self, Store._after_fork_in_child)
         try:
-            self._worker.start()
-        except RuntimeError as e:  # no thread to be had: the store never ran
-            self._finalizer.detach()
+            self._io.start(engine)
+        except RuntimeError:  # no thread to be had: the store never ran (released)
             self.closed = True
-            _release_resources(engine, spill, self._devices, self._kicks, self._worker)
-            raise (resource_error("could not start the store's I/O thread (ssdtrain-store)",
-                                  e, threads=1) or e) from None
-        self._background = True
+            raise
 
     def replace_engine(self, fn):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
@@ -608,16 +603,6 @@ class Store(WriteBack, Prefetch, HostTier):
         if due or self._graveyard:
             self._kick()
 
-    def _kick(self):
-        """Wake the I/O thread if it waits (a thread in a round looks again before it
-        waits). Once it has ended (a closed or forked store), only memory is left to
-        release: here."""
-        if self._background:
-            if self._idle:
-                self._kicks.put(None)
-        elif self._graveyard:
-            self._bury()
-
     def _background_round(self):
         """One round of the I/O thread: start what is due one request per lock hold, so
         that the hooks get the lock between requests, and release the graveyard outside
@@ -638,22 +623,6 @@ class Store(WriteBack, Prefetch, HostTier):
             return False
         return self._start_due_locked(1) or self._pump_locked(1)
 
-    def _bury(self):
-        """Release the memory dropped under the lock (never call this with it held). Any
-        thread may call it, several at once."""
-        grave = self._graveyard
-        if not grave:
-            return
-        with _trace.span(_trace.RELEASE):
-            while grave:
-                try:
-                    item = grave.popleft()
-                except IndexError:  # another thread took the last one
-                    return
-                if type(item) is mmap.mmap:
-                    unmap_now(item)
-                item = None
-
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
         freed are applied, and their memory is let go here, so that it is back before
@@ -672,11 +641,6 @@ class Store(WriteBack, Prefetch, HostTier):
         err.__cause__ = exc
         with self._lock:  # NOTE [ One event, one error ] in _writeback.py
             self._guarded_locked(self._event_locked, None, err, False)
-
-    def _stop_worker(self):
-        """End the I/O thread (close(), fork): later work is done inline."""
-        self._background = False
-        _stop(self._kicks, self._worker)
 
     def _at_backward_end(self):
         """Queue a drain for the end of the running backward (once per graph task): the
@@ -1098,101 +1062,18 @@ class Store(WriteBack, Prefetch, HostTier):
                 # record a graph held at close() for good.
                 self._recount_locked()
                 self._buffers.trim()  # idle read buffers are memory too: not kept until GC
-            self._stop_worker()
+            self._io.stop()  # later work is done inline
             self._bury()
-            if self._finalizer.detach() is not None:
-                args = (self.engine, self.spill, self._devices, self._kicks, self._worker)
-                if in_flight:  # a hung request must not hang close(): release when it ends
-                    _release_in_background(*args, daemon=True)
-                else:
-                    _release_resources(*args)
+            self._io.release(self.engine, in_flight)
 
     def _after_fork_in_child(self):
         """In a forked child: this store belongs to the parent. Never touch its engine,
         files or threads; every later call sees a closed store."""
         self._forked = True
         self.closed = True
-        self._background = False  # the I/O thread is the parent's: not in this process
-        self._kicks = queue.SimpleQueue()
-        self._finalizer.detach()
+        self._io.forked()  # the I/O thread is the parent's: not in this process
         self._lock = threading.Lock()  # another parent thread may have held it at fork
         self._inbox = collections.deque()
-
-
-def _work(ref, kicks):
-    """The store's I/O thread (NOTE [ The store's I/O thread ]): a round of work per wake;
-    holds the store only during a round, so an unreachable store is collected."""
-    if _NAME_THREAD is not None:  # the OS's name, which profilers and top -H show
-        _NAME_THREAD("ssdtrain-store")
-    while True:
-        item = kicks.get()  # releases the GIL while it waits
-        while item is not _STOP and not kicks.empty():  # one round for the kicks so far
-            item = kicks.get()
-        if item is _STOP:
-            return
-        store = ref()
-        if store is None:
-            return
-        store._idle = False
-        _round(store)
-        # A hook that queued work while _idle was False did not kick: look once more
-        # (also after a failed round). Work queued after this line finds _idle True.
-        store._idle = True
-        _round(store)
-        store = None
-
-
-def _round(store):
-    """One round of the I/O thread; an exception escaping it is reported, not lost."""
-    try:
-        store._background_round()
-    except BaseException as e:  # noqa: BLE001 - reported at the next pack
-        try:
-            store._background_failed(e)
-        except BaseException:  # noqa: BLE001 - the thread must keep serving
-            pass
-        e = None  # noqa: F841 - its traceback holds the store
-
-
-def _stop(kicks, worker):
-    """Tell the I/O thread to end and wait for it (not from the thread itself)."""
-    kicks.put(_STOP)
-    if worker is not threading.current_thread() and worker.is_alive():
-        worker.join(_JOIN_S)
-        if worker.is_alive():
-            log.warning("ssdtrain: the store's I/O thread did not end within %.0f s of "
-                        "close(); left running (a daemon thread).", _JOIN_S)
-
-
-def _release_resources(engine, spill, devices, kicks, worker):
-    try:
-        _stop(kicks, worker)
-        for dev in list(devices.values()):
-            dev.close()  # writes waiting for a device copy are submitted first
-        engine.shutdown()  # waits for requests still queued: they use the files
-    finally:
-        spill.close()
-
-
-def _release_in_background(engine, spill, devices, kicks, worker, daemon=False):
-    # A garbage-collected store must not block whatever thread dropped it (it may even
-    # be an engine worker, which cannot join itself).
-    if not threading.main_thread().is_alive():
-        # Interpreter exit (atexit runs after threading's shutdown stopped the main
-        # thread): a thread started now would not be waited for, and finalization
-        # would end it inside the native engine's join (std::terminate, exit code
-        # 134). Release here, in order: nothing else runs any more.
-        _release_resources(engine, spill, devices, kicks, worker)
-        return
-    try:
-        threading.Thread(target=_release_resources, args=(engine, spill, devices, kicks, worker),
-                         name="ssdtrain-release", daemon=daemon).start()
-    except RuntimeError as e:  # no thread to be had ("can't start new thread")
-        if daemon:  # a request may hang: releasing here could hang too; left to the exit
-            log.warning("ssdtrain: the engine and spill files of a closed Offloader were not "
-                        "released: %s", resource_error("no thread for the release", e) or e)
-        else:  # nothing in flight: release here, on the thread that dropped the store
-            _release_resources(engine, spill, devices, kicks, worker)
 
 
 def _nothing():
