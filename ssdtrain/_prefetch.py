@@ -99,7 +99,7 @@ class Prefetch:
             rec = p.queue[0]
             if rec.tokens and not rec.prefetched and not rec.used:
                 if rec.state is State.WRITING or rec.state is State.HOSTING:
-                    rec.pinned = True
+                    rec.claimed = True
                     self._table.count_ahead(rec)
                 elif rec.state is State.ON_DISK:
                     if limit is not None and started >= limit:

@@ -19,7 +19,7 @@ for any other writer::
                                                           FAILED  (its write was due and the
                                                                    storage was resized/replaced)
     WRITING   yes (the tensor)  landing   write           ON_DISK (write done: bytes dropped)
-                                                          LOADED  (write done, prefetch pinned it)
+                                                          LOADED  (write done, prefetch claimed it)
                                                           KEPT    (write failed and
                                                                    on_spill_error="keep")
                                                           FAILED  (write failed, storage changed)
@@ -31,7 +31,7 @@ for any other writer::
     LOADED    yes (read copy)   yes, or   no              ON_DISK (every live handle unpacked once)
                                 in RAM                    HOSTED  (the same, loaded from RAM)
     HOSTING   yes (the tensor)  no        copy to RAM     HOSTED  (copy done: device bytes dropped)
-                                                          LOADED  (copy done, prefetch pinned it)
+                                                          LOADED  (copy done, prefetch claimed it)
                                                           KEPT    (the copy could not be queued)
                                                           FAILED  (storage changed under it)
     HOSTED    no (in host RAM)  no        no              LOADED  (loaded from RAM to the device)
@@ -164,7 +164,7 @@ class Record:
 
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "ptr", "span", "slot", "future", "submitted", "_state", "seq", "tokens", "unseen",
-                 "generation", "used", "error", "prefetched", "pinned", "writes", "owner", "crc",
+                 "generation", "used", "error", "prefetched", "claimed", "writes", "owner", "crc",
                  "device", "staging", "ready", "produced", "due", "reserved", "host", "tier",
                  "evict", "__weakref__")
 
@@ -188,7 +188,7 @@ class Record:
         self.used = False               # used and dropped since its last pack: never prefetched
         self.error = None
         self.prefetched = False         # counted in the prefetch window, not yet consumed
-        self.pinned = False             # prefetch wants the bytes kept when the write ends
+        self.claimed = False            # prefetch wants the bytes held when the write ends
         self.writes = 0
         self.owner = None               # the _Pass that packed it last (prefetch window)
         self.crc = None                 # CRC32C of the bytes written (verify=True)

@@ -165,7 +165,7 @@ class WriteBack:
                 self.stats.bytes_written += rec.nbytes
                 if self.cfg.verify and (rec.device is None or not rec.device.direct):
                     rec.crc = fut.result()  # of the bytes written (host memory or staging)
-                if rec.pinned:  # prefetch reached it before the write ended: keep the bytes
+                if rec.claimed:  # prefetch reached it before the write ended: hold the bytes
                     self._move_locked(rec, State.LOADED)
                     rec.source = rec.produced = None
                 else:
