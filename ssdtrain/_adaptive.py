@@ -158,25 +158,6 @@ _MISSING = object()
 _MAX_REPLANS = 8
 
 
-def _dropped_bytes(graveyard):
-    """Bytes of the host storages in the store's graveyard: let go of, not yet released
-    (NOTE [ Measured memory ]). Idle read buffers' mappings, also there, are not
-    activations (docs/planner.md) and are not counted; a storage is counted once."""
-    total, seen = 0, set()
-    for item in list(graveyard):  # one C call: the I/O thread pops from it meanwhile
-        if type(item) is not tuple:
-            continue
-        source, storage = item
-        if storage is None and source is not None:
-            storage = source.untyped_storage()
-        if storage is not None:
-            ptr = storage.data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += storage.nbytes()
-    return total
-
-
 class LayerPolicy:
     """Layer scopes of one offloader and, with ``policy="adaptive"``, the plan in force.
 
@@ -266,9 +247,7 @@ class LayerPolicy:
     def _held_now(self):
         """What ssdtrain holds now: its records in memory and what it let go of but has
         not released."""
-        store = self.store
-        grave = store._graveyard
-        return store._resident + (_dropped_bytes(grave) if grave else 0)
+        return self.store.held_bytes()
 
     def _boundary(self, i, backward):
         """A layer boundary of a measured step (layer ``i``'s forward ended, or its backward
@@ -298,11 +277,7 @@ class LayerPolicy:
         """Apply the releases autograd has queued and release the memory the store let go
         of, here, where the I/O thread has not yet (NOTE [ Measured memory ]: late
         frees). Whether there was anything to do."""
-        store = self.store
-        if not (store._inbox or store._graveyard) or store.closed:
-            return False
-        store._settle_and_release()
-        return True
+        return self.store.release_dropped()
 
     def _end_of_backward(self):
         self._end_queued = False

@@ -245,7 +245,7 @@ class HostTier:
             return  # due: _start_write_locked sees tier == 0 and writes it to the SSD
         rec.evict = True
         if rec.state is State.HOSTED:
-            self._spill_due[rec] = None
+            self._table.queue_spill(rec)
 
     # ------------------------------------------------------------ device -> RAM
     def _start_host_locked(self, rec):
@@ -286,7 +286,7 @@ class HostTier:
                 self._fail_locked(rec, exc)
         elif not self._written_intact_locked(rec):
             pass  # failed with autograd's message (in-place write, storage changed)
-        elif rec.pinned:  # prefetch reached it: the device bytes stay, as a load
+        elif rec.claimed:  # prefetch reached it: the device bytes stay, as a load
             self._move_locked(rec, State.LOADED)
             rec.source = None
             rec.ready = rec.produced

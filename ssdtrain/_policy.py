@@ -30,7 +30,7 @@ estimate replays a given quota, ``ssdtrain estimate --offload-quota``).
 
 A record that left the window stays out of it whatever happens next: a later save of
 the same bytes does not bring it back, whether its write has started or not. The
-store's I/O thread only carries out the writes decided (``Store._due``); a record
+store's I/O thread only carries out the writes decided (``RecordTable.due``); a record
 freed before its write started is not written. ``Stats.offloaded_bytes`` counts the
 decision (at pack), not the write's end, whose fate (done, skipped, failed) depends on
 timing. So ten runs of one model

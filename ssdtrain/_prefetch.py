@@ -59,9 +59,7 @@ class Prefetch:
             self._keep_locked(rec)
             # The kept tail is what backward uses first: it fills the window, so
             # kept + prefetched bytes stay within prefetch_bytes (not their sum).
-            if not rec.prefetched:
-                rec.prefetched = True
-                self._ahead += rec.nbytes
+            self._table.count_ahead(rec)
         todo = {id(r): r for r in p.records if r.state in _FETCHED}
         p.queue = collections.deque(sorted(todo.values(), key=lambda r: -r.seq))
         p.records = None
@@ -79,9 +77,9 @@ class Prefetch:
         when the next record the window would take is one of the next ``_NEAR`` records
         backward uses (it walks a pass in reverse pack order: the queue's order)."""
         low = self.cfg.prefetch_bytes >> 2
-        while self._ahead < low and self._pump_locked(1):
+        while self._table.ahead < low and self._pump_locked(1):
             pass
-        if self._passes and self._ahead < self.cfg.prefetch_bytes:
+        if self._passes and self._table.ahead < self.cfg.prefetch_bytes:
             queue = self._passes[-1].queue
             if queue and 0 < used.seq - queue[0].seq <= _NEAR:
                 self._pump_locked(1)
@@ -93,7 +91,7 @@ class Prefetch:
         thread calls it (NOTE [ The store's I/O thread ] in _store.py), and ``flush()``."""
         budget = self.cfg.prefetch_bytes
         started = 0
-        while self._passes and self._ahead < budget:
+        while self._passes and self._table.ahead < budget:
             p = self._passes[-1]
             if not p.queue:
                 self._passes.pop()
@@ -101,9 +99,8 @@ class Prefetch:
             rec = p.queue[0]
             if rec.tokens and not rec.prefetched and not rec.used:
                 if rec.state is State.WRITING or rec.state is State.HOSTING:
-                    rec.pinned = True
-                    rec.prefetched = True
-                    self._ahead += rec.nbytes
+                    rec.claimed = True
+                    self._table.count_ahead(rec)
                 elif rec.state is State.ON_DISK:
                     if limit is not None and started >= limit:
                         return True
@@ -117,15 +114,13 @@ class Prefetch:
                                         type(e).__name__, e)
                         return False
                     self._start_read_locked(rec, buf)
-                    rec.prefetched = True
-                    self._ahead += rec.nbytes
+                    self._table.count_ahead(rec)
                     started += 1
                 elif rec.state is State.HOSTED:  # a copy from RAM, queued now
                     if limit is not None and started >= limit:
                         return True
                     self._load_host_locked(rec)
-                    rec.prefetched = True
-                    self._ahead += rec.nbytes
+                    self._table.count_ahead(rec)
                     started += 1
             p.queue.popleft()
         return False
@@ -133,7 +128,7 @@ class Prefetch:
     def _read_due(self):
         """Whether the prefetch window has room and a queue to fill it from. Read without
         the lock: a hint for waking the I/O thread."""
-        return bool(self._passes) and self._ahead < self.cfg.prefetch_bytes
+        return bool(self._passes) and self._table.ahead < self.cfg.prefetch_bytes
 
     def _promote_locked(self, rec):
         """Backward of another pass began (e.g. 1F1B): prefetch for it now."""

@@ -8,7 +8,7 @@ checks the move against ``TRANSITIONS`` (an illegal move is a bug: it raises
 ``AssertionError``, always, not only under ``python -O``-less runs). The rule is kept by
 code, not by care: ``Record.state`` is a read-only property (assigning it raises
 ``AttributeError``), :func:`transition` is the one function that writes the slot behind
-it, and the store calls :func:`transition` only from ``Store._move_locked``, which also
+it, and the store calls :func:`transition` only from ``RecordTable.move``, which also
 moves the aggregates that follow the state. ``tests/test_contracts.py`` scans the source
 for any other writer::
 
@@ -19,7 +19,7 @@ for any other writer::
                                                           FAILED  (its write was due and the
                                                                    storage was resized/replaced)
     WRITING   yes (the tensor)  landing   write           ON_DISK (write done: bytes dropped)
-                                                          LOADED  (write done, prefetch pinned it)
+                                                          LOADED  (write done, prefetch claimed it)
                                                           KEPT    (write failed and
                                                                    on_spill_error="keep")
                                                           FAILED  (write failed, storage changed)
@@ -31,7 +31,7 @@ for any other writer::
     LOADED    yes (read copy)   yes, or   no              ON_DISK (every live handle unpacked once)
                                 in RAM                    HOSTED  (the same, loaded from RAM)
     HOSTING   yes (the tensor)  no        copy to RAM     HOSTED  (copy done: device bytes dropped)
-                                                          LOADED  (copy done, prefetch pinned it)
+                                                          LOADED  (copy done, prefetch claimed it)
                                                           KEPT    (the copy could not be queued)
                                                           FAILED  (storage changed under it)
     HOSTED    no (in host RAM)  no        no              LOADED  (loaded from RAM to the device)
@@ -45,7 +45,7 @@ for any other writer::
     any       -                 -         -               FREED   (last handle gone and no I/O in
                                                                    flight; or close())
 
-A record is *resident* (counted in ``Store._resident``) while it holds bytes in
+A record is *resident* (counted in ``RecordTable.resident``) while it holds bytes in
 memory: PENDING, WRITING, KEPT, LOADING (the read buffer), LOADED, HOSTING. FREED is
 final. "Memory" is the memory the saved tensor lives in: device memory for a device
 record. HOSTED and SPILLING hold the record's bytes in the host tier instead (pinned
@@ -86,8 +86,8 @@ GEOMETRY_ALIGN = 16  # the largest element size torch has (complex128); NOTE [ V
 
 
 class State(enum.Enum):
-    PENDING = "pending"    # in the tail window, or decided to be written (``Store._due``) and
-                           # its write not started; bytes in memory
+    PENDING = "pending"    # in the tail window, or decided to be written (``RecordTable.due``)
+                           # and its write not started; bytes in memory
     WRITING = "writing"    # write in flight; bytes in memory
     KEPT = "kept"          # stays in memory until freed
     ON_DISK = "on_disk"    # only on disk
@@ -164,7 +164,7 @@ class Record:
 
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
                  "ptr", "span", "slot", "future", "submitted", "_state", "seq", "tokens", "unseen",
-                 "generation", "used", "error", "prefetched", "pinned", "writes", "owner", "crc",
+                 "generation", "used", "error", "prefetched", "claimed", "writes", "owner", "crc",
                  "device", "staging", "ready", "produced", "due", "reserved", "host", "tier",
                  "evict", "__weakref__")
 
@@ -188,7 +188,7 @@ class Record:
         self.used = False               # used and dropped since its last pack: never prefetched
         self.error = None
         self.prefetched = False         # counted in the prefetch window, not yet consumed
-        self.pinned = False             # prefetch wants the bytes kept when the write ends
+        self.claimed = False            # prefetch wants the bytes held when the write ends
         self.writes = 0
         self.owner = None               # the _Pass that packed it last (prefetch window)
         self.crc = None                 # CRC32C of the bytes written (verify=True)
@@ -196,7 +196,7 @@ class Record:
         self.staging = None             # pinned copy being written (CUDA records)
         self.ready = None               # event: the loaded device copy has landed
         self.produced = None            # event: the saved CUDA tensor is complete (pack)
-        self.due = False                # left the tail window to be written (Store._due)
+        self.due = False                # left the tail window to be written (RecordTable.due)
         self.reserved = 0               # spill bytes the decision reserved (TailWindow)
         self.host = None                # the host tier's pinned copy (a staging lease)
         self.tier = 0                   # its place in the host budget (HostBudget), 0: none

@@ -1,6 +1,12 @@
 """The store: pack and unpack hooks, the lock and its inbox, repair, close.
 
 The records and their state table are in ``_records.py`` (NOTE [ Record state machine ]);
+the registry of a store's records and every count over their states (resident, due,
+writing, prefetched bytes...) in ``_table.py`` (NOTE [ Record table ]), whose
+``RecordTable.move`` is the one way a record's state changes; the I/O thread's
+mechanism (its queue, loop, graveyard, end, fork, and the release of the engine and
+files) in ``_iothread.py`` (``IOThread``), what a round of it does here
+(``_background_round``);
 write-back (tail, throttle, budget, failure policy) in ``_writeback.py``; prefetch and
 reads in ``_prefetch.py``; read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
 
@@ -51,9 +57,10 @@ decide and record (the keep/offload decision, identity and dedup, the record and
 handle: NOTE [ The pack decision ] in _policy.py) and leave requests to the store's I/O
 thread ("ssdtrain-store", one per store): pack puts a record in the tail window and,
 when the window holds more than ``keep_tail_bytes``, decides its oldest records then
-and there (written or kept), puts those to be written in ``_due`` and wakes the thread
-(a ``SimpleQueue.put``), which starts their writes (``_start_due_locked``). The thread
-decides nothing: what is written does not depend on when it runs. unpack serves a record that is in memory and wakes the
+and there (written or kept), puts those to be written in the record table's ``due``
+and wakes the thread (a ``SimpleQueue.put``), which starts their writes
+(``_start_due_locked``). The thread decides nothing: what is written does not depend on
+when it runs. unpack serves a record that is in memory and wakes the
 thread when the prefetch window has room, which starts the next reads (``_pump_locked``).
 The thread also drains what arrives after a hook's locked section (and what an
 engine thread could not drain, the lock being busy) and releases the graveyard; the
@@ -80,6 +87,12 @@ staging) is not an error: a prefetch read is left to backward (a miss), a device
 record that cannot be staged stays in device memory (KEPT); each is logged once.
 ``wrap_engine()`` pauses the thread while it swaps the engine.
 
+The thread itself is an :class:`~ssdtrain._iothread.IOThread` (``Store._io``): it owns
+the queue that wakes it (``kick``), the graveyard and its release (``bury``), its end
+(``stop``), what happens at a fork and the release of the engine and the files when
+the store is closed or collected. What a round does is the store's
+(``_background_round``: the lock, one request per hold).
+
 The thread holds the store only while it works (a weak reference otherwise), ends at
 ``close()`` (joined) or when the store is collected, does not exist in a forked child,
 and reports an exception escaping its round (a bug: the round's locked region has
@@ -104,7 +117,6 @@ slot (``_extra_slots``) is freed by the store when the last of them has ended (a
 import collections
 import logging
 import mmap
-import queue
 import threading
 import time
 import weakref
@@ -115,17 +127,19 @@ import torch
 
 from . import _fork, _trace
 from ._config import ResolvedConfig
-from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError, resource_error
+from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
 from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._config import MAX_BYTES
 from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, TailWindow, keep_reason
 from ._spill import BLOCK
+from ._table import RecordTable
 from ._prefetch import Prefetch, _Pass
-from ._readbuf import ReadBuffers, unmap_now
-from ._hosttier import IN_TIER, HostBudget, HostTier
-from ._records import (OUTBOUND, RESIDENT, SERVABLE, Handle, Kept, Record, State, Token,
-                       find_record, inplace_error, swapped, swapped_error, transition)
+from ._readbuf import ReadBuffers
+from ._hosttier import HostBudget, HostTier
+from ._iothread import IOThread
+from ._records import (OUTBOUND, SERVABLE, Handle, Kept, Record, State, Token,
+                       find_record, inplace_error, swapped, swapped_error)
 from ._writeback import (_READ, _WRITTEN, WriteBack, _copy, _needed_by, _owning, _without_frames,
                          failed_future)
 
@@ -136,11 +150,8 @@ log = logging.getLogger("ssdtrain")
 _IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
 _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in _trace.py
-_NAME_THREAD = getattr(torch._C, "_set_thread_name", None)  # pthread_setname_np
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
-_STOP = object()   # tells the store's I/O thread to end
 _SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request left
-_JOIN_S = 10.0     # how long close() waits for the I/O thread to end its round
 
 
 def _free_slot(rec):
@@ -162,34 +173,28 @@ class Store(WriteBack, Prefetch, HostTier):
         self.stats = stats
         self._lock = threading.Lock()
         self._inbox = collections.deque()      # (kind, record, arg): NOTE [ Store lock discipline ]
-        self._writing = collections.OrderedDict()  # WRITING records, oldest first
-        self._writing_bytes = 0
-        self._registry = {}                    # storage key -> [Record]
         # NOTE [ The pack decision ] in _policy.py: the PENDING records are in the tail
         # window (not decided yet) or due (decided to be written, write not started).
         self._min_bytes = max(1, config.min_tensor_bytes)
         self._window = TailWindow(config.keep_tail_bytes, config.max_spill_bytes)
-        self._due = collections.OrderedDict()  # PENDING records to be written, oldest first
-        self._due_bytes = 0
-        # NOTE [ Host tier ] in _hosttier.py: the budget (None: no host tier) and the
-        # records evicted from it whose pinned copy is ready to be written (HOSTED).
+        # NOTE [ Host tier ] in _hosttier.py: the budget (None: no host tier).
         self._host = None if config.host_budget_bytes is None else \
             HostBudget(config.host_budget_bytes, bool(spill.files), stats)
-        self._spill_due = collections.OrderedDict()
-        self._resident = 0
-        self._ahead = 0                        # prefetched bytes not yet consumed
+        # NOTE [ Record table ] in _table.py: the records and every count over them.
+        self._table = RecordTable(self._window, self._host, stats)
         self._passes = []                      # passes whose prefetch is not finished
         self._current = None                   # the pass being recorded (forward running)
         self._seq = 0
         self._failure = None                   # the pending failure event (_writeback.Failure)
         self._ended = None                     # the pass whose forward ended last
-        self._live = 0
-        # Memory dropped under the lock, released outside it by the I/O thread (NOTE [ The
-        # store's I/O thread ]): tensors whose last reference this was, read buffers'
-        # mappings (NOTE [ Unmapping off the training thread ] in _readbuf.py).
-        self._graveyard = collections.deque()
-        self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
         self._devices = {}                     # (leaf, device) -> DeviceTransfers
+        # The I/O thread (_iothread.py) and the memory it releases outside the lock (NOTE
+        # [ The store's I/O thread ]); kick and bury are bound once: the hooks call them.
+        self._io = IOThread(self, engine, spill, self._devices)
+        self._graveyard = self._io.graveyard
+        self._kick = self._io.kick
+        self._bury = self._io.bury
+        self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
@@ -203,26 +208,13 @@ class Store(WriteBack, Prefetch, HostTier):
         self.write_behind = None               # in force; see limit_write_behind
         self.limit_write_behind(None)
         self.closed = False
-        self._kicks = queue.SimpleQueue()      # wakes the I/O thread
-        self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._kicks),
-                                        name="ssdtrain-store", daemon=True)
-        self._background = False               # the I/O thread runs (else work is done inline)
-        self._idle = True                      # it waits for a kick (written by it alone)
         self._paused = False                   # wrap_engine(): the thread starts nothing
-        # Threads and files go when the store becomes unreachable (the Offloader and
-        # every graph holding its handles are gone) or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _release_in_background, engine, spill,
-                                           self._devices, self._kicks, self._worker)
         _fork.register(self, Store._after_fork_in_child)
         try:
-            self._worker.start()
-        except RuntimeError as e:  # no thread to be had: the store never ran
-            self._finalizer.detach()
+            self._io.start(engine)
+        except RuntimeError:  # no thread to be had: the store never ran (released)
             self.closed = True
-            _release_resources(engine, spill, self._devices, self._kicks, self._worker)
-            raise (resource_error("could not start the store's I/O thread (ssdtrain-store)",
-                                  e, threads=1) or e) from None
-        self._background = True
+            raise
 
     def replace_engine(self, fn):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
@@ -326,7 +318,8 @@ class Store(WriteBack, Prefetch, HostTier):
         if self._failure is not None:  # NOTE [ One event, one error ] in _writeback.py
             self._raise_event_locked()
         self._seq += 1
-        group = self._registry.get(key)
+        table = self._table
+        group = table.registry.get(key)
         rec = None if group is None else \
             find_record(group, version, extent, storage.data_ptr(), storage.nbytes())
         if rec is None:
@@ -336,9 +329,7 @@ class Store(WriteBack, Prefetch, HostTier):
             if leaf is not None:  # NOTE [ Device records ] in _device.py
                 rec.device = self._transfers(leaf, leaf.device(t))
                 rec.produced = rec.device.produced()
-            self._registry.setdefault(key, []).append(rec)
-            self._live += 1
-            self._add_resident(rec.nbytes)
+            table.add(rec)
             self.stats.unique_bytes += rec.nbytes
             if self.layers is not None:
                 self.layers.attribute(rec.nbytes)
@@ -376,8 +367,7 @@ class Store(WriteBack, Prefetch, HostTier):
                 # prefetch_bytes; else the reads would bring the written bytes back
                 # while the kept ones are still held, and the step's peak would be no
                 # lower (NOTE [ The offload quota ] in _auto.py).
-                rec.prefetched = True
-                self._ahead += rec.nbytes
+                self._table.count_ahead(rec)
                 continue
             if reason is None and host is not None:  # NOTE [ Host tier ] in _hosttier.py
                 if rec.device is None:
@@ -387,9 +377,7 @@ class Store(WriteBack, Prefetch, HostTier):
                 elif not self._admit_locked(rec):
                     continue  # beyond the budget, no SSD tier: kept on the device
             if reason is None:
-                rec.due = True
-                self._due[rec] = None
-                self._due_bytes += rec.nbytes
+                self._table.make_due(rec)
                 # Counted as decided, not as the write ends: how the write fares (done,
                 # skipped because the record died first, failed) depends on timing.
                 self.stats.offloaded_bytes += rec.nbytes
@@ -538,8 +526,7 @@ class Store(WriteBack, Prefetch, HostTier):
         if handle.token in rec.unseen:
             rec.unseen.discard(handle.token)
             if rec.prefetched:
-                rec.prefetched = False
-                self._ahead -= rec.nbytes
+                self._table.uncount_ahead(rec)
         self._promote_locked(rec)
         itemsize = handle.dtype.itemsize
         offset, odd = divmod(base + handle.rel, itemsize)
@@ -616,16 +603,6 @@ class Store(WriteBack, Prefetch, HostTier):
         if due or self._graveyard:
             self._kick()
 
-    def _kick(self):
-        """Wake the I/O thread if it waits (a thread in a round looks again before it
-        waits). Once it has ended (a closed or forked store), only memory is left to
-        release: here."""
-        if self._background:
-            if self._idle:
-                self._kicks.put(None)
-        elif self._graveyard:
-            self._bury()
-
     def _background_round(self):
         """One round of the I/O thread: start what is due one request per lock hold, so
         that the hooks get the lock between requests, and release the graveyard outside
@@ -646,28 +623,27 @@ class Store(WriteBack, Prefetch, HostTier):
             return False
         return self._start_due_locked(1) or self._pump_locked(1)
 
-    def _bury(self):
-        """Release the memory dropped under the lock (never call this with it held). Any
-        thread may call it, several at once."""
-        grave = self._graveyard
-        if not grave:
-            return
-        with _trace.span(_trace.RELEASE):
-            while grave:
-                try:
-                    item = grave.popleft()
-                except IndexError:  # another thread took the last one
-                    return
-                if type(item) is mmap.mmap:
-                    unmap_now(item)
-                item = None
-
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
         freed are applied, and their memory is let go here, so that it is back before
         the optimizer step (on a GPU, in the caching allocator)."""
         self._settle()
         self._bury()
+
+    def held_bytes(self):
+        """Bytes of saved storages in memory, and of those let go of but not yet released
+        (the graveyard): what the budget mode measures (NOTE [ Measured memory ] in
+        _adaptive.py). Read without the lock: a sample."""
+        return self._table.resident + self._io.dropped_bytes()
+
+    def release_dropped(self):
+        """Apply the releases queued (handles autograd freed) and release the memory let
+        go of, on this thread, where the I/O thread has not yet: the budget mode does
+        it at layer boundaries (late frees). Whether there was anything to do."""
+        if not (self._inbox or self._graveyard) or self.closed:
+            return False
+        self._settle_and_release()
+        return True
 
     def _background_failed(self, exc):
         """An exception escaped a round of the I/O thread: a bug (the round's locked
@@ -680,11 +656,6 @@ class Store(WriteBack, Prefetch, HostTier):
         err.__cause__ = exc
         with self._lock:  # NOTE [ One event, one error ] in _writeback.py
             self._guarded_locked(self._event_locked, None, err, False)
-
-    def _stop_worker(self):
-        """End the I/O thread (close(), fork): later work is done inline."""
-        self._background = False
-        _stop(self._kicks, self._worker)
 
     def _at_backward_end(self):
         """Queue a drain for the end of the running backward (once per graph task): the
@@ -735,70 +706,29 @@ class Store(WriteBack, Prefetch, HostTier):
 
     # ----------------------------------------------------------------- lifetimes
     def _move_locked(self, rec, to):
-        """``transition`` plus the aggregates that follow the state (resident bytes, the
-        tail and the writes in flight): the one way a record's state changes (NOTE [
-        Record state machine ] in _records.py). During a repair the aggregates it moves
-        are recomputed afterwards (``_recount_locked``), so it is safe there too."""
-        frm = rec.state
-        transition(rec, to)
-        n = rec.nbytes
-        if (frm in RESIDENT) != (to in RESIDENT):
-            self._add_resident(n if to in RESIDENT else -n)
-        if frm is State.PENDING:  # it leaves the tail window, or the due writes
-            if not rec.due:
-                self._window.discard(rec)
-            elif self._due.pop(rec, 0) is None:
-                self._due_bytes -= n
-            rec.due = False
-        if rec.reserved and (to is State.KEPT or to is State.FREED):
-            self._window.release(rec)  # no slot any more: the spill budget gets it back
-        if frm in OUTBOUND and self._writing.pop(rec, 0) is None:
-            self._writing_bytes -= n
-        if to in OUTBOUND:
-            self._writing[rec] = None
-            self._writing_bytes += n
-        if rec.tier and to not in IN_TIER:  # NOTE [ Host tier ] in _hosttier.py
-            self._host.release(rec)
-        if frm is State.HOSTED:
-            self._spill_due.pop(rec, None)
-        if rec.evict:
-            if to is State.HOSTED:
-                self._spill_due[rec] = None  # evicted meanwhile: its write is due now
-            elif to not in IN_TIER:
-                rec.evict = False
+        """Move ``rec`` to state ``to``, and every aggregate with it: the record table's
+        ``move`` (NOTE [ Record table ] in _table.py)."""
+        self._table.move(rec, to)
 
     def _free_locked(self, rec):
         """Any state -> FREED: memory, slot and registry entry go (no I/O in flight).
         Resumable: a free cut short (state FREED, still registered) is finished by
         calling it again (``_repair_locked`` does)."""
         if rec.state is not State.FREED:
-            if rec.prefetched:
-                rec.prefetched = False
-                self._ahead -= rec.nbytes
-            self._move_locked(rec, State.FREED)
+            self._move_locked(rec, State.FREED)  # it leaves the prefetch window too
         self._window.release(rec)  # a free cut short and resumed: idempotent
         slot, rec.slot = rec.slot, None
         if slot is not None and not self.closed:
             slot.file.free(slot)
         self._drop_memory_locked(rec)
         rec.storage = rec.source = rec.staging = rec.ready = rec.produced = rec.host = None
-        group = self._registry.get(rec.key)
-        if group is not None and rec in group:
-            group.remove(rec)
-            self._live -= 1
-            if not group:
-                del self._registry[rec.key]
-
-    def _add_resident(self, delta):
-        self._resident += delta
-        if self._resident > self.stats.peak_resident_bytes:
-            self.stats.peak_resident_bytes = self._resident
+        self._table.remove(rec)
 
     # -------------------------------------------------------------------- repair
     def _repair_locked(self):
         """Make every aggregate agree with the records again after an exception cut a
         locked region short (NOTE [ Store lock discipline ]). Never raises on its own."""
-        recs = [r for group in self._registry.values() for r in group]
+        recs = self._table.records()
         for rec in recs:
             if rec.state in (State.PENDING, State.KEPT, State.HOSTED, State.HOSTING):
                 rec.slot = None  # a write cut short before it moved the record: no slot
@@ -821,7 +751,7 @@ class Store(WriteBack, Prefetch, HostTier):
     def _sweep_locked(self):
         """Release the handles that are gone but still counted (a belt to the braces of
         the tokens' callbacks). Cheap when few records are live (at a step's start)."""
-        for group in list(self._registry.values()):
+        for group in list(self._table.registry.values()):
             for rec in list(group):
                 for ref in [r for r in rec.tokens if r() is None]:
                     self._released_locked(rec, ref)
@@ -885,33 +815,10 @@ class Store(WriteBack, Prefetch, HostTier):
             rec.storage = rec.ready = None
 
     def _recount_locked(self):
-        """Recompute every aggregate from the records."""
-        recs = [r for group in self._registry.values() for r in group]
-        for r in recs:
-            if r.prefetched and r.state not in RESIDENT:
-                r.prefetched = False
-        pending = sorted((r for r in recs if r.state is State.PENDING), key=lambda r: r.seq)
-        writing = sorted((r for r in recs if r.state in OUTBOUND), key=lambda r: r.seq)
-        for r in recs:
-            if r.state is not State.PENDING:
-                r.due = False
-        self._window.rebuild([r for r in pending if not r.due], sum(r.reserved for r in recs))
-        due = [r for r in pending if r.due]
-        self._due = collections.OrderedDict((r, None) for r in due)
-        self._due_bytes = sum(r.nbytes for r in due)
-        self._writing = collections.OrderedDict((r, None) for r in writing)
-        self._writing_bytes = sum(r.nbytes for r in writing)
-        for r in recs:  # NOTE [ Host tier ] in _hosttier.py
-            if r.state not in IN_TIER:
-                r.tier, r.evict = 0, False
-        if self._host is not None:
-            self._host.rebuild([r for r in recs if r.tier])
-        self._spill_due = collections.OrderedDict(
-            (r, None) for r in sorted(recs, key=lambda r: r.seq)
-            if r.evict and r.state is State.HOSTED)
-        self._resident = sum(r.nbytes for r in recs if r.state in RESIDENT)
-        self._ahead = sum(r.nbytes for r in recs if r.prefetched)
-        self._live = len(recs)
+        """Recompute every aggregate from the records: the record table's, and the spill
+        allocator's."""
+        recs = self._table.records()
+        self._table.recount(recs)
         slots = [r.slot for r in recs if r.slot is not None] + list(self._extra_slots)
         slots += [q[3] for q in _QUARANTINE if q[3] is not None and q[3].file in self.spill.files]
         self.spill.rebuild(slots)
@@ -921,32 +828,12 @@ class Store(WriteBack, Prefetch, HostTier):
         with self._lock:
             self._drain_locked()
             self._sweep_locked()
-            recs = [r for group in self._registry.values() for r in group]
-            bad = []
+            recs = self._table.records()
+            bad = self._table.problems(recs)  # NOTE [ Record table ] in _table.py
 
             def check(ok, what):
                 if not ok:
                     bad.append(what)
-            check(all(r.state is not State.FREED for r in recs), "a FREED record is registered")
-            check(len({id(r) for r in recs}) == len(recs), "a record is registered twice")
-            check(self._live == len(recs), f"live {self._live} != {len(recs)} records")
-            res = sum(r.nbytes for r in recs if r.state in RESIDENT)
-            check(self._resident == res, f"resident {self._resident} != {res}")
-            window, due = self._window.records, self._due
-            pending = [r for r in recs if r.state is State.PENDING]
-            check(set(map(id, window)) | set(map(id, due)) == set(map(id, pending))
-                  and not set(map(id, window)) & set(map(id, due)),
-                  "tail window + due != PENDING records")
-            check(all(r.due for r in due) and not any(r.due for r in window), "due flags")
-            check(self._window.nbytes == sum(r.nbytes for r in window), "tail window bytes")
-            check(self._due_bytes == sum(r.nbytes for r in due), "due bytes")
-            check(self._window.reserved == sum(r.reserved for r in recs), "reserved spill bytes")
-            check(self._window.limit is None or self._window.reserved <= self._window.limit,
-                  "reserved spill bytes beyond max_spill_bytes")
-            wr = [r for r in recs if r.state in OUTBOUND]
-            check(set(map(id, self._writing)) == set(map(id, wr)), "writing != WRITING records")
-            check(self._writing_bytes == sum(r.nbytes for r in wr), "writing bytes")
-            check(self._ahead == sum(r.nbytes for r in recs if r.prefetched), "prefetched bytes")
             for r in recs:
                 check(r.unseen <= r.tokens, f"{r!r}: unseen handles that are not live")
                 check((r.future is not None) == (r.state in OUTBOUND or r.state is State.LOADING)
@@ -959,17 +846,6 @@ class Store(WriteBack, Prefetch, HostTier):
                       r.state in (State.PENDING, State.KEPT, State.FAILED), f"{r!r}: no slot")
                 check((r.host is not None) == (in_ram or r.state is State.SPILLING),
                       f"{r!r}: host copy {r.host!r} in state {r.state.value}")
-                check(not r.tier or r.state in IN_TIER, f"{r!r}: in the host budget")
-            host = self._host  # NOTE [ Host tier ] in _hosttier.py
-            tier = [r for r in recs if r.tier]
-            check(host is not None or not tier, "host budget records without a host tier")
-            if host is not None:
-                check(set(map(id, host.records)) == set(map(id, tier)), "host budget records")
-                check(host.nbytes == sum(r.nbytes for r in tier), "host budget bytes")
-                check(host.nbytes <= host.budget, "host bytes beyond host_budget_bytes")
-            check(set(map(id, self._spill_due)) ==
-                  {id(r) for r in recs if r.evict and r.state is State.HOSTED},
-                  "evictions due != evicted HOSTED records")
             used = sum(r.slot.nblocks for r in recs if r.slot is not None)
             quarantined = sum(q[3].nblocks for q in _QUARANTINE
                               if q[3] is not None and q[3].file in self.spill.files)
@@ -1080,7 +956,7 @@ class Store(WriteBack, Prefetch, HostTier):
     def records(self):
         """The live records (a debug view for tests and benchmarks)."""
         with self._lock:
-            recs = [r for group in self._registry.values() for r in group]
+            recs = self._table.records()
         self._settle()
         return recs
 
@@ -1107,8 +983,8 @@ class Store(WriteBack, Prefetch, HostTier):
         slot are still held and counted in the other two (``flush()`` settles them)."""
         with self._lock:
             self._guarded_locked(self._sweep_locked)
-            live = sum(1 for group in self._registry.values() for r in group if r.tokens)
-            out = live, self._resident, self.spill.used_bytes()
+            live = sum(1 for group in self._table.registry.values() for r in group if r.tokens)
+            out = live, self._table.resident, self.spill.used_bytes()
         self._settle()  # what the sweep released goes with the I/O thread
         return out
 
@@ -1155,7 +1031,7 @@ class Store(WriteBack, Prefetch, HostTier):
         pending = []
         # Copies: completing a write whose handles are gone frees its record, which
         # leaves its group (and an emptied group the registry).
-        for group in list(self._registry.values()):
+        for group in list(self._table.registry.values()):
             for r in list(group):
                 f = r.future
                 if f is None:
@@ -1180,7 +1056,7 @@ class Store(WriteBack, Prefetch, HostTier):
         finally:
             with self._lock:
                 self.closed = True
-                for group in self._registry.values():
+                for group in self._table.registry.values():
                     for rec in group:
                         if rec.future is not None and not rec.future.done():
                             in_flight = True
@@ -1190,7 +1066,7 @@ class Store(WriteBack, Prefetch, HostTier):
                         rec.unseen.clear()
                         if rec.state is not State.FREED:  # final, whatever it was: close()
                             self._move_locked(rec, State.FREED)  # ends all (aggregates: below)
-                self._registry.clear()
+                self._table.registry.clear()
                 self._passes.clear()
                 self._inbox.clear()
                 # Every aggregate is recomputed from what is left, as a repair does, the
@@ -1201,101 +1077,18 @@ class Store(WriteBack, Prefetch, HostTier):
                 # record a graph held at close() for good.
                 self._recount_locked()
                 self._buffers.trim()  # idle read buffers are memory too: not kept until GC
-            self._stop_worker()
+            self._io.stop()  # later work is done inline
             self._bury()
-            if self._finalizer.detach() is not None:
-                args = (self.engine, self.spill, self._devices, self._kicks, self._worker)
-                if in_flight:  # a hung request must not hang close(): release when it ends
-                    _release_in_background(*args, daemon=True)
-                else:
-                    _release_resources(*args)
+            self._io.release(self.engine, in_flight)
 
     def _after_fork_in_child(self):
         """In a forked child: this store belongs to the parent. Never touch its engine,
         files or threads; every later call sees a closed store."""
         self._forked = True
         self.closed = True
-        self._background = False  # the I/O thread is the parent's: not in this process
-        self._kicks = queue.SimpleQueue()
-        self._finalizer.detach()
+        self._io.forked()  # the I/O thread is the parent's: not in this process
         self._lock = threading.Lock()  # another parent thread may have held it at fork
         self._inbox = collections.deque()
-
-
-def _work(ref, kicks):
-    """The store's I/O thread (NOTE [ The store's I/O thread ]): a round of work per wake;
-    holds the store only during a round, so an unreachable store is collected."""
-    if _NAME_THREAD is not None:  # the OS's name, which profilers and top -H show
-        _NAME_THREAD("ssdtrain-store")
-    while True:
-        item = kicks.get()  # releases the GIL while it waits
-        while item is not _STOP and not kicks.empty():  # one round for the kicks so far
-            item = kicks.get()
-        if item is _STOP:
-            return
-        store = ref()
-        if store is None:
-            return
-        store._idle = False
-        _round(store)
-        # A hook that queued work while _idle was False did not kick: look once more
-        # (also after a failed round). Work queued after this line finds _idle True.
-        store._idle = True
-        _round(store)
-        store = None
-
-
-def _round(store):
-    """One round of the I/O thread; an exception escaping it is reported, not lost."""
-    try:
-        store._background_round()
-    except BaseException as e:  # noqa: BLE001 - reported at the next pack
-        try:
-            store._background_failed(e)
-        except BaseException:  # noqa: BLE001 - the thread must keep serving
-            pass
-        e = None  # noqa: F841 - its traceback holds the store
-
-
-def _stop(kicks, worker):
-    """Tell the I/O thread to end and wait for it (not from the thread itself)."""
-    kicks.put(_STOP)
-    if worker is not threading.current_thread() and worker.is_alive():
-        worker.join(_JOIN_S)
-        if worker.is_alive():
-            log.warning("ssdtrain: the store's I/O thread did not end within %.0f s of "
-                        "close(); left running (a daemon thread).", _JOIN_S)
-
-
-def _release_resources(engine, spill, devices, kicks, worker):
-    try:
-        _stop(kicks, worker)
-        for dev in list(devices.values()):
-            dev.close()  # writes waiting for a device copy are submitted first
-        engine.shutdown()  # waits for requests still queued: they use the files
-    finally:
-        spill.close()
-
-
-def _release_in_background(engine, spill, devices, kicks, worker, daemon=False):
-    # A garbage-collected store must not block whatever thread dropped it (it may even
-    # be an engine worker, which cannot join itself).
-    if not threading.main_thread().is_alive():
-        # Interpreter exit (atexit runs after threading's shutdown stopped the main
-        # thread): a thread started now would not be waited for, and finalization
-        # would end it inside the native engine's join (std::terminate, exit code
-        # 134). Release here, in order: nothing else runs any more.
-        _release_resources(engine, spill, devices, kicks, worker)
-        return
-    try:
-        threading.Thread(target=_release_resources, args=(engine, spill, devices, kicks, worker),
-                         name="ssdtrain-release", daemon=daemon).start()
-    except RuntimeError as e:  # no thread to be had ("can't start new thread")
-        if daemon:  # a request may hang: releasing here could hang too; left to the exit
-            log.warning("ssdtrain: the engine and spill files of a closed Offloader were not "
-                        "released: %s", resource_error("no thread for the release", e) or e)
-        else:  # nothing in flight: release here, on the thread that dropped the store
-            _release_resources(engine, spill, devices, kicks, worker)
 
 
 def _nothing():

@@ -46,30 +46,31 @@ class WriteBack:
     """Everything between a record's pack and the end of its write."""
 
     def _start_due_locked(self, limit=None):
-        """Start the writes pack decided (``Store._due``), oldest first, at most ``limit``
+        """Start the writes pack decided (``RecordTable.due``), oldest first, at most ``limit``
         of them (all with None). Returns whether it stopped at ``limit`` with more due.
         The store's I/O thread calls it one record at a time; end of forward, ``flush()``
         and the throttle call it for all (NOTE [ The store's I/O thread ] in _store.py).
         What is written was decided already: when this runs changes nothing of it."""
         done = 0
-        due = self._due
+        due = self._table.due
         while due:
             if limit is not None and done >= limit:
                 return True
             self._start_write_locked(next(iter(due)))  # it leaves ``due`` (_move_locked)
             done += 1
-        spill = self._spill_due  # evicted from the host tier (NOTE [ Host tier ])
+        spill = self._table.spill_due  # evicted from the host tier (NOTE [ Host tier ])
         while spill:
             if limit is not None and done >= limit:
                 return True
-            self._start_spill_locked(next(iter(spill)))  # it leaves ``_spill_due``
+            self._start_spill_locked(next(iter(spill)))  # it leaves ``spill_due``
             done += 1
         return False
 
     def _write_overdue(self):
         """Whether writes are due and not started. Read without the lock: a hint for
         waking the I/O thread."""
-        return self._due_bytes > 0 or bool(self._spill_due)
+        table = self._table
+        return table.due_bytes > 0 or bool(table.spill_due)
 
     def _start_write_locked(self, rec):
         """PENDING -> WRITING: allocate a slot and submit the write.
@@ -164,7 +165,7 @@ class WriteBack:
                 self.stats.bytes_written += rec.nbytes
                 if self.cfg.verify and (rec.device is None or not rec.device.direct):
                     rec.crc = fut.result()  # of the bytes written (host memory or staging)
-                if rec.pinned:  # prefetch reached it before the write ended: keep the bytes
+                if rec.claimed:  # prefetch reached it before the write ended: hold the bytes
                     self._move_locked(rec, State.LOADED)
                     rec.source = rec.produced = None
                 else:
@@ -204,7 +205,7 @@ class WriteBack:
 
     def _next_write_hint(self):
         try:
-            return next(iter(self._due)) if self._write_overdue() else None
+            return next(iter(self._table.due)) if self._write_overdue() else None
         except (StopIteration, RuntimeError):  # emptied or changed meanwhile
             return None
 
@@ -234,14 +235,16 @@ class WriteBack:
         """Whether more than the write-behind limit in force is written or due to be
         (writes in flight plus due writes the I/O thread has not started yet). Read
         without the lock: :meth:`_throttle` looks again."""
-        return self._writing_bytes + self._due_bytes > self.write_behind
+        table = self._table
+        return table.writing_bytes + table.due_bytes > self.write_behind
 
     def _throttle(self):
         """Wait until the writes in flight fit in ``write_behind_bytes``: start every write
         that is due (this thread waits anyway), then wait for the oldest write's future,
         never under the lock; ``io_timeout_s`` for each write."""
         t0 = time.perf_counter()
-        span = _trace.span(_trace.WAIT_WRITE, self._writing_bytes + self._due_bytes)
+        table = self._table
+        span = _trace.span(_trace.WAIT_WRITE, table.writing_bytes + table.due_bytes)
         try:
             while True:
                 with self._lock:
@@ -273,9 +276,9 @@ class WriteBack:
         self._raise_event_locked()
         if not self.closed:
             self._start_due_locked()
-        if self._writing_bytes <= self.write_behind or self.closed:
+        if self._table.writing_bytes <= self.write_behind or self.closed:
             return True, None, None
-        oldest = next(iter(self._writing))
+        oldest = next(iter(self._table.writing))
         fut = oldest.future
         if fut is not None and fut.done():
             self._write_done_locked(oldest, fut)

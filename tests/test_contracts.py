@@ -3,8 +3,9 @@ one type, and these tests check that nothing goes around it.
 
 * A record's state changes through ``_records.transition`` alone (NOTE [ Record state
   machine ]): ``Record.state`` is read-only, nothing else writes the slot behind it, and
-  the store calls ``transition`` only from ``Store._move_locked`` (which also moves the
-  aggregates that follow the state). Checked at run time and by scanning the source.
+  the store calls ``transition`` only from ``RecordTable.move`` (which also moves the
+  aggregates that follow the state: NOTE [ Record table ] in ssdtrain/_table.py).
+  Checked at run time and by scanning the source.
 * What an engine's requests take (``crc=``, ``device=``) is declared on its type
   (NOTE [ Engine capabilities ] in ssdtrain/io/base.py): every engine class declares
   ``capabilities``, one that does not cannot be made, and wrappers (fault injection
@@ -121,13 +122,13 @@ def test_only_transition_writes_a_record_state():
     assert not bad, "a record state written outside transition():\n" + "\n".join(bad)
 
 
-def test_the_store_calls_transition_only_from_move_locked():
-    allowed = {("ssdtrain/_store.py", "Store._move_locked")}
+def test_the_store_calls_transition_only_from_the_record_table():
+    allowed = {("ssdtrain/_table.py", "RecordTable.move")}
     calls = [(str(s.path), scope, line) for s in _scans() for line, scope in s.calls]
-    assert ("ssdtrain/_store.py", "Store._move_locked") in {(p, sc) for p, sc, _ in calls}
+    assert ("ssdtrain/_table.py", "RecordTable.move") in {(p, sc) for p, sc, _ in calls}
     bad = [f"{p}:{line}: transition() in {scope}" for p, scope, line in calls
            if (p, scope) not in allowed]
-    assert not bad, ("a state change that bypasses Store._move_locked (its aggregates go "
+    assert not bad, ("a state change that bypasses RecordTable.move (its aggregates go "
                      "stale):\n" + "\n".join(bad))
 
 

@@ -204,7 +204,7 @@ def test_decision_given_a_quota_is_the_same_in_every_run(spill_dir, tmp_path):
             off.wait()
             after = off.stats()
             # what the quota kept fills the prefetch window, as the kept tail does
-            assert off._store._ahead >= after.quota_kept_bytes - before.quota_kept_bytes > 0
+            assert off._store._table.ahead >= after.quota_kept_bytes - before.quota_kept_bytes > 0
             runs.append((_written_seqs(off), after.offloaded_bytes - before.offloaded_bytes,
                          after.quota_kept_bytes - before.quota_kept_bytes))
             loss.backward()

@@ -124,7 +124,7 @@ def test_key_of_freed_storage_not_reused_while_record_lives(make_offloader):
     del a
     fresh = [torch.full((NUMEL,), 2.0) for _ in range(64)]
     assert key not in {storage_key(t.untyped_storage()) for t in fresh}
-    assert list(off._store._registry) == [key]
+    assert list(off._store._table.registry) == [key]
     out.backward()
     assert torch.equal(sink[0][0], torch.full((NUMEL,), 1.0))
 
@@ -170,7 +170,7 @@ def test_inplace_between_saves(when, make_offloader):
     s = off.stats()
     assert s.unique_bytes == 2 * NUMEL * 4 and s.deduplicated_bytes == 0  # two records
     key = storage_key(x.untyped_storage())
-    assert [r.version for r in off._store._registry[key]] == [0, 1]
+    assert [r.version for r in off._store._table.registry[key]] == [0, 1]
     if when == "written-before-modify":
         assert s.records_written == 2
     out2.backward()

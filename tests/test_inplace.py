@@ -46,7 +46,7 @@ def _offloader(spill_dir, **overrides):
 
 
 def _records(off):
-    return [r for group in off._store._registry.values() for r in group]
+    return [r for group in off._store._table.registry.values() for r in group]
 
 
 def _states(off):

@@ -41,7 +41,7 @@ def _save_one(off, t):
     with off:
         out = SaveForBackward.apply(anchor, sink, t)
         off.wait()
-    (rec,) = [r for group in off._store._registry.values() for r in group]
+    (rec,) = [r for group in off._store._table.registry.values() for r in group]
     assert rec.state.value == "on_disk"
     assert (rec.crc is not None) == off.config.verify
     return out, sink, rec

@@ -199,7 +199,7 @@ def test_throttle_starts_overdue_writes(make_offloader):
 
     def between(where):
         if where == "forward":
-            overdue = store._due_bytes + store._writing_bytes
+            overdue = store._table.due_bytes + store._table.writing_bytes
             peak[0] = max(peak[0], overdue)
     xs = _tensors(24)  # 6 MiB in 256 KiB records
     with _held_back(off):
@@ -225,7 +225,7 @@ def test_sliding_window_reads_come_from_the_io_thread(make_offloader):
     def due():  # bytes the window could still take in (racy reads: a test's poll)
         left = sum(r.nbytes for p in list(store._passes) for r in list(p.queue)
                    if r.tokens and not r.prefetched and not r.used)
-        return min(4 * nbytes - store._ahead, left)
+        return min(4 * nbytes - store._table.ahead, left)
 
     def between(where):
         if where == "backward":

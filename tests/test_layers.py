@@ -251,7 +251,7 @@ def test_adapters_examples_benchmarks_use_public_names_only():
     (``OUTSIDE_USERS``) import no private ssdtrain module and touch no private attribute
     of an ssdtrain object (``off._store``, ``store._lock``...)."""
     private = _private_attributes()
-    assert {"_store", "_lock", "_registry", "_layers"} <= private  # guards the scan
+    assert {"_store", "_lock", "_table", "_layers"} <= private  # guards the scan
     bad = []
     users = [ROOT / p for p in OUTSIDE_USERS]
     assert all(p.is_file() for p in users), OUTSIDE_USERS

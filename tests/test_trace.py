@@ -62,7 +62,7 @@ def _step(off):
             y = _Paced.apply(y, store)
             # The I/O thread started the write and it ended: backward reads every record
             # (a write still in flight when forward ends is served from memory).
-            _until(lambda: store._due_bytes == 0 == store._writing_bytes, "the write")
+            _until(lambda: store._table.due_bytes == 0 == store._table.writing_bytes, "the write")
         loss = y.sum()
     loss.backward()
     off.wait()
@@ -95,7 +95,7 @@ def _profiled_step(spill_dir, tmp_path, all_threads):
     try:
         with profile(activities=[ProfilerActivity.CPU], **kw) as prof:
             _step(off)
-        io_tid = off._store._worker.native_id
+        io_tid = off._store._io.thread.native_id
         stats = off.stats()
     finally:
         off.close()
@@ -173,7 +173,7 @@ def test_nvtx_ranges_where_cuda_is_in_use(spill_dir, monkeypatch):
     try:
         with torch.autograd.profiler.profile():  # emit_nvtx() on a GPU: the same flag
             _step(off)
-        io_tid = off._store._worker.native_id
+        io_tid = off._store._io.thread.native_id
     finally:
         off.close()
     main = threading.get_native_id()

@@ -1,0 +1,223 @@
+"""The record table: a store's records, and every count that follows their states.
+
+NOTE [ Record table ]
+
+A :class:`RecordTable` holds the records of one store (by storage key, for dedup:
+``find_record``) and every aggregate that follows a record's state, and nothing else
+writes them:
+
+* ``live`` (records registered), ``resident`` (bytes in memory: ``RESIDENT`` states;
+  its peak goes to ``Stats.peak_resident_bytes``);
+* ``writing`` (records with an outbound request in flight, ``OUTBOUND`` states,
+  oldest first) and ``writing_bytes``: what the throttle holds to
+  ``write_behind_bytes``;
+* ``due`` (PENDING records decided to be written, write not started, oldest first)
+  and ``due_bytes``; the rest of the PENDING records are in the tail window
+  (``window``, a :class:`~ssdtrain._policy.TailWindow`, which also keeps the spill
+  budget's reservations);
+* ``spill_due``: records evicted from the host tier whose pinned copy is ready to be
+  written (HOSTED, ``evict`` set); ``host`` is the host tier's
+  :class:`~ssdtrain._hosttier.HostBudget` (``None``: no host tier);
+* ``ahead``: bytes the prefetch window holds ahead of use (records flagged
+  ``prefetched``).
+
+:meth:`RecordTable.move` is the one caller of :func:`~ssdtrain._records.transition`
+(NOTE [ Record state machine ]): it moves the record and, in the same call, every
+aggregate the move changes, and clears what the new state may not hold (``due``
+once it leaves PENDING, its host budget place once it leaves the tier's states, its
+``prefetched`` flag once it is FREED). :meth:`add` and :meth:`remove` register and
+unregister; :meth:`make_due`, :meth:`queue_spill`, :meth:`count_ahead` and
+:meth:`uncount_ahead` are the other writers of the counts. After an exception cut a
+locked region short, :meth:`recount` recomputes all of them from the records (NOTE [
+Store lock discipline ] in _store.py), and :meth:`problems` lists those that disagree
+with the records (``Store.check_invariants``).
+
+Every method runs under the store lock. The hooks read ``due_bytes``,
+``writing_bytes``, ``spill_due`` and ``ahead`` without it, as hints for waking the
+I/O thread (NOTE [ The store's I/O thread ] in _store.py).
+"""
+
+import collections
+
+from ._hosttier import IN_TIER
+from ._records import OUTBOUND, RESIDENT, State, transition
+
+__all__ = ["RecordTable"]
+
+
+class RecordTable:
+    """The registry of a store's records and every aggregate over their states (NOTE [
+    Record table ])."""
+
+    __slots__ = ("registry", "live", "resident", "writing", "writing_bytes", "due", "due_bytes",
+                 "spill_due", "ahead", "window", "host", "stats")
+
+    def __init__(self, window, host, stats):
+        self.registry = {}                        # storage key -> [Record]
+        self.live = 0
+        self.resident = 0
+        self.writing = collections.OrderedDict()  # OUTBOUND records, oldest first
+        self.writing_bytes = 0
+        self.due = collections.OrderedDict()      # PENDING records to be written, oldest first
+        self.due_bytes = 0
+        self.spill_due = collections.OrderedDict()  # evicted HOSTED records (NOTE [ Host tier ])
+        self.ahead = 0                            # prefetched bytes not yet consumed
+        self.window = window                      # the tail window (_policy.TailWindow)
+        self.host = host                          # the host budget, or None (no host tier)
+        self.stats = stats
+
+    def records(self):
+        """Every registered record (a new list)."""
+        return [r for group in self.registry.values() for r in group]
+
+    # ------------------------------------------------------------ the writers
+    def add(self, rec):
+        """Register a new (PENDING, resident) record."""
+        self.registry.setdefault(rec.key, []).append(rec)
+        self.live += 1
+        self._add_resident(rec.nbytes)
+
+    def remove(self, rec):
+        """Unregister ``rec`` (FREED). Idempotent: a free cut short is finished by
+        calling it again."""
+        group = self.registry.get(rec.key)
+        if group is not None and rec in group:
+            group.remove(rec)
+            self.live -= 1
+            if not group:
+                del self.registry[rec.key]
+
+    def move(self, rec, to):
+        """``transition`` plus every aggregate that follows the state: the one way a
+        record's state changes (NOTE [ Record state machine ] in _records.py). During a
+        repair the aggregates it moves are recomputed afterwards (:meth:`recount`), so
+        it is safe there too."""
+        frm = rec.state
+        transition(rec, to)
+        n = rec.nbytes
+        if (frm in RESIDENT) != (to in RESIDENT):
+            self._add_resident(n if to in RESIDENT else -n)
+        if frm is State.PENDING:  # it leaves the tail window, or the due writes
+            if not rec.due:
+                self.window.discard(rec)
+            elif self.due.pop(rec, 0) is None:
+                self.due_bytes -= n
+            rec.due = False
+        if rec.reserved and (to is State.KEPT or to is State.FREED):
+            self.window.release(rec)  # no slot any more: the spill budget gets it back
+        if frm in OUTBOUND and self.writing.pop(rec, 0) is None:
+            self.writing_bytes -= n
+        if to in OUTBOUND:
+            self.writing[rec] = None
+            self.writing_bytes += n
+        if rec.tier and to not in IN_TIER:  # NOTE [ Host tier ] in _hosttier.py
+            self.host.release(rec)
+        if frm is State.HOSTED:
+            self.spill_due.pop(rec, None)
+        if rec.evict:
+            if to is State.HOSTED:
+                self.spill_due[rec] = None  # evicted meanwhile: its write is due now
+            elif to not in IN_TIER:
+                rec.evict = False
+        if to is State.FREED:
+            self.uncount_ahead(rec)
+
+    def make_due(self, rec):
+        """A PENDING record left the tail window to be written (the pack decision)."""
+        rec.due = True
+        self.due[rec] = None
+        self.due_bytes += rec.nbytes
+
+    def queue_spill(self, rec):
+        """``rec`` (HOSTED) was evicted from the host tier: its write to the SSD is due."""
+        self.spill_due[rec] = None
+
+    def count_ahead(self, rec):
+        """``rec`` enters the prefetch window: held (or being read) ahead of its use."""
+        if not rec.prefetched:
+            rec.prefetched = True
+            self.ahead += rec.nbytes
+
+    def uncount_ahead(self, rec):
+        """``rec`` leaves the prefetch window: used, or freed."""
+        if rec.prefetched:
+            rec.prefetched = False
+            self.ahead -= rec.nbytes
+
+    def _add_resident(self, delta):
+        self.resident += delta
+        if self.resident > self.stats.peak_resident_bytes:
+            self.stats.peak_resident_bytes = self.resident
+
+    # ---------------------------------------------------------------- repair
+    def recount(self, recs):
+        """Recompute every aggregate from ``recs`` (every registered record), and clear
+        the per-record flags their state may not hold."""
+        for r in recs:
+            if r.prefetched and r.state not in RESIDENT:
+                r.prefetched = False
+        pending = sorted((r for r in recs if r.state is State.PENDING), key=lambda r: r.seq)
+        writing = sorted((r for r in recs if r.state in OUTBOUND), key=lambda r: r.seq)
+        for r in recs:
+            if r.state is not State.PENDING:
+                r.due = False
+        self.window.rebuild([r for r in pending if not r.due], sum(r.reserved for r in recs))
+        due = [r for r in pending if r.due]
+        self.due = collections.OrderedDict((r, None) for r in due)
+        self.due_bytes = sum(r.nbytes for r in due)
+        self.writing = collections.OrderedDict((r, None) for r in writing)
+        self.writing_bytes = sum(r.nbytes for r in writing)
+        for r in recs:  # NOTE [ Host tier ] in _hosttier.py
+            if r.state not in IN_TIER:
+                r.tier, r.evict = 0, False
+        if self.host is not None:
+            self.host.rebuild([r for r in recs if r.tier])
+        self.spill_due = collections.OrderedDict(
+            (r, None) for r in sorted(recs, key=lambda r: r.seq)
+            if r.evict and r.state is State.HOSTED)
+        self.resident = sum(r.nbytes for r in recs if r.state in RESIDENT)
+        self.ahead = sum(r.nbytes for r in recs if r.prefetched)
+        self.live = len(recs)
+
+    def problems(self, recs):
+        """What disagrees between the aggregates and ``recs`` (every registered
+        record): a list of messages, empty when all agree."""
+        bad = []
+
+        def check(ok, what):
+            if not ok:
+                bad.append(what)
+        ids = set(map(id, recs))
+        check(all(r.state is not State.FREED for r in recs), "a FREED record is registered")
+        check(len(ids) == len(recs), "a record is registered twice")
+        check(self.live == len(recs), f"live {self.live} != {len(recs)} records")
+        res = sum(r.nbytes for r in recs if r.state in RESIDENT)
+        check(self.resident == res, f"resident {self.resident} != {res}")
+        window, due = self.window.records, self.due
+        pending = [r for r in recs if r.state is State.PENDING]
+        check(set(map(id, window)) | set(map(id, due)) == set(map(id, pending))
+              and not set(map(id, window)) & set(map(id, due)),
+              "tail window + due != PENDING records")
+        check(all(r.due for r in due) and not any(r.due for r in window), "due flags")
+        check(self.window.nbytes == sum(r.nbytes for r in window), "tail window bytes")
+        check(self.due_bytes == sum(r.nbytes for r in due), "due bytes")
+        check(self.window.reserved == sum(r.reserved for r in recs), "reserved spill bytes")
+        check(self.window.limit is None or self.window.reserved <= self.window.limit,
+              "reserved spill bytes beyond max_spill_bytes")
+        wr = [r for r in recs if r.state in OUTBOUND]
+        check(set(map(id, self.writing)) == set(map(id, wr)), "writing != WRITING records")
+        check(self.writing_bytes == sum(r.nbytes for r in wr), "writing bytes")
+        check(self.ahead == sum(r.nbytes for r in recs if r.prefetched), "prefetched bytes")
+        for r in recs:
+            check(not r.tier or r.state in IN_TIER, f"{r!r}: in the host budget")
+        host = self.host  # NOTE [ Host tier ] in _hosttier.py
+        tier = [r for r in recs if r.tier]
+        check(host is not None or not tier, "host budget records without a host tier")
+        if host is not None:
+            check(set(map(id, host.records)) == set(map(id, tier)), "host budget records")
+            check(host.nbytes == sum(r.nbytes for r in tier), "host budget bytes")
+            check(host.nbytes <= host.budget, "host bytes beyond host_budget_bytes")
+        check(set(map(id, self.spill_due)) ==
+              {id(r) for r in recs if r.evict and r.state is State.HOSTED},
+              "evictions due != evicted HOSTED records")
+        return bad
