@@ -248,9 +248,32 @@ class Store(WriteBack, Prefetch, HostTier):
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
+        if self._window.limit is not None:
+            self._await_retiring()
         with self._lock:
             self._guarded_locked(self._begin_pass_locked)
         self._settle()
+
+    def _await_retiring(self):
+        """``max_spill_bytes``: a record whose graph is gone keeps its slot reservation
+        until its write lands. A pass that began while a slow disk still had the last
+        step's writes in flight would decide at pack (INV-DECIDED) against reservations
+        about to go: it would keep (or, with ``on_spill_full="raise"``, fail) records a
+        prompt disk writes. Wait for those writes first (the limit is a hard bound on the
+        spill files, so their slots cannot be counted free before they are), so what a
+        step decides does not depend on I/O timing. Costs a scan of the records at a
+        step's start (as the sweep does), and a wait only when the disk lags a step."""
+        with self._lock:
+            futs = [r.future for group in self._table.registry.values() for r in group
+                    if r.reserved and not r.tokens and r.future is not None]
+        if futs:
+            _, not_done = _wait_futures(futs, timeout=self.cfg.io_timeout_s)
+            self._settle()  # their completions free them, and their reservations
+            if not_done:
+                log.warning("ssdtrain: %d write(s) of freed records were still in flight after "
+                            "io_timeout_s=%s s at the start of a forward pass; this pass's "
+                            "max_spill_bytes decisions count their slots as used.",
+                            len(not_done), self.cfg.io_timeout_s)
 
     def _begin_pass_locked(self):
         self._check_open()

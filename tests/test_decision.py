@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import logging
 import os
+import sys
 import threading
 import warnings
 
@@ -182,6 +183,33 @@ def test_what_is_written_does_not_depend_on_the_io_thread(make_offloader):
         assert _step(off, *resaves(), lag) == want, f"lag {lag}"
         off._store.check_invariants()
     assert want[2] == 4 << 20
+
+
+def test_a_slow_disk_does_not_change_what_fits_under_max_spill_bytes(make_offloader):
+    """Each step fits max_spill_bytes alone. Before, on a disk slower than backward, the
+    next step began while the last step's writes (of records its graph had already
+    freed) still held their reservations: its packs decided against them, and with
+    on_spill_full="raise" a step that fits failed ("would take the spill files beyond
+    max_spill_bytes"; keep would have kept what a prompt disk writes). The step now
+    waits for those writes, so every step writes the same bytes as the first."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import late_io
+    model, inputs = resaves()
+    settings = dict(keep_tail_bytes=0, min_tensor_bytes="4KiB", max_spill_bytes="6MiB",
+                    on_spill_full="raise", write_behind_bytes="64MiB")
+    off = make_offloader(**settings)
+    off.wrap_engine(lambda engine: late_io.LateEngine(engine, 0.3))  # each request 0.3 s late
+    written = []
+    for _ in range(3):
+        before = off.stats().offloaded_bytes
+        with off:
+            loss = model(*inputs)
+        loss.backward()  # served from memory: the writes are still in flight
+        del loss
+        written.append(off.stats().offloaded_bytes - before)
+    assert written == [written[0]] * 3 and written[0] >= 4 << 20, written
+    off.wait()
+    off._store.check_invariants()
 
 
 def dropped_in_forward():
