@@ -123,6 +123,7 @@ keeping later layers.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -436,24 +437,19 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
     window = max(step.prefetch_bytes, tail)
     bwd_peak = kept_so_far + tail + min(max(0, step.prefetch_bytes - tail),
                                         step.head_written_bytes + sum(o))
+    begun = _Begun()  # the offloaded layers whose backward began, in time order
     for i in range(n - 1, -1, -1):
         layer = layers[i]
         if o[i]:
             # The window: reads started and not yet used (layers j > i not yet begun).
-            candidates = sorted({disk} | {bstart[j] for j in range(i + 1, n)
-                                          if o[j] and bstart[j] > disk})
-            start = candidates[-1]
-            for tau in candidates:
-                ahead = sum(o[j] for j in range(i + 1, n) if o[j] and bstart[j] > tau)
-                if ahead < step.prefetch_bytes:
-                    start = tau
-                    break
-            start = max(start, wdone[i])
+            start = max(begun.read_start(disk, step.prefetch_bytes), wdone[i])
             disk = start + o[i] / R
             rdone[i] = disk
         begin = max(t, rdone[i]) if o[i] else t
         stall += begin - t
         bstart[i] = begin
+        if o[i]:
+            begun.add(begin, o[i])
         extra = layer.fwd_s if choices[i] == RECOMPUTE else 0.0
         recompute += extra
         t = begin + layer.bwd_s + extra + o[i] * step.bwd_s_per_byte
@@ -467,6 +463,41 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
     return Prediction(step_s=t + step.between_s, stall_s=stall, recompute_s=recompute,
                       peak_bytes=int(max(fwd_peak, bwd_peak) + step.fixed_bytes),
                       written_bytes=int(sum(o)), kept_bytes=int(sum(kept)), backward_end_s=t)
+
+
+class _Begun:
+    """The offloaded layers whose backward has begun, as ``(begin time, bytes)`` in the
+    order they began (backward runs the layers in reverse, each after the last: times
+    never decrease), with running byte sums, so that :meth:`read_start` costs O(layers)
+    where a scan of every candidate time cost O(layers^2) (the plan search predicts
+    thousands of plans: 15-20 s at 32 blocks)."""
+
+    __slots__ = ("times", "cum")
+
+    def __init__(self):
+        self.times = []
+        self.cum = [0]  # cum[k]: bytes of the first k layers
+
+    def add(self, begin, nbytes):
+        self.times.append(begin)
+        self.cum.append(self.cum[-1] + nbytes)
+
+    def read_start(self, disk, prefetch_bytes):
+        """When the next read may start: the earliest time ``tau`` among ``disk`` (the disk
+        is free) and the later begin times at which fewer than ``prefetch_bytes`` are
+        read ahead of use (bytes of layers beginning after ``tau``); the latest
+        candidate when there is none."""
+        times, cum = self.times, self.cum
+        total = cum[-1]
+        k = bisect.bisect_right(times, disk)  # layers begun by the time the disk is free
+        if total - cum[k] < prefetch_bytes:
+            return disk
+        while k < len(times):
+            tau = times[k]
+            k = bisect.bisect_right(times, tau, k)  # every layer beginning at tau
+            if total - cum[k] < prefetch_bytes:
+                return tau
+        return times[-1] if times and times[-1] > disk else disk
 
 
 def group_layers(n: int, max_plans: int, k: int = 3) -> List[List[int]]:

@@ -394,3 +394,27 @@ def test_head_records_held_only_until_the_heads_backward():
     # The kept tail of a plan that offloads nothing holds only the head's records.
     small = dataclasses.replace(step, head_bytes=4 * MiB)
     assert predict(layers, [KEEP] * 4, small).peak_bytes == 400 * MiB + 4 * MiB
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 8)), max_size=12),
+       st.integers(0, 25), st.integers(0, 30))
+def test_read_start_is_the_scan_it_replaces(begun, disk, prefetch):
+    """predict()'s read window (_Begun.read_start, O(layers) per read) gives the time the
+    scan over every candidate time gave (O(layers^2) per read), ties included."""
+    from ssdtrain._planner import _Begun
+    times, acc = [], 0
+    for dt, _ in begun:  # begin times never decrease
+        acc += dt
+        times.append(acc)
+    sizes = [b for _, b in begun]
+    candidates = sorted({disk} | {t for t in times if t > disk})
+    want = candidates[-1]
+    for tau in candidates:
+        if sum(b for t, b in zip(times, sizes) if t > tau) < prefetch:
+            want = tau
+            break
+    b = _Begun()
+    for t, n in zip(times, sizes):
+        b.add(t, n)
+    assert b.read_start(disk, prefetch) == want
