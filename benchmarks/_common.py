@@ -104,15 +104,12 @@ def digest(loss, named_parameters, loss_sha256=False):
 
 
 # Stats fields that are not running totals: maxima (``peak_*``) and levels held now.
-_NOT_COUNTERS = ("staging_bytes", "host_bytes", "offload_quota_bytes")
-
-
 def stats_delta(after, before):
-    """Per-step ``Stats``: counters as differences; maxima (``peak_resident_bytes``,
-    ``peak_staging_bytes``, ``peak_host_bytes``) and levels (``staging_bytes``,
-    ``host_bytes``, ``offload_quota_bytes``) as they are after the step (a difference of
-    two maxima or two levels means nothing)."""
-    return {k: (v if k.startswith("peak_") or k in _NOT_COUNTERS else v - before[k])
+    """Per-step ``Stats`` (as dicts, numbers only): counters as differences; levels and
+    maxima (``ssdtrain.Stats.LEVELS``: ``peak_*``, ``host_bytes``, ``budget_*``...) as
+    they are after the step (``Stats.since`` on dicts)."""
+    import ssdtrain
+    return {k: (v if k in ssdtrain.Stats.LEVELS else v - before[k])
             for k, v in after.items() if isinstance(v, (int, float))}
 
 

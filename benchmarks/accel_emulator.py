@@ -666,6 +666,9 @@ def run_mode(cfg):
                     else 0
             if off is not None:
                 rec["peak_resident_bytes"] = snaps[i + 1].peak_resident_bytes
+                # the budget mode's own measure (NOTE [ Measured memory ]): a level
+                rec["budget_measured_bytes"] = snaps[i + 1].budget_measured_bytes
+                rec["budget_exceeded_bytes"] = snaps[i + 1].budget_exceeded_bytes
         engine = off.stats().engine if off is not None else ""
         detail = plan_detail(off.active_plan, s["n_layers"], cfg.get("mix_ks", ())) \
             if mode == "budget" and off.active_plan is not None else None

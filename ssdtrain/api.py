@@ -116,6 +116,33 @@ class Stats:
     went over ``memory_budget_bytes``; 0 while every step stayed within it. The first
     overshoot is also logged as a warning, and ``policy="adaptive"`` re-plans for it."""
 
+    # Not running totals: a level now, or a maximum so far. Over an interval
+    # (:meth:`since`) they are what they are at its end: a difference of two maxima
+    # or two levels means nothing.
+    LEVELS = frozenset({"peak_resident_bytes", "staging_bytes", "peak_staging_bytes",
+                        "host_bytes", "peak_host_bytes", "offload_quota_bytes",
+                        "budget_measured_bytes", "budget_exceeded_bytes"})
+
+    def since(self, before: "Stats") -> "Stats":
+        """What happened between ``before`` (an earlier snapshot of the same offloader)
+        and this one: every counter as the difference; the fields in :attr:`LEVELS`
+        (levels and maxima: ``peak_*``, ``host_bytes``, ``budget_*``...) and the strings
+        as they are now.
+
+        Example::
+
+            before = off.stats()
+            train_step()
+            print(off.stats().since(before).offloaded_bytes)   # this step's
+        """
+        diff = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name not in self.LEVELS and isinstance(v, (int, float)) and \
+                    not isinstance(v, bool):
+                diff[f.name] = v - getattr(before, f.name)
+        return dataclasses.replace(self, **diff)
+
     def summary(self) -> str:
         """One line for logs."""
         return (f"packed {_mib(self.packed_bytes)}, offloaded {_mib(self.offloaded_bytes)} "

@@ -268,7 +268,7 @@ def check_model(model: torch.nn.Module, inputs, *, loss_fn: Optional[Callable] =
             fields = dict(policy="static", min_tensor_bytes=0, keep_tail_bytes=0)
             fields.update(overrides)
             offloader = own_off = ssdtrain.Offloader(OffloadConfig(spill_dir=spill_dir, **fields))
-        before = dataclasses.asdict(offloader.stats())
+        before = offloader.stats()
         restore()
         error, got, t_off, resident = None, {}, 0.0, None
         try:
@@ -276,9 +276,7 @@ def check_model(model: torch.nn.Module, inputs, *, loss_fn: Optional[Callable] =
         except SSDTrainError as e:
             error = f"{type(e).__name__}: {e}"
         offloader.wait()
-        after = dataclasses.asdict(offloader.stats())
-        stats = {k: (v - before[k] if isinstance(v, (int, float)) and k != "peak_resident_bytes"
-                     else v) for k, v in after.items()}
+        stats = dataclasses.asdict(offloader.stats().since(before))
         stats["resident_at_backward_bytes"] = resident
     finally:
         restore()

@@ -211,3 +211,28 @@ def test_save_and_restore_validate_input_and_owner(make_offloader, tmp_path):
     for call in (lambda: off.set_plan(["keep"]), off.plan):
         with pytest.raises(ssdtrain.OffloaderClosedError):
             call()
+
+
+def test_stats_since_differences_counters_and_keeps_levels(make_offloader):
+    """Stats.since: a step's counters are differences, levels and maxima are what they
+    are after it. LEVELS names only fields, every peak_* among them (a new maximum
+    field not listed would be differenced: meaningless)."""
+    import dataclasses
+    names = {f.name for f in dataclasses.fields(ssdtrain.Stats)}
+    assert ssdtrain.Stats.LEVELS <= names
+    assert {n for n in names if n.startswith(("peak_", "budget_"))} <= ssdtrain.Stats.LEVELS
+    off = make_offloader(min_tensor_bytes=0, keep_tail_bytes=0)
+    x = torch.randn(256, 256, requires_grad=True)
+    steps = []
+    for _ in range(2):
+        before = off.stats()
+        with off:
+            loss = x.sin().sin().sum()
+        loss.backward()
+        off.wait()
+        steps.append(off.stats().since(before))
+    total = off.stats()
+    assert steps[0].offloaded_bytes == steps[1].offloaded_bytes > 0  # each step's own
+    assert steps[0].offloaded_bytes + steps[1].offloaded_bytes == total.offloaded_bytes
+    assert steps[1].peak_resident_bytes == total.peak_resident_bytes > 0  # not 0
+    assert steps[1].engine == total.engine
