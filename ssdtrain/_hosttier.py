@@ -293,11 +293,11 @@ class HostTier:
             rec.produced = None
         else:
             self._move_locked(rec, State.HOSTED)
-            self._drop_memory_locked(rec)
+            self._table.drop_memory(rec)
             rec.storage = rec.source = rec.produced = None
         rec.future = None
         if not rec.tokens:
-            self._free_locked(rec)
+            self._table.free(rec)
 
     # ------------------------------------------------------------ RAM -> device
     def _load_host_locked(self, rec):
@@ -353,7 +353,7 @@ class HostTier:
             rec.host = None  # the buffer goes back to the pool (its lease's finalizer)
         rec.future = None
         if not rec.tokens:
-            self._free_locked(rec)
+            self._table.free(rec)
 
 
 def _landed():

@@ -220,7 +220,7 @@ class Prefetch:
                 self.stats.records_read += 1
         rec.future = None
         if not rec.tokens:
-            self._free_locked(rec)
+            self._table.free(rec)
 
     def _evict_locked(self, rec):
         """LOADED -> ON_DISK (or HOSTED, loaded from the host tier): every live handle

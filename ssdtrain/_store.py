@@ -180,8 +180,6 @@ class Store(WriteBack, Prefetch, HostTier):
         # NOTE [ Host tier ] in _hosttier.py: the budget (None: no host tier).
         self._host = None if config.host_budget_bytes is None else \
             HostBudget(config.host_budget_bytes, bool(spill.files), stats)
-        # NOTE [ Record table ] in _table.py: the records and every count over them.
-        self._table = RecordTable(self._window, self._host, stats)
         self._passes = []                      # passes whose prefetch is not finished
         self._current = None                   # the pass being recorded (forward running)
         self._seq = 0
@@ -194,6 +192,8 @@ class Store(WriteBack, Prefetch, HostTier):
         self._graveyard = self._io.graveyard
         self._kick = self._io.kick
         self._bury = self._io.bury
+        # NOTE [ Record table ] in _table.py: the records and every count over them.
+        self._table = RecordTable(self._window, self._host, stats, self._graveyard)
         self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
@@ -723,7 +723,7 @@ class Store(WriteBack, Prefetch, HostTier):
         rec.unseen.discard(token)
         if not rec.tokens:
             if rec.future is None:
-                self._free_locked(rec)  # else freed when the I/O completes
+                self._table.free(rec)  # else freed when the I/O completes
         elif not rec.unseen and rec.state is State.LOADED:
             self._evict_locked(rec)
 
@@ -732,20 +732,6 @@ class Store(WriteBack, Prefetch, HostTier):
         """Move ``rec`` to state ``to``, and every aggregate with it: the record table's
         ``move`` (NOTE [ Record table ] in _table.py)."""
         self._table.move(rec, to)
-
-    def _free_locked(self, rec):
-        """Any state -> FREED: memory, slot and registry entry go (no I/O in flight).
-        Resumable: a free cut short (state FREED, still registered) is finished by
-        calling it again (``_repair_locked`` does)."""
-        if rec.state is not State.FREED:
-            self._move_locked(rec, State.FREED)  # it leaves the prefetch window too
-        self._window.release(rec)  # a free cut short and resumed: idempotent
-        slot, rec.slot = rec.slot, None
-        if slot is not None and not self.closed:
-            slot.file.free(slot)
-        self._drop_memory_locked(rec)
-        rec.storage = rec.source = rec.staging = rec.ready = rec.produced = rec.host = None
-        self._table.remove(rec)
 
     # -------------------------------------------------------------------- repair
     def _repair_locked(self):
@@ -768,7 +754,7 @@ class Store(WriteBack, Prefetch, HostTier):
             rec.tokens = {r for r in rec.tokens if r() is not None}
             rec.unseen &= rec.tokens
             if rec.state is State.FREED or (not rec.tokens and rec.future is None):
-                self._free_locked(rec)
+                self._table.free(rec)
         self._recount_locked()
 
     def _sweep_locked(self):
@@ -1078,7 +1064,7 @@ class Store(WriteBack, Prefetch, HostTier):
             self.flush(start=False)
         finally:
             with self._lock:
-                self.closed = True
+                self.closed = self._table.closed = True
                 for group in self._table.registry.values():
                     for rec in group:
                         if rec.future is not None and not rec.future.done():
@@ -1108,7 +1094,7 @@ class Store(WriteBack, Prefetch, HostTier):
         """In a forked child: this store belongs to the parent. Never touch its engine,
         files or threads; every later call sees a closed store."""
         self._forked = True
-        self.closed = True
+        self.closed = self._table.closed = True
         self._io.forked()  # the I/O thread is the parent's: not in this process
         self._lock = threading.Lock()  # another parent thread may have held it at fork
         self._inbox = collections.deque()

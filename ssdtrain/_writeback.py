@@ -170,11 +170,11 @@ class WriteBack:
                     rec.source = rec.produced = None
                 else:
                     self._move_locked(rec, State.ON_DISK)
-                    self._drop_memory_locked(rec)
+                    self._table.drop_memory(rec)
                     rec.storage = rec.source = rec.produced = None
         rec.future = None
         if not rec.tokens:
-            self._free_locked(rec)
+            self._table.free(rec)
 
     def _written_intact_locked(self, rec):
         """Whether the saved tensor was left as it was saved while its bytes were copied
@@ -220,16 +220,8 @@ class WriteBack:
         """Any state -> FAILED: ``exc`` is raised when backward needs the record."""
         rec.error = exc
         self._move_locked(rec, State.FAILED)
-        self._drop_memory_locked(rec)
+        self._table.drop_memory(rec)
         rec.storage = rec.source = rec.staging = rec.produced = rec.host = None
-
-    def _drop_memory_locked(self, rec):
-        """``rec`` is about to let go of its memory: a host record's goes to the graveyard,
-        released by the I/O thread outside the lock (freeing a large CPU tensor costs
-        milliseconds of kernel time); a device record's is freed in place (a caching
-        allocator's free costs nothing)."""
-        if rec.device is None and rec.storage is not None:
-            self._graveyard.append((rec.source, rec.storage))
 
     def _over_write_behind(self):
         """Whether more than the write-behind limit in force is written or due to be
