@@ -7,6 +7,9 @@ writing, prefetched bytes...) in ``_table.py`` (NOTE [ Record table ]), whose
 mechanism (its queue, loop, graveyard, end, fork, and the release of the engine and
 files) in ``_iothread.py`` (``IOThread``), what a round of it does here
 (``_background_round``);
+the end of a record (``RecordTable.free``) is the table's too, so every path frees a
+record without reaching the store; failure events and once-only warnings in
+``_events.py`` (``Events``, ``Store._events``: NOTE [ One event, one error ]);
 write-back (tail, throttle, budget, failure policy) in ``_writeback.py``; prefetch and
 reads in ``_prefetch.py``; read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
 
@@ -97,7 +100,7 @@ The thread holds the store only while it works (a weak reference otherwise), end
 ``close()`` (joined) or when the store is collected, does not exist in a forked child,
 and reports an exception escaping its round (a bug: the round's locked region has
 repaired the store) at the next pack or end of forward, as a failure event (NOTE [ One
-event, one error ] in _writeback.py).
+event, one error ] in _events.py).
 
 NOTE [ Memory owned by requests ]
 
@@ -140,8 +143,8 @@ from ._hosttier import HostBudget, HostTier
 from ._iothread import IOThread
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
-from ._writeback import (_READ, _WRITTEN, WriteBack, _copy, _needed_by, _owning, _without_frames,
-                         failed_future)
+from ._events import Events, _copy, _needed_by, _without_frames
+from ._writeback import _READ, _WRITTEN, WriteBack, _owning, failed_future
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -183,7 +186,7 @@ class Store(WriteBack, Prefetch, HostTier):
         self._passes = []                      # passes whose prefetch is not finished
         self._current = None                   # the pass being recorded (forward running)
         self._seq = 0
-        self._failure = None                   # the pending failure event (_writeback.Failure)
+        self._events = Events()                # NOTE [ One event, one error ] in _events.py
         self._ended = None                     # the pass whose forward ended last
         self._devices = {}                     # (leaf, device) -> DeviceTransfers
         # The I/O thread (_iothread.py) and the memory it releases outside the lock (NOTE
@@ -198,7 +201,6 @@ class Store(WriteBack, Prefetch, HostTier):
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
-        self._warned = set()                   # warnings already logged (once per store)
         self._forked = False
         self._extra_slots = set()              # slots allocated outside records (bandwidth probe)
         self._task = -1                        # the graph task whose end drains (unpack)
@@ -338,7 +340,7 @@ class Store(WriteBack, Prefetch, HostTier):
 
     def _pack_locked(self, t, storage, key, version, extent, nbytes, choice, leaf=None):
         self._check_open()
-        if self._failure is not None:  # NOTE [ One event, one error ] in _writeback.py
+        if self._events.failure is not None:  # NOTE [ One event, one error ] in _events.py
             self._raise_event_locked()
         self._seq += 1
         table = self._table
@@ -411,10 +413,10 @@ class Store(WriteBack, Prefetch, HostTier):
         """A host record with a host tier and no SSD tier: it is in host memory already
         and nothing can free it (NOTE [ Host tier ] in _hosttier.py)."""
         self._keep_locked(rec)
-        self._warn_once("host-record", "ssdtrain: a saved CPU tensor stays in memory: with "
-                        "host_budget_bytes and no spill_dir only device records move (to host "
-                        "RAM); host memory can only be freed by an SSD. Give a spill_dir to "
-                        "offload CPU tensors.")
+        self._events.warn_once(
+            "host-record", "ssdtrain: a saved CPU tensor stays in memory: with host_budget_bytes "
+            "and no spill_dir only device records move (to host RAM); host memory can only be "
+            "freed by an SSD. Give a spill_dir to offload CPU tensors.")
 
     def _outside_spill_bytes(self):
         """Spill bytes in use that belong to no record: the bandwidth probe's slot and
@@ -672,12 +674,12 @@ class Store(WriteBack, Prefetch, HostTier):
         """An exception escaped a round of the I/O thread: a bug (the round's locked
         region has repaired the store). It is raised at the next pack or end of forward,
         never swallowed; while an event is pending, it joins it (only logged)."""
-        _without_frames(exc)  # its frames hold the store (logged by _event_locked)
+        _without_frames(exc)  # its frames hold the store (logged by Events.report)
         err = SSDTrainError(f"ssdtrain: the store's I/O thread failed: {type(exc).__name__}: "
                             f"{exc}; the store has repaired itself and goes on. Please report "
                             f"this bug.")
         err.__cause__ = exc
-        with self._lock:  # NOTE [ One event, one error ] in _writeback.py
+        with self._lock:  # NOTE [ One event, one error ] in _events.py
             self._guarded_locked(self._event_locked, None, err, False)
 
     def _at_backward_end(self):
@@ -802,10 +804,11 @@ class Store(WriteBack, Prefetch, HostTier):
         _QUARANTINE.append(owners)
         slot = owners[3]
         self.stats.quarantined_bytes += rec.nbytes + (0 if slot is None else slot.nblocks * BLOCK)
-        self._warn_once("quarantine", "ssdtrain: an interrupt cut short the submission of a "
-                        "request (%r); its memory%s is kept for the rest of the process so that "
-                        "the request, if it was submitted, cannot touch freed memory "
-                        "(Stats.quarantined_bytes).", rec, " and disk slot" if writing else "")
+        self._events.warn_once(
+            "quarantine", "ssdtrain: an interrupt cut short the submission of a request (%r); "
+            "its memory%s is kept for the rest of the process so that the request, if it was "
+            "submitted, cannot touch freed memory (Stats.quarantined_bytes).",
+            rec, " and disk slot" if writing else "")
         if rec.state is State.SPILLING:
             rec.slot = None
             rec.evict = True
@@ -979,9 +982,15 @@ class Store(WriteBack, Prefetch, HostTier):
 
     def raise_pending_error(self):
         """Raise the pending failure event, if any (NOTE [ One event, one error ] in
-        _writeback.py)."""
+        _events.py)."""
         with self._lock:
             self._guarded_locked(self._raise_event_locked)
+
+    def _raise_event_locked(self, rec=None):
+        """Raise the pending event or, with ``rec``, ``rec``'s error (``Events.raise_pending``):
+        the step it is raised in is ``rec``'s, the forward running, or the one that ended
+        last."""
+        self._events.raise_pending(rec, self._current, self._ended)
 
     def snapshot(self):
         """(live records, resident bytes, spill bytes in use) for stats and tests.
