@@ -413,7 +413,7 @@ class _Replay:
         return False
 
     def _drain(self):
-        """Handles the graph released (Store._released_locked / _free_locked)."""
+        """Handles the graph released (Store._released_locked / RecordTable.free)."""
         inbox = self._inbox
         while inbox:
             st, rec, kept = inbox.popleft()

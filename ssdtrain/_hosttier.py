@@ -79,7 +79,8 @@ from ._device import device_misalign
 from ._errors import SpillIOError
 from ._records import State
 from ._spill import BLOCK
-from ._writeback import _WRITTEN, _owning, _without_frames, failed_future
+from ._events import _without_frames
+from ._writeback import _WRITTEN, _owning, failed_future
 
 __all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit", "budget_bytes",
            "has_ssd_tier"]
@@ -230,10 +231,10 @@ class HostTier:
             return True
         self._keep_locked(rec)
         self.stats.over_budget_bytes += rec.nbytes
-        self._warn_once("host-budget", "ssdtrain: host_budget_bytes=%d is full and there is "
-                        "no spill_dir: records beyond it stay in device memory "
-                        "(Stats.over_budget_bytes). Give a spill_dir to write them to an SSD, "
-                        "or raise host_budget_bytes.", self._host.budget)
+        self._events.warn_once(
+            "host-budget", "ssdtrain: host_budget_bytes=%d is full and there is no spill_dir: "
+            "records beyond it stay in device memory (Stats.over_budget_bytes). Give a spill_dir "
+            "to write them to an SSD, or raise host_budget_bytes.", self._host.budget)
         return False
 
     def _evict_to_ssd_locked(self, rec):
@@ -256,9 +257,9 @@ class HostTier:
             lease, done = dev.to_host(rec.storage, rec.base, rec.nbytes, rec.produced)
         except Exception as e:  # noqa: BLE001 - no pinned memory now: stays on the device
             self._keep_locked(rec)
-            self._warn_once("host-pinned", "ssdtrain: a device record could not be copied to "
-                            "the host tier (%s: %s); such records stay in device memory.",
-                            type(e).__name__, e)
+            self._events.warn_once(
+                "host-pinned", "ssdtrain: a device record could not be copied to the host tier "
+                "(%s: %s); such records stay in device memory.", type(e).__name__, e)
             return
         rec.host = lease
         rec.submitted = False
@@ -282,7 +283,7 @@ class HostTier:
                 self._move_locked(rec, State.KEPT)
                 self.stats.kept_bytes += rec.nbytes
             else:
-                self._event_locked(rec, exc, lost=True)
+                self._events.report(rec, exc, lost=True)
                 self._fail_locked(rec, exc)
         elif not self._written_intact_locked(rec):
             pass  # failed with autograd's message (in-place write, storage changed)
@@ -293,11 +294,11 @@ class HostTier:
             rec.produced = None
         else:
             self._move_locked(rec, State.HOSTED)
-            self._drop_memory_locked(rec)
+            self._table.drop_memory(rec)
             rec.storage = rec.source = rec.produced = None
         rec.future = None
         if not rec.tokens:
-            self._free_locked(rec)
+            self._table.free(rec)
 
     # ------------------------------------------------------------ RAM -> device
     def _load_host_locked(self, rec):
@@ -337,12 +338,12 @@ class HostTier:
             again = not isinstance(exc, Exception)
             if not again:
                 self.stats.spill_errors += 1
-                self._warn_once("write", "ssdtrain: a spill write failed (%s); "
-                                "on_spill_error='keep' keeps such records in memory.", exc)
+                self._events.warn_once("write", "ssdtrain: a spill write failed (%s); "
+                                       "on_spill_error='keep' keeps such records in memory.", exc)
             rec.evict = again
             self._move_locked(rec, State.HOSTED)
         elif exc is not None:
-            self._event_locked(rec, exc, lost=True)
+            self._events.report(rec, exc, lost=True)
             self._fail_locked(rec, exc)
         else:
             self.stats.records_written += 1
@@ -353,7 +354,7 @@ class HostTier:
             rec.host = None  # the buffer goes back to the pool (its lease's finalizer)
         rec.future = None
         if not rec.tokens:
-            self._free_locked(rec)
+            self._table.free(rec)
 
 
 def _landed():

@@ -22,7 +22,8 @@ from ._errors import resource_error
 from ._records import GEOMETRY_ALIGN, State
 from ._spill import BLOCK
 from .io.base import then
-from ._writeback import _READ, _owning, _without_frames, failed_future
+from ._events import _without_frames
+from ._writeback import _READ, _owning, failed_future
 
 
 # States prefetch brings back: being written or copied to RAM (their bytes are kept
@@ -39,7 +40,7 @@ class _Pass:
     def __init__(self):
         self.records = []
         self.queue = None  # deque of records to prefetch, built when forward ends
-        # NOTE [ One event, one error ] in _writeback.py: an error was raised for it; in
+        # NOTE [ One event, one error ] in _events.py: an error was raised for it; in
         # its forward (a pack raised: the forward never ended, its graph is garbage).
         self.reported = self.aborted = False
 
@@ -108,10 +109,10 @@ class Prefetch:
                         buf = self._read_buffer_locked(rec)
                     except Exception as e:  # noqa: BLE001 - no memory for a read buffer now
                         p.queue.popleft()  # read when backward needs it (a miss)
-                        self._warn_once("prefetch-memory", "ssdtrain: a prefetch read could "
-                                        "not get its buffer (%s: %s); records are read when "
-                                        "backward needs them until memory frees up.",
-                                        type(e).__name__, e)
+                        self._events.warn_once("prefetch-memory", "ssdtrain: a prefetch read could "
+                                               "not get its buffer (%s: %s); records are read when "
+                                               "backward needs them until memory frees up.",
+                                               type(e).__name__, e)
                         return False
                     self._start_read_locked(rec, buf)
                     self._table.count_ahead(rec)
@@ -220,7 +221,7 @@ class Prefetch:
                 self.stats.records_read += 1
         rec.future = None
         if not rec.tokens:
-            self._free_locked(rec)
+            self._table.free(rec)
 
     def _evict_locked(self, rec):
         """LOADED -> ON_DISK (or HOSTED, loaded from the host tier): every live handle

@@ -7,6 +7,9 @@ writing, prefetched bytes...) in ``_table.py`` (NOTE [ Record table ]), whose
 mechanism (its queue, loop, graveyard, end, fork, and the release of the engine and
 files) in ``_iothread.py`` (``IOThread``), what a round of it does here
 (``_background_round``);
+the end of a record (``RecordTable.free``) is the table's too, so every path frees a
+record without reaching the store; failure events and once-only warnings in
+``_events.py`` (``Events``, ``Store._events``: NOTE [ One event, one error ]);
 write-back (tail, throttle, budget, failure policy) in ``_writeback.py``; prefetch and
 reads in ``_prefetch.py``; read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
 
@@ -97,7 +100,7 @@ The thread holds the store only while it works (a weak reference otherwise), end
 ``close()`` (joined) or when the store is collected, does not exist in a forked child,
 and reports an exception escaping its round (a bug: the round's locked region has
 repaired the store) at the next pack or end of forward, as a failure event (NOTE [ One
-event, one error ] in _writeback.py).
+event, one error ] in _events.py).
 
 NOTE [ Memory owned by requests ]
 
@@ -140,8 +143,8 @@ from ._hosttier import HostBudget, HostTier
 from ._iothread import IOThread
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
-from ._writeback import (_READ, _WRITTEN, WriteBack, _copy, _needed_by, _owning, _without_frames,
-                         failed_future)
+from ._events import Events, _copy, _needed_by, _without_frames
+from ._writeback import _READ, _WRITTEN, WriteBack, _owning, failed_future
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -180,12 +183,10 @@ class Store(WriteBack, Prefetch, HostTier):
         # NOTE [ Host tier ] in _hosttier.py: the budget (None: no host tier).
         self._host = None if config.host_budget_bytes is None else \
             HostBudget(config.host_budget_bytes, bool(spill.files), stats)
-        # NOTE [ Record table ] in _table.py: the records and every count over them.
-        self._table = RecordTable(self._window, self._host, stats)
         self._passes = []                      # passes whose prefetch is not finished
         self._current = None                   # the pass being recorded (forward running)
         self._seq = 0
-        self._failure = None                   # the pending failure event (_writeback.Failure)
+        self._events = Events()                # NOTE [ One event, one error ] in _events.py
         self._ended = None                     # the pass whose forward ended last
         self._devices = {}                     # (leaf, device) -> DeviceTransfers
         # The I/O thread (_iothread.py) and the memory it releases outside the lock (NOTE
@@ -194,11 +195,12 @@ class Store(WriteBack, Prefetch, HostTier):
         self._graveyard = self._io.graveyard
         self._kick = self._io.kick
         self._bury = self._io.bury
+        # NOTE [ Record table ] in _table.py: the records and every count over them.
+        self._table = RecordTable(self._window, self._host, stats, self._graveyard)
         self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
-        self._warned = set()                   # warnings already logged (once per store)
         self._forked = False
         self._extra_slots = set()              # slots allocated outside records (bandwidth probe)
         self._task = -1                        # the graph task whose end drains (unpack)
@@ -338,7 +340,7 @@ class Store(WriteBack, Prefetch, HostTier):
 
     def _pack_locked(self, t, storage, key, version, extent, nbytes, choice, leaf=None):
         self._check_open()
-        if self._failure is not None:  # NOTE [ One event, one error ] in _writeback.py
+        if self._events.failure is not None:  # NOTE [ One event, one error ] in _events.py
             self._raise_event_locked()
         self._seq += 1
         table = self._table
@@ -411,10 +413,10 @@ class Store(WriteBack, Prefetch, HostTier):
         """A host record with a host tier and no SSD tier: it is in host memory already
         and nothing can free it (NOTE [ Host tier ] in _hosttier.py)."""
         self._keep_locked(rec)
-        self._warn_once("host-record", "ssdtrain: a saved CPU tensor stays in memory: with "
-                        "host_budget_bytes and no spill_dir only device records move (to host "
-                        "RAM); host memory can only be freed by an SSD. Give a spill_dir to "
-                        "offload CPU tensors.")
+        self._events.warn_once(
+            "host-record", "ssdtrain: a saved CPU tensor stays in memory: with host_budget_bytes "
+            "and no spill_dir only device records move (to host RAM); host memory can only be "
+            "freed by an SSD. Give a spill_dir to offload CPU tensors.")
 
     def _outside_spill_bytes(self):
         """Spill bytes in use that belong to no record: the bandwidth probe's slot and
@@ -672,12 +674,12 @@ class Store(WriteBack, Prefetch, HostTier):
         """An exception escaped a round of the I/O thread: a bug (the round's locked
         region has repaired the store). It is raised at the next pack or end of forward,
         never swallowed; while an event is pending, it joins it (only logged)."""
-        _without_frames(exc)  # its frames hold the store (logged by _event_locked)
+        _without_frames(exc)  # its frames hold the store (logged by Events.report)
         err = SSDTrainError(f"ssdtrain: the store's I/O thread failed: {type(exc).__name__}: "
                             f"{exc}; the store has repaired itself and goes on. Please report "
                             f"this bug.")
         err.__cause__ = exc
-        with self._lock:  # NOTE [ One event, one error ] in _writeback.py
+        with self._lock:  # NOTE [ One event, one error ] in _events.py
             self._guarded_locked(self._event_locked, None, err, False)
 
     def _at_backward_end(self):
@@ -723,7 +725,7 @@ class Store(WriteBack, Prefetch, HostTier):
         rec.unseen.discard(token)
         if not rec.tokens:
             if rec.future is None:
-                self._free_locked(rec)  # else freed when the I/O completes
+                self._table.free(rec)  # else freed when the I/O completes
         elif not rec.unseen and rec.state is State.LOADED:
             self._evict_locked(rec)
 
@@ -732,20 +734,6 @@ class Store(WriteBack, Prefetch, HostTier):
         """Move ``rec`` to state ``to``, and every aggregate with it: the record table's
         ``move`` (NOTE [ Record table ] in _table.py)."""
         self._table.move(rec, to)
-
-    def _free_locked(self, rec):
-        """Any state -> FREED: memory, slot and registry entry go (no I/O in flight).
-        Resumable: a free cut short (state FREED, still registered) is finished by
-        calling it again (``_repair_locked`` does)."""
-        if rec.state is not State.FREED:
-            self._move_locked(rec, State.FREED)  # it leaves the prefetch window too
-        self._window.release(rec)  # a free cut short and resumed: idempotent
-        slot, rec.slot = rec.slot, None
-        if slot is not None and not self.closed:
-            slot.file.free(slot)
-        self._drop_memory_locked(rec)
-        rec.storage = rec.source = rec.staging = rec.ready = rec.produced = rec.host = None
-        self._table.remove(rec)
 
     # -------------------------------------------------------------------- repair
     def _repair_locked(self):
@@ -768,7 +756,7 @@ class Store(WriteBack, Prefetch, HostTier):
             rec.tokens = {r for r in rec.tokens if r() is not None}
             rec.unseen &= rec.tokens
             if rec.state is State.FREED or (not rec.tokens and rec.future is None):
-                self._free_locked(rec)
+                self._table.free(rec)
         self._recount_locked()
 
     def _sweep_locked(self):
@@ -816,10 +804,11 @@ class Store(WriteBack, Prefetch, HostTier):
         _QUARANTINE.append(owners)
         slot = owners[3]
         self.stats.quarantined_bytes += rec.nbytes + (0 if slot is None else slot.nblocks * BLOCK)
-        self._warn_once("quarantine", "ssdtrain: an interrupt cut short the submission of a "
-                        "request (%r); its memory%s is kept for the rest of the process so that "
-                        "the request, if it was submitted, cannot touch freed memory "
-                        "(Stats.quarantined_bytes).", rec, " and disk slot" if writing else "")
+        self._events.warn_once(
+            "quarantine", "ssdtrain: an interrupt cut short the submission of a request (%r); "
+            "its memory%s is kept for the rest of the process so that the request, if it was "
+            "submitted, cannot touch freed memory (Stats.quarantined_bytes).",
+            rec, " and disk slot" if writing else "")
         if rec.state is State.SPILLING:
             rec.slot = None
             rec.evict = True
@@ -993,9 +982,15 @@ class Store(WriteBack, Prefetch, HostTier):
 
     def raise_pending_error(self):
         """Raise the pending failure event, if any (NOTE [ One event, one error ] in
-        _writeback.py)."""
+        _events.py)."""
         with self._lock:
             self._guarded_locked(self._raise_event_locked)
+
+    def _raise_event_locked(self, rec=None):
+        """Raise the pending event or, with ``rec``, ``rec``'s error (``Events.raise_pending``):
+        the step it is raised in is ``rec``'s, the forward running, or the one that ended
+        last."""
+        self._events.raise_pending(rec, self._current, self._ended)
 
     def snapshot(self):
         """(live records, resident bytes, spill bytes in use) for stats and tests.
@@ -1078,7 +1073,7 @@ class Store(WriteBack, Prefetch, HostTier):
             self.flush(start=False)
         finally:
             with self._lock:
-                self.closed = True
+                self.closed = self._table.closed = True
                 for group in self._table.registry.values():
                     for rec in group:
                         if rec.future is not None and not rec.future.done():
@@ -1108,7 +1103,7 @@ class Store(WriteBack, Prefetch, HostTier):
         """In a forked child: this store belongs to the parent. Never touch its engine,
         files or threads; every later call sees a closed store."""
         self._forked = True
-        self.closed = True
+        self.closed = self._table.closed = True
         self._io.forked()  # the I/O thread is the parent's: not in this process
         self._lock = threading.Lock()  # another parent thread may have held it at fork
         self._inbox = collections.deque()

@@ -21,12 +21,16 @@ writes them:
 * ``ahead``: bytes the prefetch window holds ahead of use (records flagged
   ``prefetched``).
 
-:meth:`RecordTable.move` is the one caller of :func:`~ssdtrain._records.transition`
+:meth:`RecordTable.free` ends a record (FREED: its slot back to the allocator, its
+memory to the graveyard, ``graveyard``, released outside the lock by the I/O thread:
+NOTE [ Store lock discipline ] in _store.py, and out of the registry); every path that
+finds a record with no handle left once its request ended frees it through it, with
+no reach into the store. :meth:`RecordTable.move` is the one caller of :func:`~ssdtrain._records.transition`
 (NOTE [ Record state machine ]): it moves the record and, in the same call, every
 aggregate the move changes, and clears what the new state may not hold (``due``
 once it leaves PENDING, its host budget place once it leaves the tier's states, its
 ``prefetched`` flag once it is FREED). :meth:`add` and :meth:`remove` register and
-unregister; :meth:`make_due`, :meth:`queue_spill`, :meth:`count_ahead` and
+unregister (``free`` unregisters last); :meth:`make_due`, :meth:`queue_spill`, :meth:`count_ahead` and
 :meth:`uncount_ahead` are the other writers of the counts. After an exception cut a
 locked region short, :meth:`recount` recomputes all of them from the records (NOTE [
 Store lock discipline ] in _store.py), and :meth:`problems` lists those that disagree
@@ -50,9 +54,9 @@ class RecordTable:
     Record table ])."""
 
     __slots__ = ("registry", "live", "resident", "writing", "writing_bytes", "due", "due_bytes",
-                 "spill_due", "ahead", "window", "host", "stats")
+                 "spill_due", "ahead", "window", "host", "stats", "graveyard", "closed")
 
-    def __init__(self, window, host, stats):
+    def __init__(self, window, host, stats, graveyard):
         self.registry = {}                        # storage key -> [Record]
         self.live = 0
         self.resident = 0
@@ -65,6 +69,8 @@ class RecordTable:
         self.window = window                      # the tail window (_policy.TailWindow)
         self.host = host                          # the host budget, or None (no host tier)
         self.stats = stats
+        self.graveyard = graveyard                # memory released outside the lock (_iothread.py)
+        self.closed = False                       # the store is closed: slots stay where they are
 
     def records(self):
         """Every registered record (a new list)."""
@@ -121,6 +127,29 @@ class RecordTable:
                 rec.evict = False
         if to is State.FREED:
             self.uncount_ahead(rec)
+
+    def free(self, rec):
+        """Any state -> FREED: memory, slot and registry entry go (no I/O in flight).
+        Resumable: a free cut short (state FREED, still registered) is finished by
+        calling it again (``Store._repair_locked`` does). After ``close()`` the slot is
+        not given back (close() rebuilt the allocator from what is left)."""
+        if rec.state is not State.FREED:
+            self.move(rec, State.FREED)  # it leaves the prefetch window too
+        self.window.release(rec)  # a free cut short and resumed: idempotent
+        slot, rec.slot = rec.slot, None
+        if slot is not None and not self.closed:
+            slot.file.free(slot)
+        self.drop_memory(rec)
+        rec.storage = rec.source = rec.staging = rec.ready = rec.produced = rec.host = None
+        self.remove(rec)
+
+    def drop_memory(self, rec):
+        """``rec`` is about to let go of its memory: a host record's goes to the graveyard,
+        released by the I/O thread outside the lock (freeing a large CPU tensor costs
+        milliseconds of kernel time); a device record's is freed in place (a caching
+        allocator's free costs nothing)."""
+        if rec.device is None and rec.storage is not None:
+            self.graveyard.append((rec.source, rec.storage))
 
     def make_due(self, rec):
         """A PENDING record left the tail window to be written (the pack decision)."""

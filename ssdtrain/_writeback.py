@@ -1,45 +1,23 @@
 """Write-back: starting the writes the pack decision made (NOTE [ The pack decision ] in
 _policy.py), the throttle, the spill budget's verdicts and the failure policy. A mixin of :class:`ssdtrain._store.Store`; methods whose name ends in
 ``_locked`` run with the store lock held (NOTE [ Store lock discipline ] in _store.py).
-
-NOTE [ One event, one error ]
-
-A failure the store finds on its own (a write that failed, a record beyond
-``max_spill_bytes`` with ``on_spill_full="raise"``, a failed round of the I/O thread) is
-not raised where it is found (an engine thread, the I/O thread): it becomes the pending
-*event* (``Store._failure``, a :class:`Failure`), raised by the next store operation that
-can raise (a pack, the throttle, the end of forward, an unpack of a record it lost).
-Further failures found before that join the same event: one error, which says how many
-records the event touched, not one error per record raised by one pack after another
-(which failed the next steps, each of which fit). Raising it marks the step it is raised
-in as reported (``_Pass.reported``: the forward running, which it aborts, the one that
-just ended, or the one a record of the event belongs to, when backward needed that
-record). A record of a reported step that fails later (its write was still in flight)
-is part of the event already raised when its step was aborted or no graph holds it any
-more: it raises only if backward needs its data (``rec.error``), never again at a later
-step's pack. So after the one error the store is clean: once the failed step's graph
-is gone, the next step that fits runs as if nothing had happened. A later failure of a
-record a live graph holds is a new event; so is one of another step. An error backward
-raises for a record outside the pending event (a failed read) leaves the event pending.
+The failure policy reports to the store's :class:`~ssdtrain._events.Events` (NOTE [ One
+event, one error ] in _events.py).
 """
 
 import errno as _errno
 import functools
-import logging
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-import torch
-
 from . import _checksum, _trace
 from ._errors import SpillIOError, SSDTrainError
+from ._events import _without_frames
 from ._policy import slot_bound
 from ._records import State, inplace_error, swapped_error
 from ._spill import BLOCK
 from .io.base import then
-
-log = logging.getLogger("ssdtrain")
 
 
 class WriteBack:
@@ -99,9 +77,9 @@ class WriteBack:
                                                                 rec.produced)
                 except Exception as e:  # noqa: BLE001 - no pinned memory for the staging copy
                     self._keep_locked(rec)  # in device memory, exact; nothing was submitted
-                    self._warn_once("staging", "ssdtrain: a device record could not be staged for "
-                                    "writing (%s: %s); such records stay in device memory.",
-                                    type(e).__name__, e)
+                    self._events.warn_once(
+                        "staging", "ssdtrain: a device record could not be staged for writing "
+                        "(%s: %s); such records stay in device memory.", type(e).__name__, e)
                     return
             rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
             rec.submitted = False
@@ -158,7 +136,7 @@ class WriteBack:
                 self._move_locked(rec, State.KEPT)
             elif exc is not None:
                 if not self._keep_after_failed_write_locked(rec, exc):
-                    self._event_locked(rec, exc, lost=True)
+                    self._events.report(rec, exc, lost=True)
                     self._fail_locked(rec, exc)
             elif self._written_intact_locked(rec):
                 self.stats.records_written += 1
@@ -170,11 +148,11 @@ class WriteBack:
                     rec.source = rec.produced = None
                 else:
                     self._move_locked(rec, State.ON_DISK)
-                    self._drop_memory_locked(rec)
+                    self._table.drop_memory(rec)
                     rec.storage = rec.source = rec.produced = None
         rec.future = None
         if not rec.tokens:
-            self._free_locked(rec)
+            self._table.free(rec)
 
     def _written_intact_locked(self, rec):
         """Whether the saved tensor was left as it was saved while its bytes were copied
@@ -220,16 +198,8 @@ class WriteBack:
         """Any state -> FAILED: ``exc`` is raised when backward needs the record."""
         rec.error = exc
         self._move_locked(rec, State.FAILED)
-        self._drop_memory_locked(rec)
+        self._table.drop_memory(rec)
         rec.storage = rec.source = rec.staging = rec.produced = rec.host = None
-
-    def _drop_memory_locked(self, rec):
-        """``rec`` is about to let go of its memory: a host record's goes to the graveyard,
-        released by the I/O thread outside the lock (freeing a large CPU tensor costs
-        milliseconds of kernel time); a device record's is freed in place (a caching
-        allocator's free costs nothing)."""
-        if rec.device is None and rec.storage is not None:
-            self._graveyard.append((rec.source, rec.storage))
 
     def _over_write_behind(self):
         """Whether more than the write-behind limit in force is written or due to be
@@ -297,9 +267,10 @@ class WriteBack:
         self._move_locked(rec, State.KEPT)
         self.stats.spill_errors += 1
         self.stats.kept_bytes += rec.nbytes
-        self._warn_once("write", "ssdtrain: a spill write failed (%s); on_spill_error='keep' "
-                        "keeps such records in memory, so memory use grows until the device is "
-                        "fixed. Further failures are counted in Stats.spill_errors.", exc)
+        self._events.warn_once(
+            "write", "ssdtrain: a spill write failed (%s); on_spill_error='keep' keeps such "
+            "records in memory, so memory use grows until the device is fixed. Further failures "
+            "are counted in Stats.spill_errors.", exc)
         return True
 
     def _over_budget_locked(self, rec):
@@ -312,7 +283,7 @@ class WriteBack:
         self._keep_locked(rec)
         self.stats.over_budget_bytes += rec.nbytes
         if self.cfg.on_spill_full == "raise":
-            self._event_locked(rec, SpillIOError(
+            self._events.report(rec, SpillIOError(
                 f"ssdtrain: writing record {rec!r} (up to {need} bytes of slots) would take the "
                 f"spill files beyond max_spill_bytes={limit} ({used} bytes reserved by records "
                 f"being written or on disk); "
@@ -321,92 +292,18 @@ class WriteBack:
                 f"records in memory.", errno=_errno.ENOSPC,
                 filename=self.spill.files[0].directory), lost=False)
         else:
-            self._warn_once("budget", "ssdtrain: max_spill_bytes=%d reached (%d bytes reserved); "
-                            "records beyond it stay in memory (Stats.over_budget_bytes).",
-                            limit, used)
-
-    # ------------------------------------------- NOTE [ One event, one error ]
-    def _event_locked(self, rec, exc, lost):
-        """A failure of record ``rec`` (``None``: of the store itself), ``lost`` whether
-        its bytes are gone: it joins the pending event, or starts one, unless ``rec``
-        belongs to a step whose error has been raised (then only backward raises it, if it
-        needs the record). Idempotent per record."""
-        step = None if rec is None else rec.owner
-        if step is not None and step.reported and (step.aborted or not rec.tokens):
-            self._warn_once("reported", "%s [a record of a step whose error was already "
-                            "raised: raised again only if backward needs it; further ones are "
-                            "not logged]", exc)
-            return
-        event = self._failure
-        if event is None:
-            event = self._failure = Failure(exc)
-        if event.error is exc or rec is None:  # a failure of the store itself: never silent
-            log.error("%s", exc)
-        if rec is not None:
-            event.records[rec] = lost
-
-    def _raise_event_locked(self, rec=None):
-        """Raise the pending event, if any (it is then forgotten: raised once), or, with
-        ``rec`` (backward needs it), ``rec``'s own error, which reports the event too if
-        ``rec`` is one of its records. The step it is raised in counts as reported (NOTE [
-        One event, one error ])."""
-        event = self._failure
-        if rec is None and event is None:
-            return
-        note = ""
-        if event is not None and (rec is None or rec in event.records):  # raised now
-            self._failure = None
-            note = event.note()
-            if rec is not None:  # backward needed a record of the event
-                step = rec.owner
-            elif self._current is not None:  # the forward running: the raise aborts it
-                step = self._current
-                step.aborted = True
-            else:  # the end of forward
-                step = self._ended
-            if step is not None:
-                step.reported = True
-        if rec is not None:
-            raise _in_context(rec.error, rec, note)
-        raise _copy(event.error, note)
+            self._events.warn_once(
+                "budget", "ssdtrain: max_spill_bytes=%d reached (%d bytes reserved); records "
+                "beyond it stay in memory (Stats.over_budget_bytes).", limit, used)
 
     def _keep_locked(self, rec):
         """PENDING -> KEPT: the record stays in memory until its last handle dies."""
         self._move_locked(rec, State.KEPT)
         self.stats.kept_bytes += rec.nbytes
 
-    def _warn_once(self, what, msg, *args):
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(msg, *args)
-
 
 _WRITTEN = "written"
 _READ = "read"
-
-
-class Failure:
-    """The pending failure event of a store (NOTE [ One event, one error ]): the first
-    error, and the records it touched (``record -> whether its bytes are lost``)."""
-
-    __slots__ = ("error", "records")
-
-    def __init__(self, error):
-        self.error = error
-        self.records = {}
-
-    def note(self):
-        """What the error adds: how many records the event touched, and what became of
-        them."""
-        n = len(self.records)
-        if not n:
-            return ""
-        lost = sum(self.records.values())
-        fate = "their data is lost" if lost == n else \
-            "kept in memory" if not lost else f"{lost} lost, {n - lost} kept in memory"
-        return (f" [this failure touched {n} record{'s' if n > 1 else ''} of the step "
-                f"({fate}); it is raised once: once this step's graph is gone, later steps "
-                f"that fit run normally]")
 
 
 def failed_future(exc):
@@ -430,43 +327,3 @@ def _owning(fut, owners):
 
 def _disown(fut):
     fut.__dict__.pop("ssdtrain_owners", None)
-
-
-def _without_frames(exc):
-    """``exc`` with no traceback. An error raised while a request completed inline (on the
-    training thread, in pack) has frames that link back to forward's, which hold the
-    graph, whose handles hold the record that keeps the error: a leak."""
-    if exc is not None:
-        exc.__traceback__ = None
-        exc.__context__ = None
-    return exc
-
-
-def _needed_by():
-    """`` (needed by <Node>)`` naming the autograd node running backward, if any."""
-    node = torch._C._current_autograd_node()
-    return "" if node is None else f" (needed by {node.name()} in backward)"
-
-
-def _in_context(err, rec, note=""):
-    """``err`` again, its message naming the record and the backward op that needed it."""
-    return _copy(err, f" [record {rec!r}{_needed_by()}]{note}")
-
-
-def _copy(err, note=""):
-    """A new exception like ``err`` (message + ``note``) to raise in its place.
-
-    The error kept on a record (and in the pending list) is never raised itself: a raised
-    exception's traceback holds the frames of forward or backward, and through them the
-    graph whose handles keep that very record alive (a cycle through the store, which
-    ``gc`` cannot break while the store lives)."""
-    if not isinstance(err, SSDTrainError):  # never raise the stored object (see above)
-        new = SSDTrainError(f"ssdtrain: {type(err).__name__}: {err}{note}")
-        new.__cause__ = err
-        return new
-    if isinstance(err, SpillIOError):
-        return SpillIOError(str(err) + note, errno=err.errno, filename=err.filename)
-    try:
-        return type(err)(str(err) + note)
-    except TypeError:
-        return err

@@ -330,7 +330,7 @@ def test_a_failed_round_is_raised_at_the_next_pack(make_offloader, caplog):
     a, y = _chain(off, xs[:1])
     armed.set()
     store._kick()  # the next round fails
-    _until(lambda: fired and store._failure, "report its failure")
+    _until(lambda: fired and store._events.failure, "report its failure")
     with pytest.raises(SSDTrainError, match="I/O thread failed.*injected failure"):
         _chain(off, xs)
     y.backward()
@@ -421,7 +421,7 @@ def test_no_memory_for_a_prefetch_buffer_is_not_an_error(make_offloader, caplog)
         a, y = _chain(off, xs, settle=True)
         y.backward()
     assert torch.equal(a.grad, _reference(xs))
-    assert store._failure is None
+    assert store._events.failure is None
     warned = [r for r in caplog.records if "could not get its buffer" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     failing[0] = False
