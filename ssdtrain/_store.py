@@ -680,7 +680,7 @@ class Store(WriteBack, Prefetch, HostTier):
                             f"this bug.")
         err.__cause__ = exc
         with self._lock:  # NOTE [ One event, one error ] in _events.py
-            self._guarded_locked(self._event_locked, None, err, False)
+            self._guarded_locked(self._events.report, None, err, False)
 
     def _at_backward_end(self):
         """Queue a drain for the end of the running backward (once per graph task): the
