@@ -42,7 +42,9 @@ NOTE [ Store lock discipline ]
 * Memory is not released under the lock: a host tensor whose last reference the
   store drops, or a read buffer's mapping, goes to ``_graveyard`` and is let go of
   outside the lock, by the I/O thread or at the end of backward (freeing a 64 MiB
-  tensor or unmapping a buffer costs milliseconds of the kernel's time). A device
+  tensor or unmapping a buffer costs milliseconds of the kernel's time), or, under a
+  memory budget, at layer boundaries where the I/O thread lags (``release_dropped``:
+  NOTE [ Measured memory ] in _adaptive.py). A device
   record's memory is freed in place (the caching allocator's free costs nothing).
 * CRC32C runs on engine threads (``then`` callbacks), never under the lock (unless an
   engine completes a request inline, which none of ssdtrain's do).
