@@ -33,6 +33,16 @@ class _Clock:
         self._heap, self._n = [], itertools.count()
         self._cv = threading.Condition()
         self._thread = None
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self):
+        """In a forked child: the requests waiting here are the parent's (their callbacks
+        would run the parent's store in the child, and may block there, holding up the
+        child's own requests behind them), and the lock may have been held at the fork.
+        Forget both, as the store abandons the parent's requests."""
+        self._heap = []
+        self._cv = threading.Condition()
+        self._thread = None
 
     def start(self):
         """Start the thread if it is not running (at install, so that tests counting
@@ -60,6 +70,10 @@ class _Clock:
                 dst.set_result(src.result())
             else:
                 dst.set_exception(exc)
+            # Not kept until the next request is due: a done future keeps its callbacks,
+            # and theirs keep what the store gave the request (a staging lease, a
+            # record), which would then outlive the request here and nowhere else.
+            del src, dst, exc
 
 
 _CLOCK = _Clock()

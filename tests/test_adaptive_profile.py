@@ -161,13 +161,19 @@ def test_budget_that_cannot_be_met_is_said(make_offloader, caplog):
 
 def test_budget_met_is_measured_and_silent(make_offloader, caplog):
     """A budget the plan fits: every step under it is measured (Stats), within the
-    budget and the prediction; nothing is said, nothing re-planned."""
+    budget and the prediction; nothing is said, nothing re-planned.
+
+    Each step's I/O is settled before the next begins: the prediction takes the disk
+    to be as fast as the bandwidth set below, and on a slower one an earlier step's
+    writes still in flight (the recompute-all step's inputs) are held, and measured,
+    in the next (SSDTRAIN_TEST_IO_DELAY_MS)."""
     model, x = MLP(), _x()
     ref = run_step(model, (x,))
     off = _adaptive(make_offloader, model, budget=1 * MiB)
     caplog.set_level(logging.WARNING, logger="ssdtrain")
     for _ in range(6):
         assert_same(ref, run_step(model, (x,), off))
+        off.wait()
     p = off.active_plan
     st = off.stats()
     assert p.fits and 0 < st.budget_measured_bytes <= p.prediction.peak_bytes <= 1 * MiB
@@ -216,6 +222,9 @@ def test_memory_let_go_late_is_released_at_layer_boundaries(make_offloader, capl
     budget = p.prediction.peak_bytes
     x = _x()
     ref = run_step(model, (x,))
+    # The earlier steps' writes land first: else the first step measured holds them too
+    # while they are in flight (a slow disk), and more than the second.
+    off.wait()
     _late_frees(off)
     if not release:
         monkeypatch.setattr(off._layers, "_release_dropped", lambda: False)

@@ -305,12 +305,7 @@ thread_local const Engine::State* tls_worker_of = nullptr;
 
 // Holds the shared state, so a detached worker (see Engine::shutdown) keeps it alive.
 void worker_main(std::shared_ptr<Engine::State> s, std::size_t index) {
-  tls_worker_of = s.get();
-#ifdef __linux__
-  // Named as the posix engine's threads are, so top, perf, py-spy and profilers (and
-  // benchmarks/step_overhead.py's I/O-thread CPU column) can tell them from compute.
-  pthread_setname_np(pthread_self(), "ssdtrain-io");
-#endif
+  tls_worker_of = s.get();  // named "ssdtrain-io" by the constructor (Engine::Engine)
   Worker& w = *s->workers[index];
   for (;;) {
     Piece p;
@@ -394,6 +389,14 @@ Engine::Engine(int threads, std::size_t chunk_bytes, Backend backend)
       }
       try {
         threads_.emplace_back(worker_main, state_, static_cast<std::size_t>(i));
+#ifdef __linux__
+        // Named as the posix engine's threads are, so top, perf, py-spy and profilers
+        // (and benchmarks/step_overhead.py's I/O-thread CPU column) can tell them from
+        // compute. Named here, not by the worker itself: the name is then there when the
+        // constructor returns, not whenever the new thread first runs (on a loaded
+        // machine, after tools and tests had looked).
+        pthread_setname_np(threads_.back().native_handle(), "ssdtrain-io");
+#endif
       } catch (const std::system_error& e) {
         // pthread_create's errno (EAGAIN: a limit of threads, or no memory for a stack),
         // kept as the code so the binding raises OSError(errno) and Python names the
