@@ -16,9 +16,11 @@ test process asserts:
 * every micro-batch loss (last stage) and every parameter gradient on every stage
   ``torch.equal`` to the run without ssdtrain, at every step;
 * offloaded bytes > 0 on both stages, and every offloaded byte read back;
-* prefetch follows the schedule's backward order: after the first (cold) step, no
-  unpack finds its record still on disk (``Stats.prefetch_misses`` stays 0) when
-  the prefetch window holds the stage's in-flight micro-batches. In 1F1B the first
+* prefetch follows the schedule's backward order: after the first (cold) step,
+  unpacks find their record read or being read (``Stats.prefetch_hits``), at most
+  two still on disk over the warm steps (``Stats.prefetch_misses``: 0 on an idle
+  machine, 1 seen where the I/O thread ran late; 6 when the schedule is not
+  followed) when the prefetch window holds the stage's in-flight micro-batches. In 1F1B the first
   stage runs the backward of an *older* micro-batch than the one that forward just
   ended (F1 B0 F2 B1 ...); the offloader moves the pass whose backward began to
   the front of the prefetch queue (``Stats.prefetch_hits`` counts the reads it
@@ -273,4 +275,10 @@ def test_pipeline_prefetch_follows_the_schedule(pipeline_results, schedule):
               f"{warm_misses}; cold step: hits {per_step[0]['prefetch_hits']}, misses "
               f"{per_step[0]['prefetch_misses']}")
         assert warm_hits > 0
-        assert warm_misses == 0, f"{schedule} stage {rank}: {warm_misses} prefetch misses"
+        # The reads are started by the store's I/O thread, which a loaded machine can
+        # leave unscheduled for a moment: a read not yet started when a pass's backward
+        # begins is a miss (CI saw 1 in the interleaved schedule; 0 on an idle machine).
+        # Without the promotion of the pass whose backward began (_promote_locked), the
+        # interleaved schedule's first stage misses 6 here: more than 2 is that bug.
+        assert warm_misses <= 2, \
+            f"{schedule} stage {rank}: {warm_misses} prefetch misses, {warm_hits} hits"
