@@ -55,6 +55,8 @@ def setup(mode, cfg, budget, spill_dir):
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
             policy="adaptive", memory_budget_bytes=int(budget), **base))
         off.track(model, list(model.layers))
+    elif mode in ("auto", "static"):  # a policy with nothing else set but spill_dir
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy=mode, **base))
     elif mode != "none":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
         off.track(model, list(model.layers))
@@ -90,6 +92,17 @@ def one_step(s, step, measured):
     return max(emu.peak, emu.sampled_peak)
 
 
+def _plan_text(s, plan):
+    """The plan column: the adaptive plan's letters, or ``policy="auto"``'s quota and what
+    its last measured step wrote."""
+    if plan is not None:
+        return "".join(c[0] for c in plan.choices)
+    if s["off"] is not None and s["mode"] == "auto":
+        st = s["off"].stats()
+        return f"Q {(st.offload_quota_bytes or 0) / MiB:.0f} MiB"
+    return ""
+
+
 def run(args, tflops, spill_dir):
     shape = dict(E.DEFAULT_SHAPE)
     for k in shape:
@@ -119,7 +132,7 @@ def run(args, tflops, spill_dir):
             else None
         m = med[s["mode"]]
         rows.append(
-            f"| {tflops:g} | {s['mode']} | {''.join(c[0] for c in plan.choices) if plan else ''} "
+            f"| {tflops:g} | {s['mode']} | {_plan_text(s, plan)} "
             f"| {m * 1e3:.0f} | {min(s['step_s']) * 1e3:.0f} | "
             f"{'' if pred is None else f'{pred * 1e3:.0f} ({pred / m - 1:+.0%})'} | "
             f"{m / med['none']:.2f}x | "

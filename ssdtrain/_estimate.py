@@ -70,8 +70,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._config import OffloadConfig
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._hosttier import HostBudget, budget_bytes, has_ssd_tier
-from ._policy import (KEEP_BUDGET, KEEP_QUOTA, TRACKER, TailWindow, is_offloadable_kind,
-                      keep_reason)
+from ._policy import (KEEP_BUDGET, KEEP_QUOTA, TRACKER, PassedRanges, TailWindow,
+                      is_offloadable_kind, keep_reason)
 from ._profile import LayerProfiler, _tensors, default_layers
 from ._records import State, find_record
 
@@ -306,6 +306,7 @@ class _Replay:
         self.storages: Dict[int, _Storage] = {}
         self.window = TailWindow(cfg.keep_tail_bytes, cfg.max_spill_bytes)
         self.window.begin_step(quota)  # Store._begin_pass_locked (NOTE [ The offload quota ])
+        self.passed = PassedRanges()   # saved after the quota was spent (NOTE [ The pack decision ])
         self._inbox = collections.deque()
 
     def _layer(self):
@@ -350,6 +351,17 @@ class _Replay:
         version = t._version
         extent = byte_extent(t)
         span = storage.nbytes()
+        if self.window.spent and not self.registry.get(key):  # Store._pass_spent
+            added = self.passed.add(key, version, extent, _NO_ADDRESS, span)
+            if added:
+                m.unique_bytes += added
+                lb.unique_bytes += added
+                m.quota_kept_bytes += added
+                m.kept_bytes += added
+                lb.kept_bytes += added
+            else:
+                m.deduplicated_bytes += nbytes
+            return _Handle(self, st, None, False)  # held as a kept record's bytes are
         rec = find_record(self.registry.get(key), version, extent, _NO_ADDRESS, span)
         if rec is None:
             lo, hi = record_range(extent, span)

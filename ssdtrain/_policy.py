@@ -28,6 +28,17 @@ step. Within the step the decision stays a pure function of the saves and releas
 the configuration and that number (:attr:`Stats.offload_quota_bytes` shows it; the
 estimate replays a given quota, ``ssdtrain estimate --offload-quota``).
 
+Once a step's quota is spent, everything the step saves after is kept, so a new
+record would only cost time: a tensor whose storage has no live record is passed
+through in memory instead (``QuotaKept``, no record, no lock, no device event), and
+:class:`PassedRanges` counts the bytes a record would have had (first save of each
+range: ``unique_bytes``, ``quota_kept_bytes``, ``kept_bytes``; a later save of those
+bytes: ``deduplicated_bytes``), so the statistics, the quota's measurements and the
+estimate's replay are the same as with records. Those bytes fill the prefetch window
+when forward ends, as kept records do (NOTE [ The offload quota ] in ``_auto.py``).
+Not with a plan (``track``/``attach`` and ``set_plan`` or the adaptive policy), whose
+per-layer bookkeeping needs records.
+
 A record that left the window stays out of it whatever happens next: a later save of
 the same bytes does not bring it back, whether its write has started or not. The
 store's I/O thread only carries out the writes decided (``RecordTable.due``); a record
@@ -51,9 +62,10 @@ import threading
 import torch
 
 from ._align import BLOCK, align_up
-from ._identity import StorageWeakRef, storage_key
+from ._identity import StorageWeakRef, record_range, storage_key
 
 __all__ = ["ModuleStateTracker", "TRACKER", "is_offloadable_kind", "keep_reason", "TailWindow",
+           "PassedRanges",
            "slot_bound", "KEEP_SMALL", "KEEP_KIND", "KEEP_LEAF", "KEEP_STATE", "KEEP_TAIL",
            "KEEP_BUDGET", "KEEP_QUOTA", "KEEP_CAPTURE"]
 
@@ -227,6 +239,44 @@ class TailWindow:
         self.records = collections.OrderedDict((r, None) for r in window)
         self.nbytes = sum(r.nbytes for r in window)
         self.reserved = reserved
+
+
+class PassedRanges:
+    """The byte ranges a step passed through after its quota was spent (NOTE [ The pack
+    decision ]): what records they would have been, so that they are counted as
+    records would be. Pure bookkeeping for one pass; the store and the estimate call
+    it on the thread that runs forward.
+
+    Attributes:
+        ranges: storage key -> ``[(lo, hi, version, ptr, span)]``, as
+            :func:`ssdtrain._records.find_record` matches a record.
+        nbytes: the bytes of those ranges not yet used by backward (what the prefetch
+            window counts from the end of forward, ``RecordTable.count_passed``).
+    """
+
+    __slots__ = ("ranges", "nbytes", "ref", "__weakref__")
+
+    def __init__(self):
+        self.ranges = {}
+        self.nbytes = 0
+        self.ref = None  # the record table's PassedRef once forward ended (_table.py)
+
+    def add(self, key, version, extent, ptr, span) -> int:
+        """A save of ``extent`` of storage ``key``: the bytes of the record it would make
+        (counted in :attr:`nbytes`), or 0 when a range passed before holds it (a dedup
+        hit; same rules as ``find_record``)."""
+        group = self.ranges.get(key)
+        start, end = extent
+        if group is None:
+            group = self.ranges[key] = []
+        else:
+            for lo, hi, v, p, sp in group:
+                if v == version and lo <= start and end <= hi and p == ptr and sp == span:
+                    return 0
+        lo, hi = record_range(extent, span)
+        group.append((lo, hi, version, ptr, span))
+        self.nbytes += hi - lo
+        return hi - lo
 
 
 class ModuleStateTracker:

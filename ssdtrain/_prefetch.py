@@ -35,10 +35,11 @@ _NEAR = 2  # records: a window this close to backward's use is refilled by unpac
 class _Pass:
     """One forward under the offloader: the records it saved, for prefetch."""
 
-    __slots__ = ("records", "queue", "reported", "aborted")
+    __slots__ = ("records", "queue", "reported", "aborted", "passed")
 
     def __init__(self):
         self.records = []
+        self.passed = None  # PassedRanges: saved after the quota was spent (NOTE [ The pack decision ])
         self.queue = None  # deque of records to prefetch, built when forward ends
         # NOTE [ One event, one error ] in _events.py: an error was raised for it; in
         # its forward (a pack raised: the forward never ended, its graph is garbage).
@@ -61,6 +62,9 @@ class Prefetch:
             # The kept tail is what backward uses first: it fills the window, so
             # kept + prefetched bytes stay within prefetch_bytes (not their sum).
             self._table.count_ahead(rec)
+        if p.passed is not None:  # passed through after the quota was spent: the same
+            ranges, p.passed = p.passed, None  # (only its tensors keep it alive now)
+            self._table.count_passed(ranges, self._inbox.append)
         todo = {id(r): r for r in p.records if r.state in _FETCHED}
         p.queue = collections.deque(sorted(todo.values(), key=lambda r: -r.seq))
         p.records = None

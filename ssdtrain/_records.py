@@ -78,6 +78,7 @@ import torch
 from ._identity import byte_extent
 
 __all__ = ["State", "TRANSITIONS", "RESIDENT", "OUTBOUND", "DEAD", "Record", "Handle", "Token",
+           "QuotaKept",
            "Kept", "transition", "find_record", "GEOMETRY_ALIGN"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -296,6 +297,21 @@ class Kept:
         if t.numel() and s.nbytes() < byte_extent(t)[1]:
             raise swapped_error(t, "its storage was resized (untyped_storage().resize_())")
         return t
+
+
+class QuotaKept(Kept):
+    """A :class:`Kept` saved after the step's offload quota was spent (NOTE [ The pack
+    decision ] in _policy.py): ``ranges`` is the pass's
+    :class:`~ssdtrain._policy.PassedRanges` and ``nbytes`` the bytes this save added to
+    it (0 for a later save of the same bytes), which leave the prefetch window at its
+    first unpack (``Store.unpack``)."""
+
+    __slots__ = ("ranges", "nbytes")
+
+    def __init__(self, t, ranges, nbytes):
+        Kept.__init__(self, t)
+        self.ranges = ranges
+        self.nbytes = nbytes
 
 
 def inplace_error(t, now, expected):

@@ -136,14 +136,14 @@ from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
 from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._config import MAX_BYTES
-from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, TailWindow, keep_reason
+from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, PassedRanges, TailWindow, keep_reason
 from ._spill import BLOCK
-from ._table import RecordTable
+from ._table import PassedRef, RecordTable
 from ._prefetch import Prefetch, _Pass
 from ._readbuf import ReadBuffers
 from ._hosttier import HostBudget, HostTier
 from ._iothread import IOThread
-from ._records import (OUTBOUND, SERVABLE, Handle, Kept, Record, State, Token,
+from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
 from ._events import Events, _copy, _needed_by, _without_frames
 from ._writeback import _READ, _WRITTEN, WriteBack, _owning, failed_future
@@ -327,6 +327,10 @@ class Store(WriteBack, Prefetch, HostTier):
                 return Kept(t)
             version = t._version
             extent = byte_extent(t)
+            if self._window.spent and self.layers is None and key not in self._table.registry:
+                cur = self._current  # the quota is spent: kept without a record
+                if cur is not None:  # (NOTE [ The pack decision ] in _policy.py)
+                    return self._pass_spent(t, cur, key, version, extent, storage, nbytes)
             layers = self.layers
             choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
             with self._lock:
@@ -339,6 +343,24 @@ class Store(WriteBack, Prefetch, HostTier):
         finally:
             if span is not None:
                 _trace.end(span)
+
+    def _pass_spent(self, t, cur, key, version, extent, storage, nbytes):
+        """Pack once the step's quota is spent, for a storage with no live record: the
+        tensor stays in memory without a record, counted as the record it would have been
+        (NOTE [ The pack decision ] in _policy.py). Without the lock: only the thread
+        running the pass's forward writes its ranges until forward ends."""
+        ranges = cur.passed
+        if ranges is None:
+            ranges = cur.passed = PassedRanges()
+        stats = self.stats
+        added = ranges.add(key, version, extent, storage.data_ptr(), storage.nbytes())
+        if added:
+            stats.unique_bytes += added
+            stats.quota_kept_bytes += added
+            stats.kept_bytes += added
+        else:
+            stats.deduplicated_bytes += nbytes
+        return QuotaKept(t, ranges, added)
 
     def _pack_locked(self, t, storage, key, version, extent, nbytes, choice, leaf=None):
         self._check_open()
@@ -449,6 +471,15 @@ class Store(WriteBack, Prefetch, HostTier):
                 with _trace.begin(_trace.UNPACK, {"kept": 1}):
                     return handle.unpack()
             return handle.unpack()
+        if type(handle) is QuotaKept:
+            if handle.nbytes:  # its bytes leave the prefetch window: reads may start
+                with self._lock:
+                    self._guarded_locked(self._use_passed_locked, handle)
+                self._after_hook(self._read_due())
+            if _PROFILER._is_profiler_enabled:
+                with _trace.begin(_trace.UNPACK, {"kept": 1}):
+                    return handle.unpack()
+            return handle.unpack()
         span = _trace.begin(_trace.UNPACK, {"bytes": handle.record.nbytes,
                                             "record": handle.record.seq}) \
             if _PROFILER._is_profiler_enabled else None
@@ -487,6 +518,17 @@ class Store(WriteBack, Prefetch, HostTier):
         finally:
             if span is not None:
                 _trace.end(span)
+
+    def _use_passed_locked(self, handle):
+        """The first unpack of a tensor passed through with bytes of its own: they leave
+        the prefetch window (NOTE [ The pack decision ] in _policy.py). The trigger is
+        cleared first: cut short, the bytes stay counted until their graph dies."""
+        nbytes, handle.nbytes = handle.nbytes, 0
+        ranges = handle.ranges
+        if nbytes and ranges is not None:
+            ranges.nbytes -= nbytes
+            if ranges.ref is not None:
+                self._table.use_passed(ranges.ref, nbytes)
 
     def _loaded_locked(self, rec, handle, fut):
         """``(view, None)`` of ``rec`` once the request ``fut`` that unpack waited for
@@ -704,6 +746,8 @@ class Store(WriteBack, Prefetch, HostTier):
             try:
                 if type(ev) is Token:  # a handle died (its weak reference's callback)
                     self._released_locked(ev.record, ev)
+                elif type(ev) is PassedRef:  # a pass's passed-through tensors died
+                    self._table.uncount_passed(ev)
                 elif ev[0] is _WRITTEN:
                     self._write_done_locked(ev[1], ev[2])
                 elif ev[0] is _SLOT_FREE:

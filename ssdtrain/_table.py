@@ -19,7 +19,9 @@ writes them:
   written (HOSTED, ``evict`` set); ``host`` is the host tier's
   :class:`~ssdtrain._hosttier.HostBudget` (``None``: no host tier);
 * ``ahead``: bytes the prefetch window holds ahead of use (records flagged
-  ``prefetched``).
+  ``prefetched``, and the bytes passes passed through after their offload quota was
+  spent and backward has not used yet: ``passed``, one :class:`PassedRef` per pass,
+  NOTE [ The pack decision ] in _policy.py).
 
 :meth:`RecordTable.free` ends a record (FREED: its slot back to the allocator, its
 memory to the graveyard, ``graveyard``, released outside the lock by the I/O thread:
@@ -42,11 +44,30 @@ I/O thread (NOTE [ The store's I/O thread ] in _store.py).
 """
 
 import collections
+import weakref
 
 from ._hosttier import IN_TIER
 from ._records import OUTBOUND, RESIDENT, State, transition
 
-__all__ = ["RecordTable"]
+__all__ = ["RecordTable", "PassedRef"]
+
+
+class PassedRef(weakref.ref):
+    """A weak reference to a pass's :class:`~ssdtrain._policy.PassedRanges`, with the
+    bytes of it the prefetch window counts (``nbytes``). Its callback queues it into
+    the store's inbox when the pass's last passed-through tensor dies (its graph was
+    freed): the bytes backward never used leave the window then
+    (:meth:`RecordTable.uncount_passed`)."""
+
+    __slots__ = ("nbytes",)
+
+    def __new__(cls, ranges, callback):
+        self = weakref.ref.__new__(cls, ranges, callback)
+        self.nbytes = 0
+        return self
+
+    def __init__(self, ranges, callback):
+        super().__init__(ranges, callback)
 
 
 class RecordTable:
@@ -54,7 +75,8 @@ class RecordTable:
     Record table ])."""
 
     __slots__ = ("registry", "live", "resident", "writing", "writing_bytes", "due", "due_bytes",
-                 "spill_due", "ahead", "window", "host", "stats", "graveyard", "closed")
+                 "spill_due", "ahead", "passed", "window", "host", "stats", "graveyard",
+                 "closed")
 
     def __init__(self, window, host, stats, graveyard):
         self.registry = {}                        # storage key -> [Record]
@@ -66,6 +88,7 @@ class RecordTable:
         self.due_bytes = 0
         self.spill_due = collections.OrderedDict()  # evicted HOSTED records (NOTE [ Host tier ])
         self.ahead = 0                            # prefetched bytes not yet consumed
+        self.passed = {}                          # id -> PassedRef counted in ahead
         self.window = window                      # the tail window (_policy.TailWindow)
         self.host = host                          # the host budget, or None (no host tier)
         self.stats = stats
@@ -173,6 +196,32 @@ class RecordTable:
             rec.prefetched = False
             self.ahead -= rec.nbytes
 
+    def count_passed(self, ranges, callback):
+        """Forward of a pass ended: the bytes it passed through and backward has not used
+        (``ranges``, a :class:`~ssdtrain._policy.PassedRanges`) fill the prefetch window
+        as kept records do, until used (:meth:`use_passed`) or their graph dies
+        (``callback`` gets the :class:`PassedRef`: :meth:`uncount_passed`)."""
+        if ranges.nbytes > 0:
+            ref = PassedRef(ranges, callback)
+            ranges.ref = ref
+            ref.nbytes = ranges.nbytes
+            self.passed[id(ref)] = ref
+            self.ahead += ref.nbytes
+
+    def use_passed(self, ref, nbytes):
+        """Backward used ``nbytes`` of a pass's passed-through bytes."""
+        if self.passed.get(id(ref)) is ref:
+            ref.nbytes -= nbytes
+            self.ahead -= nbytes
+
+    def uncount_passed(self, ref):
+        """The pass's passed-through tensors are gone: what backward did not use leaves
+        the window. Idempotent."""
+        if self.passed.get(id(ref)) is ref:
+            self.ahead -= ref.nbytes
+            ref.nbytes = 0
+            del self.passed[id(ref)]
+
     def _add_resident(self, delta):
         self.resident += delta
         if self.resident > self.stats.peak_resident_bytes:
@@ -205,8 +254,11 @@ class RecordTable:
             (r, None) for r in sorted(recs, key=lambda r: r.seq)
             if r.evict and r.state is State.HOSTED)
         self.resident = sum(r.nbytes for r in recs if r.state in RESIDENT)
-        self.ahead = sum(r.nbytes for r in recs if r.prefetched)
+        self.ahead = sum(r.nbytes for r in recs if r.prefetched) + self._passed_bytes()
         self.live = len(recs)
+
+    def _passed_bytes(self):
+        return sum(ref.nbytes for ref in self.passed.values())
 
     def problems(self, recs):
         """What disagrees between the aggregates and ``recs`` (every registered
@@ -236,7 +288,8 @@ class RecordTable:
         wr = [r for r in recs if r.state in OUTBOUND]
         check(set(map(id, self.writing)) == set(map(id, wr)), "writing != WRITING records")
         check(self.writing_bytes == sum(r.nbytes for r in wr), "writing bytes")
-        check(self.ahead == sum(r.nbytes for r in recs if r.prefetched), "prefetched bytes")
+        check(self.ahead == sum(r.nbytes for r in recs if r.prefetched) + self._passed_bytes(),
+              "prefetched bytes")
         for r in recs:
             check(not r.tier or r.state in IN_TIER, f"{r!r}: in the host budget")
         host = self.host  # NOTE [ Host tier ] in _hosttier.py

@@ -380,8 +380,13 @@ class Scenario:
     #: plans, probing the engine's bandwidth);
     #: ``deepspeed``: the DeepSpeed adapter's engine-forward wrapper
     #: (``integrations/deepspeed.py``, ``_EngineForward``) around the model.
-    MODES = ("with", "attach", "adaptive", "deepspeed")
-    MODE_CONFIG = {"adaptive": dict(policy="adaptive", profile_steps=1, memory_budget_bytes=96 * KiB)}
+    #: ``auto``: ``with off:`` under ``policy="auto"`` with a fixed offload quota of
+    #: :data:`AUTO_QUOTA` (half of a step's records are written, the rest passed through:
+    #: NOTE [ The pack decision ] in _policy.py), no baseline steps or disk probe.
+    MODES = ("with", "attach", "adaptive", "deepspeed", "auto")
+    MODE_CONFIG = {"adaptive": dict(policy="adaptive", profile_steps=1, memory_budget_bytes=96 * KiB),
+                   "auto": dict(policy="auto")}
+    AUTO_QUOTA = 72 * KiB  # of the 146 KiB of records a step saves
 
     def __init__(self, n_steps=8, batch=32, d=64, mode="with"):
         if mode not in self.MODES:
@@ -423,6 +428,8 @@ class Scenario:
         elif self.mode == "deepspeed":
             from ssdtrain.integrations import deepspeed as ds_adapter
             self._forward = ds_adapter._EngineForward(self.model, off, False)
+        elif self.mode == "auto":
+            off._auto.begin_step = lambda: self.AUTO_QUOTA
 
     def finish(self, off):
         """Undo :meth:`prepare` (before ``close()``, which untracks)."""
@@ -1032,6 +1039,18 @@ def sweep_in_children(engine, select, spill_dir, *, budget_s, max_failing=10,
     return result, base
 
 
+def _function_lines(name):
+    """``(path, lines)`` of ``module:qualified.name`` (a function or method)."""
+    import functools as _ft
+    import importlib
+    import inspect
+    mod, qual = name.split(":")
+    module = importlib.import_module(mod)
+    fn = _ft.reduce(getattr, qual.split("."), module)
+    src, first = inspect.getsourcelines(fn)
+    return os.path.abspath(inspect.getsourcefile(fn)), range(first, first + len(src))
+
+
 def _main(argv=None):
     """``sweep --engine E --select first|last|full --spill DIR --out F --targets-file T
     [--start I] [--max-failing N]`` or ``sigint --engine E --seconds S --seed N --spill DIR
@@ -1050,6 +1069,9 @@ def _main(argv=None):
     parser.add_argument("--skip-function", default="",
                         help="comma-separated module:function names whose lines are not "
                              "interrupted (known, tracked elsewhere)")
+    parser.add_argument("--only-function", default="",
+                        help="comma-separated module:qualified.name of functions: interrupt "
+                             "only their lines")
     parser.add_argument("--only", default="",
                         help="comma-separated file names: interrupt only lines of these (the "
                              "baseline still traces every file of --files)")
@@ -1103,6 +1125,11 @@ def _main(argv=None):
                 skip = range(first, first + len(src))
                 counts = {k: n for k, n in counts.items()
                           if not (os.path.abspath(k[0]) == path and k[1] in skip)}
+            if args.only_function:
+                counts = {k: n for k, n in counts.items()
+                          if any(os.path.abspath(k[0]) == path and k[1] in lines
+                                 for path, lines in map(_function_lines,
+                                                        args.only_function.split(",")))}
             tgts = targets(counts, full=args.select == "full")
             if args.select != "full":
                 tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]

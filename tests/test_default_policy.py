@@ -316,3 +316,63 @@ def test_estimate_replays_a_step_quota(spill_dir):
     with pytest.raises(ssdtrain.ConfigError, match="offload_quota"):
         E.estimate(make, config=ssdtrain.OffloadConfig(**dict(SMALL, policy="static")),
                    offload_quota=quota)
+
+
+# ------------------------------------------------- past the quota: no records
+def test_a_spent_quota_keeps_tensors_without_records_counted_as_records(spill_dir):
+    """Once the quota is spent, a new storage is passed through in memory without a
+    record (NOTE [ The pack decision ] in _policy.py): with quota 0 a step leaves no
+    record at all, yet counts what it saved as the static policy's records (the quota's
+    measurements read them), and its gradients are exact."""
+    model, inputs = models.gpt()
+    ref_model, _ = models.gpt()
+    ref_model.load_state_dict(model.state_dict())
+    (spill_dir / "static").mkdir()
+    (spill_dir / "auto").mkdir()
+    static = ssdtrain.Offloader(spill_dir=str(spill_dir / "static"),
+                                **dict(SMALL, policy="static"))
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir / "auto"), **SMALL)
+    try:
+        with static:
+            ref_model(*inputs).backward()
+        _fixed_quota(off, 0)
+        with off:
+            loss = model(*inputs)
+        assert off._store.records() == []                      # no record
+        s, a = static.stats(), off.stats()
+        assert a.unique_bytes == s.unique_bytes > 0            # counted as records
+        assert a.quota_kept_bytes == a.unique_bytes and a.offloaded_bytes == 0
+        assert a.deduplicated_bytes == s.deduplicated_bytes
+        # backward uses them first: they fill the prefetch window as kept records do
+        assert off._store._table.ahead == a.unique_bytes
+        loss.backward()
+        assert_grads_equal(grads(ref_model), grads(model))
+        off._store.check_invariants()
+        assert off._store._table.ahead == 0                    # used: out of the window
+    finally:
+        static.close()
+        off.close()
+
+
+def test_passed_bytes_leave_the_window_when_their_graph_dies(spill_dir):
+    """A graph freed without backward: the bytes it passed through leave the prefetch
+    window (else later steps' reads would wait for room that never comes)."""
+    model, inputs = models.mlp()
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+    try:
+        _fixed_quota(off, 0)
+        with off:
+            loss = model(*inputs)
+        table = off._store._table
+        assert table.ahead > 0 and len(table.passed) == 1
+        del loss
+        off._store.check_invariants()                          # drains the release
+        assert table.ahead == 0 and not table.passed
+        with off:                                              # and the next step's are counted
+            loss = model(*inputs)
+        assert table.ahead > 0
+        loss.backward()
+        off._store.check_invariants()
+        assert table.ahead == 0 and not table.passed
+    finally:
+        off.close()
