@@ -58,7 +58,8 @@ R * bandwidth / offload bytes``.
 
 Modes: ``none``; ``checkpoint`` (``torch.utils.checkpoint`` per layer, no
 ssdtrain); ``offload_all`` (static, ``keep_tail_bytes=0``); ``default``
-(``OffloadConfig(spill_dir=...)`` only); ``budget`` (``policy="adaptive"``,
+(``OffloadConfig(spill_dir=...)`` only); ``auto`` (``policy="auto"`` and nothing else;
+not run unless named); ``budget`` (``policy="adaptive"``,
 ``memory_budget_bytes`` = ``--budget-fraction`` of none's tracked peak, layers via
 ``track``); and static mixes through ``set_plan`` with ``keep_tail_bytes=0``:
 ``ok<k>`` offload the first k layers and keep the rest, ``rk<k>`` recompute the
@@ -68,7 +69,7 @@ runs ``ssdtrain estimate --plan``'s plans so).
 
 Every (R, mode, repeat) is a fresh process, modes interleaved (rotated each
 repeat); ``none`` runs first once to set the budget. Each worker runs
-``--warmup`` steps (2; ``--warmup-adaptive`` 4 for ``default`` and ``budget``:
+``--warmup`` steps (2; ``--warmup-adaptive`` 4 for ``default``, ``auto`` and ``budget``:
 the budget mode profiles 2 steps, runs one recompute-all step, and plans, probing the
 disk, at the start of the 4th) then ``--steps`` measured ones.
 Output: a markdown table, the accelerator-regime targets (reported, never asserted), a
@@ -107,6 +108,9 @@ from _common import (  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "accel_emulator.json")
 BASE_MODES = ("none", "checkpoint", "offload_all", "default", "budget")
+# not in the default set: policy="auto" by name (what "default" runs once it is the default)
+EXTRA_MODES = ("auto",)
+POLICY_MODES = ("default", "auto", "budget")  # modes whose policy decides: more warm-up
 DEFAULT_SHAPE = dict(n_layers=8, batch=8, seq=512, d_model=256, n_heads=4, mlp_ratio=4,
                      vocab=1024)
 TINY_SHAPE = dict(n_layers=4, batch=2, seq=128, d_model=128, n_heads=4, mlp_ratio=4,
@@ -595,9 +599,11 @@ def run_mode(cfg):
     elif mode == "offload_all":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", keep_tail_bytes=0,
                                                         **base))
-    elif mode == "default":
+    elif mode in ("default", "auto"):
         if cfg.get("max_slowdown") is not None:  # --max-slowdown: the default's margin
             base["max_slowdown"] = cfg["max_slowdown"]
+        if mode == "auto":
+            base["policy"] = "auto"
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(**base))
     elif mode == "budget":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
@@ -781,10 +787,11 @@ def main(argv=None):
     n = shape["n_layers"]
     modes = args.modes or list(BASE_MODES) + [f"{f}{k}" for f in ("ok", "rk", "ro")
                                               for k in args.mix_ks if 0 < k < n]
+    known = BASE_MODES + EXTRA_MODES
     for m in modes:
-        if m not in BASE_MODES and not (m[:2] in ("ok", "rk", "ro") and m[2:].isdigit()
-                                        and 0 < int(m[2:]) <= n) and not is_plan_mode(m, n):
-            raise SystemExit(f"accel_emulator: unknown mode {m!r}: use {', '.join(BASE_MODES)}, "
+        if m not in known and not (m[:2] in ("ok", "rk", "ro") and m[2:].isdigit()
+                                   and 0 < int(m[2:]) <= n) and not is_plan_mode(m, n):
+            raise SystemExit(f"accel_emulator: unknown mode {m!r}: use {', '.join(known)}, "
                              f"ok<k>/rk<k>/ro<k> with 1 <= k <= {n}, or plan-<one of k, o, r "
                              f"per layer>")
     if "none" not in modes:
@@ -839,7 +846,7 @@ def main(argv=None):
                 shift = (rep + mi) % len(args.ratios)
                 rs = args.ratios[shift:] + args.ratios[:shift]
                 cfg = dict(base_cfg, mode=mode, budget_bytes=budget,
-                           warmup=args.warmup_adaptive if mode in ("default", "budget")
+                           warmup=args.warmup_adaptive if mode in POLICY_MODES
                            else args.warmup,
                            points=[{"r": r, "tflops": tflops[r]} for r in rs])
                 res = run_worker(script, "emu", "mode", rep, cfg, env)
@@ -896,7 +903,7 @@ def _agg(runs, modes, ratios):
 def targets(agg, modes, ratios, budget, failed=()):
     """The accelerator-regime targets, per R: (name, R, value, met)."""
     out = []
-    static = [m for m in modes if m not in ("default", "budget")]
+    static = [m for m in modes if m not in POLICY_MODES]
     for r in ratios:
         none = agg.get(("none", r))
         if none is None:
@@ -907,16 +914,18 @@ def targets(agg, modes, ratios, budget, failed=()):
             x = oa["step_s"] / ns
             out.append(("offload-all >= 1.5x none at R = 4 (the emulator is right)", r,
                         f"{x:.2f}x", x >= 1.5))
-        d = agg.get(("default", r))
-        if d is not None:
+        for dm in ("default", "auto"):
+            d = agg.get((dm, r))
+            if d is None:
+                continue
             fast = [agg[(m, r)] for m in static if (m, r) in agg
                     and agg[(m, r)]["step_s"] <= 1.03 * ns]
             least = min((s["peak_bytes"] for s in fast), default=None)
             x = d["step_s"] / ns
-            out.append(("default: step <= 1.03x none", r, f"{x:.2f}x", x <= 1.03))
+            out.append((f"{dm}: step <= 1.03x none", r, f"{x:.2f}x", x <= 1.03))
             if least:
                 y = d["peak_bytes"] / least
-                out.append(("default: peak <= 1.10x the least-memory static plan within 1.03x "
+                out.append((f"{dm}: peak <= 1.10x the least-memory static plan within 1.03x "
                             "none", r, f"{y:.2f}x ({d['peak_bytes'] / MiB:.0f} vs "
                             f"{least / MiB:.0f} MiB)", y <= 1.10))
         b = agg.get(("budget", r))
@@ -1041,7 +1050,8 @@ def plot(agg, modes, ratios, path):
         rs = [r for r in ratios if (m, r) in agg and ("none", r) in agg]
         if not rs:
             continue
-        style = dict(lw=2.2) if m in BASE_MODES else dict(lw=0.8, ls="--", alpha=0.7)
+        style = dict(lw=2.2) if m in BASE_MODES + EXTRA_MODES else \
+            dict(lw=0.8, ls="--", alpha=0.7)
         ax1.plot(rs, [agg[(m, r)]["step_s"] / agg[("none", r)]["step_s"] for r in rs],
                  marker="o", label=m, **style)
         ax2.plot(rs, [agg[(m, r)]["peak_bytes"] / MiB for r in rs], marker="o", label=m,

@@ -6,7 +6,9 @@ With ``policy="auto"`` (opt-in) each step (a forward pass and everything until t
 next one begins) runs with an offload *quota*: a byte count fixed when the step begins.
 Its records are decided as the static policy decides them (NOTE [ The pack decision ] in
 ``_policy.py``), except that once the bytes decided to be written would exceed the quota,
-every later record of the step is kept in memory (``KEEP_QUOTA``). So the earliest
+every later record of the step is kept in memory (``KEEP_QUOTA``; a new storage is then
+kept without becoming a record at all, counted as one: NOTE [ The pack decision ], so a
+step past its quota costs little more than one without ssdtrain). So the earliest
 records are the ones written: backward needs them last, so their reads have the most
 time. Within a step the decision is a pure function of the saves, the configuration
 and the quota; the quota changes only between steps, from what earlier steps measured.
