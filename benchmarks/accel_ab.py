@@ -41,6 +41,26 @@ import accel_emulator as E  # noqa: E402
 MiB = 1 << 20
 
 
+class StepClock:
+    """A clock that runs only during one mode's own steps. ``policy="auto"`` measures a
+    step from one forward to the next; here the other modes' steps come between, so
+    its controller is given this clock (``AutoQuota``'s ``clock``)."""
+
+    def __init__(self):
+        self.total = 0.0
+        self.since = None
+
+    def resume(self):
+        self.since = time.perf_counter()
+
+    def pause(self):
+        self.total += time.perf_counter() - self.since
+        self.since = None
+
+    def __call__(self):
+        return self.total + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+
 def setup(mode, cfg, budget, spill_dir):
     import ssdtrain
     emu = E.EMU = E.Emu(cfg)
@@ -57,12 +77,15 @@ def setup(mode, cfg, budget, spill_dir):
         off.track(model, list(model.layers))
     elif mode in ("auto", "static"):  # a policy with nothing else set but spill_dir
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy=mode, **base))
+        if mode == "auto":
+            clock = off._auto._clock = StepClock()
     elif mode != "none":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
         off.track(model, list(model.layers))
         off.set_plan(E.plan_for(mode, cfg["shape"]["n_layers"]))
     emu.off = off
-    return dict(mode=mode, emu=emu, model=model, off=off, step_s=[], cpu_s=[], peak=0)
+    return dict(mode=mode, emu=emu, model=model, off=off, step_s=[], cpu_s=[], peak=0,
+                clock=clock if mode == "auto" else None)
 
 
 def one_step(s, step, measured):
@@ -74,6 +97,9 @@ def one_step(s, step, measured):
         emu.peak = emu.live
     emu.sampled_peak = 0
     emu.delay = emu.overrun = emu.spin_lost = emu.sample_s = 0.0
+    clock = s["clock"]
+    if clock is not None:
+        clock.resume()
     c0 = time.thread_time()
     t0 = time.perf_counter()
     with (off if off is not None else contextlib.nullcontext()):
@@ -82,6 +108,8 @@ def one_step(s, step, measured):
     loss.backward()
     dt = time.perf_counter() - t0 - emu.sample_s
     cpu = time.thread_time() - c0
+    if clock is not None:
+        clock.pause()
     del loss
     if off is not None:
         off.wait()

@@ -149,9 +149,10 @@ class AutoQuota:
 
     def __init__(self, max_slowdown: float, probe: Callable[[int], Tuple[float, float]],
                  stats, clock: Callable[[], float] = time.perf_counter,
-                 window_bytes: Optional[int] = None):
+                 window_bytes: Optional[int] = None, tail_bytes: int = 0):
         self.max_slowdown = max_slowdown
         self.window_bytes = window_bytes
+        self.tail_bytes = tail_bytes
         self._probe = probe
         self._stats = stats
         self._clock = clock
@@ -225,7 +226,9 @@ class AutoQuota:
         self.bound = quota_bound(last.saved_bytes, self.base_forward_s, self.base_step_s,
                                  self.write_bps, self.read_bps, self.max_slowdown,
                                  window_bytes=self.window_bytes)
-        quota = int(min(self.bound * self.scale, last.saved_bytes))
+        # Never the last keep_tail_bytes of a step: backward needs them first (under a
+        # quota the tail window decides nothing, TailWindow.begin_step).
+        quota = int(max(0, min(self.bound * self.scale, last.saved_bytes - self.tail_bytes)))
         why = (f"{self.scale:.2f} x the bound {self.bound / MiB:.1f} MiB (0.8 x the least of "
                f"write {self.write_bps / 1e9:.2f} GB/s x forward {self.base_forward_s * 1e3:.0f}"
                f" ms, read {self.read_bps / 1e9:.2f} GB/s x rest of step "

@@ -31,10 +31,12 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 def byte_extent(t: torch.Tensor) -> Tuple[int, int]:
     """``[start, end)`` byte range of ``t``'s storage that ``t`` can touch (``numel > 0``)."""
     item = t.element_size()
+    start = t.storage_offset() * item
+    if t.is_contiguous():  # the common case, in C: its span is its numel
+        return start, start + t.numel() * item
     span = 1
     for size, stride in zip(t.size(), t.stride()):
         span += (size - 1) * stride
-    start = t.storage_offset() * item
     return start, start + span * item
 
 

@@ -87,7 +87,7 @@ def is_offloadable_kind(t: torch.Tensor) -> bool:
     other devices) is passed through in memory.
     """
     return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) \
-        and t.layout == torch.strided and t.device.type in ("cpu", "cuda") \
+        and t.layout == torch.strided and (t.is_cpu or t.is_cuda) \
         and not t.is_quantized and not t.is_conj() and not t.is_neg()
 
 
@@ -145,11 +145,12 @@ class TailWindow:
         written: bytes decided to be written since :meth:`begin_step`.
     """
 
-    __slots__ = ("keep_bytes", "limit", "records", "nbytes", "reserved", "quota", "written",
-                 "spent")
+    __slots__ = ("tail_bytes", "keep_bytes", "limit", "records", "nbytes", "reserved", "quota",
+                 "written", "spent")
 
     def __init__(self, keep_tail_bytes: int, max_spill_bytes=None):
-        self.keep_bytes = keep_tail_bytes
+        self.tail_bytes = keep_tail_bytes  # the configuration's
+        self.keep_bytes = keep_tail_bytes  # in force: 0 under a quota (begin_step)
         self.limit = max_spill_bytes
         self.records = collections.OrderedDict()
         self.nbytes = 0
@@ -162,10 +163,17 @@ class TailWindow:
         """A step (forward pass) begins with an offload ``quota`` in bytes (``None``: no
         limit): its earliest records are written while they fit in it, and from the
         first that does not, every record the step decides is kept (``KEEP_QUOTA``).
-        Backward needs the earliest records last, so their reads have the most time."""
+        Backward needs the earliest records last, so their reads have the most time.
+
+        Under a quota nothing waits in the window: each record is decided at the pack
+        that saves it, so that the step's records past the quota are known to be kept
+        as they come (the store then keeps them without records, NOTE [ The pack
+        decision ]). The kept tail is the quota's to keep: ``policy="auto"`` sets it to
+        at most the step's bytes less ``keep_tail_bytes``."""
         self.quota = quota
         self.written = 0
         self.spent = quota is not None and quota <= 0
+        self.keep_bytes = self.tail_bytes if quota is None else 0
 
     def add(self, rec) -> None:
         """A new record: the newest of the window."""

@@ -241,7 +241,8 @@ class Offloader:
             store = self._store
             self._auto = AutoQuota(config.max_slowdown,
                                    lambda nbytes: store.time_io(nbytes, repeats=2), self._stats,
-                                   window_bytes=config.prefetch_bytes)
+                                   window_bytes=config.prefetch_bytes,
+                                   tail_bytes=config.keep_tail_bytes)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):

@@ -136,6 +136,17 @@ def test_controller_measures_then_probes_once_then_follows_stalls():
     assert all(0 <= q <= saved for q in quotas + [first, second, third, lowered])
 
 
+def test_controller_leaves_the_last_keep_tail_bytes_of_a_step():
+    """On a disk fast enough for everything, the quota stops short of the step's last
+    ``keep_tail_bytes`` (under a quota the tail window decides nothing)."""
+    clock, stats = _Clock(), ssdtrain.Stats()
+    saved, tail = 64 * MiB, 24 * MiB
+    ctl = AutoQuota(0.03, lambda n: (n / 1e15, n / 1e15), stats, clock=clock, tail_bytes=tail)
+    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(BASELINE_STEPS + 4)]
+    assert quotas[-1] == saved - tail
+    assert all(q <= saved - tail for q in quotas)
+
+
 def test_controller_does_not_judge_a_step_that_wrote_nothing():
     clock, stats = _Clock(), ssdtrain.Stats()
     ctl = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), stats, clock=clock)
@@ -159,20 +170,30 @@ class _R:
 @given(sizes=st.lists(st.integers(1, 1000), max_size=40), quota=st.integers(0, 20000),
        tail=st.integers(0, 3000))
 def test_quota_decides_a_prefix_of_the_step_records(sizes, quota, tail):
+    """Under a quota each record is decided at its save (the tail window holds none):
+    the longest prefix that fits is written, every later record kept, and once one is
+    kept the window says so (``spent``) before the next save."""
     w = TailWindow(tail)
     w.begin_step(quota)
     decided = []
     for n in sizes:
         w.add(_R(n))
-        decided += w.overflow()
+        out = w.overflow()
+        assert len(out) == 1           # decided at its own save
+        decided += out
+        assert w.spent == any(why == KEEP_QUOTA for _, why in decided)
+    assert w.close() == []             # no kept tail: the quota keeps the step's end
     written = [r.nbytes for r, why in decided if why is None]
     kept = [i for i, (_, why) in enumerate(decided) if why == KEEP_QUOTA]
     assert sum(written) <= quota
     assert written == [r.nbytes for r, _ in decided[:len(written)]]   # a prefix
     assert kept == list(range(len(written), len(decided)))
+    assert len(written) == len(sizes) or sum(written) + sizes[len(written)] > quota
     assert w.written == sum(written)
     w.begin_step(quota)             # a new step: its own quota
     assert w.written == 0 and (w.spent == (quota <= 0))
+    w.begin_step(None)              # no quota: the tail window is back
+    assert w.keep_bytes == tail
 
 
 def _fixed_quota(off, quota):

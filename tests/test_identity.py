@@ -247,6 +247,12 @@ def _strided(draw):
     ndim = draw(st.integers(0, 4))
     size = draw(st.lists(st.integers(1, 5), min_size=ndim, max_size=ndim))
     stride = draw(st.lists(st.integers(0, 12), min_size=ndim, max_size=ndim))
+    if draw(st.booleans()):  # contiguous (byte_extent's fast path), size-1 dims' strides free
+        run = 1
+        for i in reversed(range(ndim)):
+            if size[i] > 1:
+                stride[i] = run
+            run *= size[i]
     offset = draw(st.integers(0, 20))
     dtype = draw(st.sampled_from(_DTYPES))
     extra = draw(st.integers(0, 7))  # storage longer than the view needs
