@@ -379,13 +379,26 @@ class Plan:
                     + ("" if self.fits else " (NO plan fits: least-memory plan shown)")
                     + f"; disk {s.write_bps / 1e9:.2f} GB/s write, {s.read_bps / 1e9:.2f} GB/s "
                     f"read; {p.written_bytes / MiB:.1f} MiB written per step; "
-                    f"{self.plans_searched} plans searched.")
+                    + _tier_text(p, s)
+                    + f"{self.plans_searched} plans searched.")
         rows.extend(self.notes)
         rows.extend(_state_notes(self.layers, self.choices))
         return "\n".join(rows)
 
     def __str__(self):
         return self.table()
+
+
+def _tier_text(p, s):
+    """Where the plan's bytes go, with a priced host tier (NOTE [ Tiers in the step cost
+    model ]); empty without one."""
+    if not s.prices_host_tier:
+        return ""
+    rest = (f"{p.ssd_bytes / MiB:.1f} MiB to the SSD" if s.ssd_tier else
+            f"{p.device_bytes / MiB:.1f} MiB kept on the device (no SSD tier)")
+    return (f"host tier {s.host_budget_bytes / MiB:.1f} MiB at "
+            f"{s.host_write_bps / 1e9:.2f}/{s.host_read_bps / 1e9:.2f} GB/s to/from host: "
+            f"{p.host_bytes / MiB:.1f} MiB to RAM, {rest}; ")
 
 
 def _state_notes(layers, choices):

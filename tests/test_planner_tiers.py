@@ -85,6 +85,9 @@ def test_planner_offloads_to_ram_where_the_ssd_made_it_recompute():
     assert after.fits and RECOMPUTE not in after.choices and OFFLOAD in after.choices
     assert after.prediction.step_s < before.prediction.step_s
     assert after.prediction.ssd_bytes == 0 and after.prediction.host_bytes > 0
+    assert "host tier" not in before.table()
+    assert f"{after.prediction.host_bytes / MiB:.1f} MiB to RAM, 0.0 MiB to the SSD" in \
+        after.table()
 
 
 def test_without_ssd_bytes_beyond_the_budget_stay_on_the_device():
