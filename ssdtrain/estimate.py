@@ -11,7 +11,8 @@ recompute plan per block within a memory budget, and its predicted step time and
 memory beside none, checkpoint-all and offload-all (NOTE [ Plan from the estimate ]);
 with ``--host-budget`` the host-RAM tier (NOTE [ Host tier ] in ``_hosttier.py``): the
 bytes held in RAM, their peak, and those that go on to the SSD (or, with ``--no-ssd``,
-stay in device memory).
+stay in device memory), and with ``--plan`` each tier priced at its own bandwidth
+(``--host-gbps`` for the device <-> host link).
 Nothing is allocated: an 8B-parameter model at sequence 4096 estimates in seconds on a
 laptop. Formulas: docs/estimate.md.
 
@@ -1184,7 +1185,8 @@ def predict_choices(est: "Estimate", choices):
 
     Returns:
         The planner's ``Prediction`` (``step_s``, ``stall_s``, ``recompute_s``,
-        ``peak_bytes``, ``written_bytes``, ``kept_bytes``).
+        ``peak_bytes``, ``written_bytes``, ``kept_bytes``; with a host tier where the
+        bytes go: ``host_bytes``, ``ssd_bytes``, ``device_bytes``).
 
     Raises:
         ConfigError, EstimateError: as :func:`plan_costs`.
