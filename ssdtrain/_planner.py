@@ -36,6 +36,9 @@ forward ends, newest layer first; a read starts only while fewer than
 Layer ``i``'s backward starts when layer ``i+1``'s has ended and its read has
 completed; the difference is a stall.
 
+With a host tier the bytes that go to RAM are priced at the device <-> host link's
+bandwidth instead (NOTE [ Tiers in the step cost model ]).
+
 The model errs on the safe side in two places, both of which keep the predicted
 time monotone (non-increasing) in each bandwidth, and the predicted memory's
 feasibility too: a record prefetch reaches while its write is still in flight
@@ -44,6 +47,45 @@ backward memory counts the whole prefetch window as full.
 
 Memory ("activation bytes held") is the peak of a timeline, NOTE [ Memory
 timeline ].
+
+NOTE [ Tiers in the step cost model ]
+
+With a host tier (``StepCost.host_budget_bytes``, NOTE [ Host tier ] in
+_hosttier.py) priced, that is with both ``host_write_bps`` and ``host_read_bps``
+given (``ssdtrain estimate --host-budget`` gives them, ``--host-gbps``), the
+offloaded bytes are split the way the tier splits records (:func:`tier_split`). The
+tier admits records in save order: the layers' offloaded bytes, first layer first,
+then the head's records beyond the kept tail. With an SSD tier it evicts the
+earliest admitted ones when the budget is full, so RAM ends up with the *last*
+``host_budget_bytes`` of that stream and the SSD with the rest; without one
+(``ssd_tier=False``) the records that do not fit stay in device memory, so RAM takes
+the *first* ``host_budget_bytes`` and the rest is held like a kept layer (in the
+peak, in :func:`write_behind_for`'s bound, never written). The split is by bytes: a
+layer may be partly in RAM and partly on the SSD (the tier moves whole records;
+records are small beside a layer). The head's records take their place in the
+budget (with an SSD tier, the first place in RAM) but, as without a tier, they are
+memory only: their copies are not timed.
+
+Every offloaded byte crosses the device <-> host link (PCIe: the SSD's writes are
+staged in host memory too), one server per direction, first come first served:
+device -> host at ``host_write_bps`` as the layer's forward ends, in save order (a
+layer's part bound for the SSD first), host -> device at ``host_read_bps`` in backward
+(free when backward begins; the copies to RAM use the other direction), newest first
+(a layer's part in RAM first). A layer's part on the SSD also goes on the disk's
+timeline, streaming behind its copy: its write ends no earlier than the copy, at
+``write_bps`` from when both the disk and the copy have begun; its read's copy back
+ends no earlier than the read, at ``host_read_bps``. So a byte in RAM costs the link
+only, a byte on the SSD the link and the disk: when the link is at least as fast as
+the SSD (each direction) the SSD's part is priced exactly as without a host tier, and
+with budget 0 and an SSD tier the predictions are those without one, to the bit
+(tests/golden/planner_no_host_tier.json). The throttle counts a layer's write (both
+parts, ssdtrain's counts copies to RAM in flight too: ``OUTBOUND``) until both have
+ended, and forward waits until the writes that end first bring it under
+``write_behind_bytes``; the prefetch window is one for both tiers (ssdtrain's
+prefetch walks RAM and SSD records alike); a layer's backward waits for both parts.
+With an SSD tier the memory predicted does not depend on the budget, and the
+predicted step never grows with the budget nor with either host bandwidth
+(tests/test_planner_tiers.py).
 
 NOTE [ Memory timeline ]
 
@@ -132,9 +174,8 @@ from typing import List, Optional, Sequence, Tuple
 from ._config import default
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StepCost", "Prediction",
-           "Plan", "predict", "plan", "group_layers", "rok_plans", "plan_family", "two_part_plans",
-           "write_behind_for",
-           "throttled_step"]
+           "Plan", "predict", "plan", "tier_split", "group_layers", "rok_plans", "plan_family",
+           "two_part_plans", "write_behind_for", "throttled_step"]
 
 KEEP = "keep"
 OFFLOAD = "offload"
@@ -203,18 +244,21 @@ class StepCost:
             stay in memory, inside the prefetch window (NOTE [ Memory timeline ]).
             Default 0.
         host_budget_bytes: the host tier's budget (``host_budget_bytes``, NOTE [ Host
-            tier ] in _hosttier.py): offloaded bytes up to it stay in host RAM, the
-            rest go on to the SSD. Default 0 (no host tier).
+            tier ] in _hosttier.py): offloaded bytes up to it go to host RAM, the rest
+            to the SSD (or, without ``ssd_tier``, stay in device memory). Default 0.
         host_write_bps: device -> host copy bandwidth, bytes/s, or None (not
-            measured). ``write_bps``/``read_bps`` are the host <-> SSD engine's.
+            measured). ``write_bps``/``read_bps`` are the SSD's.
         host_read_bps: host -> device copy bandwidth, bytes/s, or None.
+        ssd_tier: whether an SSD lies beyond the host tier (False: ``host_budget_bytes``
+            without a ``spill_dir``; needs both host bandwidths). Default True.
         between_s: time from the end of backward to the next forward (optimizer, data,
             the loop; NOTE [ The end of backward ] in _profile.py). Default 0.
 
-    The cost model (NOTE [ Step cost model ]) prices every offloaded byte at
-    ``write_bps``/``read_bps`` today: with a host tier that bounds the I/O time from
-    above (RAM is the faster tier). The three host fields are carried so that a model
-    per tier (docs/accelerator_regime.md) can price each tier with its own bandwidth.
+    The host tier is priced (NOTE [ Tiers in the step cost model ]) when both host
+    bandwidths are given; with either one None every offloaded byte is priced at
+    ``write_bps``/``read_bps``, as without a host tier (with one, an upper bound on the
+    I/O time when RAM is the faster tier). The adaptive policy measures no host
+    bandwidth, so its predictions do not depend on the host tier.
     """
 
     write_bps: float
@@ -233,6 +277,13 @@ class StepCost:
     host_write_bps: Optional[float] = None
     host_read_bps: Optional[float] = None
     between_s: float = 0.0
+    ssd_tier: bool = True
+
+    @property
+    def prices_host_tier(self) -> bool:
+        """Whether the host tier is priced per tier (NOTE [ Tiers in the step cost
+        model ]): both host bandwidths given."""
+        return self.host_write_bps is not None and self.host_read_bps is not None
 
     @property
     def head_written_bytes(self) -> int:
@@ -265,6 +316,16 @@ class Prediction:
     backward_end_s: float = 0.0
     """Predicted time from the start of forward to the end of backward: ``step_s``
     less ``StepCost.between_s`` (what a benchmark timing forward and backward sees)."""
+    host_bytes: int = 0
+    """Bytes the host tier takes per step, the layers' and the head's records beyond
+    the kept tail (NOTE [ Tiers in the step cost model ]); 0 when the host tier is not
+    priced."""
+    ssd_bytes: int = 0
+    """Bytes that go to the SSD per step, the head's records beyond the tail included
+    (without a priced host tier: every one)."""
+    device_bytes: int = 0
+    """Bytes beyond the host budget that stay in device memory (no SSD tier), counted
+    in ``peak_bytes``."""
 
 
 @dataclass(frozen=True)
@@ -318,13 +379,26 @@ class Plan:
                     + ("" if self.fits else " (NO plan fits: least-memory plan shown)")
                     + f"; disk {s.write_bps / 1e9:.2f} GB/s write, {s.read_bps / 1e9:.2f} GB/s "
                     f"read; {p.written_bytes / MiB:.1f} MiB written per step; "
-                    f"{self.plans_searched} plans searched.")
+                    + _tier_text(p, s)
+                    + f"{self.plans_searched} plans searched.")
         rows.extend(self.notes)
         rows.extend(_state_notes(self.layers, self.choices))
         return "\n".join(rows)
 
     def __str__(self):
         return self.table()
+
+
+def _tier_text(p, s):
+    """Where the plan's bytes go, with a priced host tier (NOTE [ Tiers in the step cost
+    model ]); empty without one."""
+    if not s.prices_host_tier:
+        return ""
+    rest = (f"{p.ssd_bytes / MiB:.1f} MiB to the SSD" if s.ssd_tier else
+            f"{p.device_bytes / MiB:.1f} MiB kept on the device (no SSD tier)")
+    return (f"host tier {s.host_budget_bytes / MiB:.1f} MiB at "
+            f"{s.host_write_bps / 1e9:.2f}/{s.host_read_bps / 1e9:.2f} GB/s to/from host: "
+            f"{p.host_bytes / MiB:.1f} MiB to RAM, {rest}; ")
 
 
 def _state_notes(layers, choices):
@@ -349,6 +423,43 @@ def _offloaded_bytes(layer, choice):
     return 0
 
 
+def tier_split(offloaded: Sequence[int], step: StepCost):
+    """Where the offloaded bytes go (NOTE [ Tiers in the step cost model ]): ``(host,
+    rest)``, one entry per layer of ``offloaded`` and a last one for the head's records
+    beyond the kept tail: the bytes the host tier takes and the rest (to the SSD, or
+    kept in device memory without an SSD tier). None when the host tier is not priced
+    (``StepCost.prices_host_tier``): every byte goes to the SSD."""
+    if not step.prices_host_tier:
+        return None
+    stream = [int(b) for b in offloaded] + [step.head_written_bytes]
+    total = sum(stream)
+    budget = max(0, int(step.host_budget_bytes))
+    # With an SSD the earliest admitted records are evicted: RAM keeps the last
+    # ``budget`` bytes of forward. Without one, the records that do not fit stay on
+    # the device: RAM keeps the first ``budget`` bytes.
+    lo, hi = (max(0, total - budget), total) if step.ssd_tier else (0, min(budget, total))
+    host, rest, pos = [], [], 0
+    for b in stream:
+        h = max(0, min(pos + b, hi) - max(pos, lo))
+        host.append(h)
+        rest.append(b - h)
+        pos += b
+    return host, rest
+
+
+def _check_step(step):
+    if not (step.write_bps > 0 and step.read_bps > 0):
+        raise ValueError(f"ssdtrain: bandwidths must be > 0, got write {step.write_bps} and "
+                         f"read {step.read_bps} bytes/s.")
+    if step.prices_host_tier and not (step.host_write_bps > 0 and step.host_read_bps > 0):
+        raise ValueError(f"ssdtrain: host tier bandwidths must be > 0, got device -> host "
+                         f"{step.host_write_bps} and host -> device {step.host_read_bps} "
+                         f"bytes/s.")
+    if not step.ssd_tier and not step.prices_host_tier:
+        raise ValueError("ssdtrain: a step without an SSD tier (ssd_tier=False) offloads to "
+                         "the host tier alone; give host_write_bps and host_read_bps.")
+
+
 def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost) -> Prediction:
     """Predict one step's time and peak activation memory for ``choices``.
 
@@ -361,7 +472,8 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
         The :class:`Prediction` (NOTE [ Step cost model ]).
 
     Raises:
-        ValueError: lengths differ, an unknown choice, or a bandwidth that is not > 0.
+        ValueError: lengths differ, an unknown choice, a bandwidth that is not > 0, or
+            no SSD tier without host bandwidths.
     """
     n = len(layers)
     if len(choices) != n:
@@ -369,33 +481,67 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
     for c in choices:
         if c not in CHOICES:
             raise ValueError(f"ssdtrain: unknown plan choice {c!r}; expected one of {CHOICES}.")
-    if not (step.write_bps > 0 and step.read_bps > 0):
-        raise ValueError(f"ssdtrain: bandwidths must be > 0, got write {step.write_bps} and "
-                         f"read {step.read_bps} bytes/s.")
+    _check_step(step)
     W, R = float(step.write_bps), float(step.read_bps)
     o = [_offloaded_bytes(layer, c) for layer, c in zip(layers, choices)]
     kept = [layer.saved_bytes if c == KEEP else 0 for layer, c in zip(layers, choices)]
+    # NOTE [ Tiers in the step cost model ]: per layer, bytes to RAM (h), to the SSD
+    # (s), kept on the device beyond the host budget (dev); off = h + s leave it.
+    split = tier_split(o, step)
+    if split is None:
+        h, s, dev = [0] * n, o, [0] * n
+        head_host, head_ssd, head_dev = 0, step.head_written_bytes, 0
+        HW = HR = 1.0
+    else:
+        h, rest = split[0][:n], split[1][:n]
+        s, dev = (rest, [0] * n) if step.ssd_tier else ([0] * n, rest)
+        head_host = split[0][n]
+        head_ssd, head_dev = (split[1][n], 0) if step.ssd_tier else (0, split[1][n])
+        HW, HR = float(step.host_write_bps), float(step.host_read_bps)
+    off = [a + b for a, b in zip(h, s)] if split is not None else o
+    held = [a + b for a, b in zip(kept, dev)]
+    head_off = step.head_written_bytes - head_dev
 
-    # Forward: compute, and the disk writing behind it.
+    # Forward: compute, and the disk (and the device -> host link) writing behind it.
     t = 0.0
     disk = 0.0
+    link = 0.0
     stall = 0.0
     queue = []          # (write end time, bytes) not yet known to be written
     wdone = [0.0] * n
+    hdone = [0.0] * n
     kept_so_far = 0
     fwd_peak = 0
     written_so_far = 0
     tail = step.tail_bytes(sum(o))
     for i, layer in enumerate(layers):
-        t += layer.fwd_s + o[i] * step.fwd_s_per_byte
-        if o[i]:
-            disk = max(disk, t) + o[i] / W
-            wdone[i] = disk
-            queue.append((disk, o[i]))
-        kept_so_far += kept[i]
-        written_so_far += o[i]
-        # Forward waits while more than write_behind_bytes are queued (ssdtrain's throttle).
+        t += layer.fwd_s + off[i] * step.fwd_s_per_byte
+        if split is None:
+            if o[i]:
+                disk = max(disk, t) + o[i] / W
+                wdone[i] = disk
+                queue.append((disk, o[i]))
+        elif off[i]:
+            # Every byte crosses the device -> host link, in save order (the part that
+            # goes on to the SSD first); the SSD's write streams behind its copy.
+            start = max(link, t)
+            if s[i]:
+                link = start + s[i] / HW
+                disk = max(max(disk, start) + s[i] / W, link)
+                wdone[i] = disk
+                start = link
+            if h[i]:
+                link = start + h[i] / HW
+                hdone[i] = link
+            # One write of the layer's bytes for the throttle, as without a host tier.
+            queue.append((max(wdone[i], hdone[i]), off[i]))
+        kept_so_far += held[i]
+        written_so_far += off[i]
+        # Forward waits while more than write_behind_bytes are queued (ssdtrain's
+        # throttle, which counts the copies to RAM too): until the earliest writes end.
         queue = [(end, b) for end, b in queue if end > t]
+        if split is not None:   # two servers: ends out of queueing order
+            queue.sort(key=lambda e: e[0])
         backlog = sum(b for _, b in queue)
         # The rolling tail (the newest offloaded records, not yet queued for writing)
         # and the writes in flight: every one so far, as far as memory is concerned,
@@ -410,59 +556,76 @@ def predict(layers: Sequence[LayerCost], choices: Sequence[str], step: StepCost)
     # The end of forward: every kept layer, the kept tail, and the writes in flight:
     # the head's records beyond the tail, and those in flight when the last layer's
     # forward ended (nothing is retired during the head's forward: NOTE [ Memory
-    # timeline ]).
-    fwd_peak = max(fwd_peak, kept_so_far + tail + min(written_so_far + step.head_written_bytes,
-                                                      step.write_behind_bytes))
+    # timeline ]); the head's records kept beyond the host budget.
+    fwd_peak = max(fwd_peak, kept_so_far + tail + head_dev +
+                   min(written_so_far + head_off, step.write_behind_bytes))
     t += step.fwd_other_s
     t_fwd = t
 
-    # Backward: the head, then the layers in reverse; reads newest first.
+    # Backward: the head, then the layers in reverse; reads newest first, from the SSD
+    # and (the host -> device direction, free when backward begins) from RAM.
     t = t_fwd + step.bwd_head_s
     disk = max(disk, t_fwd)
+    link = t_fwd
     bstart = [None] * n
     rdone = [0.0] * n
     recompute = 0.0
     below = [0] * n  # offloaded bytes of layers <= i (for the window bound on memory)
     acc = 0
     for i in range(n):
-        acc += o[i]
+        acc += off[i]
         below[i] = acc
     kept_below = [0] * n
     acc = 0
     for i in range(n):
-        acc += kept[i]
+        acc += held[i]
         kept_below[i] = acc
     # The head's backward: the kept layers, and the prefetch window, which holds the
     # kept tail first, then the head's records read back and the layers' first reads.
     window = max(step.prefetch_bytes, tail)
-    bwd_peak = kept_so_far + tail + min(max(0, step.prefetch_bytes - tail),
-                                        step.head_written_bytes + sum(o))
+    bwd_peak = kept_so_far + head_dev + tail + min(max(0, step.prefetch_bytes - tail),
+                                                   head_off + sum(off))
     begun = _Begun()  # the offloaded layers whose backward began, in time order
     for i in range(n - 1, -1, -1):
         layer = layers[i]
-        if o[i]:
-            # The window: reads started and not yet used (layers j > i not yet begun).
-            start = max(begun.read_start(disk, step.prefetch_bytes), wdone[i])
-            disk = start + o[i] / R
-            rdone[i] = disk
-        begin = max(t, rdone[i]) if o[i] else t
+        if split is None:
+            if o[i]:
+                # The window: reads started and not yet used (layers j > i not yet begun).
+                start = max(begun.read_start(disk, step.prefetch_bytes), wdone[i])
+                disk = start + o[i] / R
+                rdone[i] = disk
+        else:
+            # The host -> device link carries every byte back, newest first: the part
+            # in RAM, then the part read from the SSD, streaming behind its read.
+            if h[i]:
+                start = max(begun.read_start(link, step.prefetch_bytes), hdone[i])
+                link = start + h[i] / HR
+                rdone[i] = link
+            if s[i]:
+                start = max(begun.read_start(disk, step.prefetch_bytes), wdone[i])
+                disk = start + s[i] / R
+                link = max(max(link, start) + s[i] / HR, disk)
+                rdone[i] = link
+        begin = max(t, rdone[i]) if off[i] else t
         stall += begin - t
         bstart[i] = begin
-        if o[i]:
-            begun.add(begin, o[i])
+        if off[i]:
+            begun.add(begin, off[i])
         extra = layer.fwd_s if choices[i] == RECOMPUTE else 0.0
         recompute += extra
-        t = begin + layer.bwd_s + extra + o[i] * step.bwd_s_per_byte
+        t = begin + layer.bwd_s + extra + off[i] * step.bwd_s_per_byte
         # The kept layers not yet consumed, the prefetch window (this layer's
         # offloaded bytes and the next ones', NOTE [ Memory timeline ]), and a
         # recomputed layer's working set (NOTE [ Recompute working set ]).
-        held = kept_below[i] + min(window, below[i]) + \
+        in_use = kept_below[i] + min(window, below[i]) + \
             (layer.recompute_working_bytes if choices[i] == RECOMPUTE else 0)
-        bwd_peak = max(bwd_peak, held)
+        bwd_peak = max(bwd_peak, in_use)
     t += step.tail_s
     return Prediction(step_s=t + step.between_s, stall_s=stall, recompute_s=recompute,
                       peak_bytes=int(max(fwd_peak, bwd_peak) + step.fixed_bytes),
-                      written_bytes=int(sum(o)), kept_bytes=int(sum(kept)), backward_end_s=t)
+                      written_bytes=int(sum(off)), kept_bytes=int(sum(kept)), backward_end_s=t,
+                      host_bytes=int(sum(h) + head_host), ssd_bytes=int(sum(s) + head_ssd),
+                      device_bytes=int(sum(dev) + head_dev))
 
 
 class _Begun:
@@ -620,14 +783,19 @@ def write_behind_for(layers: Sequence[LayerCost], choices: Sequence[str], step: 
 
     Forward holds the kept layers' bytes, the kept tail and the writes in flight;
     ssdtrain's throttle makes forward wait once more than this many bytes are in
-    flight: ``budget - fixed_bytes - kept bytes - tail``, capped at
+    flight: ``budget - fixed_bytes - kept bytes - tail`` (kept bytes: also those kept
+    beyond the host budget without an SSD tier), capped at
     ``step.write_behind_bytes`` and at least 0 (NOTE [ Memory timeline ]). (The
     throttle acts per record, so one record may overshoot.)
     """
     if budget_bytes is None:
         return step.write_behind_bytes
     kept = sum(layer.saved_bytes for layer, c in zip(layers, choices) if c == KEEP)
-    tail = step.tail_bytes(sum(_offloaded_bytes(layer, c) for layer, c in zip(layers, choices)))
+    o = [_offloaded_bytes(layer, c) for layer, c in zip(layers, choices)]
+    tail = step.tail_bytes(sum(o))
+    split = tier_split(o, step)
+    if split is not None and not step.ssd_tier:   # kept on the device beyond the host budget
+        kept += sum(split[1])
     return max(0, min(step.write_behind_bytes, budget_bytes - step.fixed_bytes - kept - tail))
 
 

@@ -11,7 +11,8 @@ recompute plan per block within a memory budget, and its predicted step time and
 memory beside none, checkpoint-all and offload-all (NOTE [ Plan from the estimate ]);
 with ``--host-budget`` the host-RAM tier (NOTE [ Host tier ] in ``_hosttier.py``): the
 bytes held in RAM, their peak, and those that go on to the SSD (or, with ``--no-ssd``,
-stay in device memory).
+stay in device memory), and with ``--plan`` each tier priced at its own bandwidth
+(``--host-gbps`` for the device <-> host link).
 Nothing is allocated: an 8B-parameter model at sequence 4096 estimates in seconds on a
 laptop. Formulas: docs/estimate.md.
 
@@ -71,8 +72,12 @@ HARDWARE_RANGES = {
     "tflops": (1e-6, 1e9, "TFLOP/s", "400"),
     "ssd_tbw": (1e-6, 1e9, "TB written", "7000"),
     "bytes_per_param": (1e-3, 1e6, "bytes per parameter", "16"),
+    "host_gbps": (1e-6, 1e6, "GB/s each way", "25"),
 }
 MAX_SSDS = 1 << 20
+DEFAULT_HOST_GBPS = 25.0
+"""The device <-> host copy rate ``--plan`` prices the host tier at when ``--host-gbps``
+is not given: about what a PCIe 4.0 x16 link sustains each way (32 GB/s raw)."""
 
 
 @dataclass
@@ -98,6 +103,10 @@ class Hardware:
     """Device bytes per trainable parameter: weights, gradients, optimizer state.
     16 = mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master,
     m, v). Frozen parameters count their own size only."""
+    host_gbps: Optional[float] = None
+    """Device <-> host copy rate, decimal GB/s each way, at which the plan prices the
+    host tier's bytes (NOTE [ Tiers in the step cost model ] in _planner.py); default
+    :data:`DEFAULT_HOST_GBPS`."""
 
     def __post_init__(self):
         if self.device_memory is not None:
@@ -760,9 +769,8 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
         if ssd:
             notes.append("the bandwidth and endurance figures count only the bytes that "
                          "reach the SSD; the device <-> host copies of the host tier are "
-                         "assumed to hide behind compute (not modelled). --plan prices "
-                         "every offloaded byte at the SSD's bandwidth: with a host tier an "
-                         "upper bound on its I/O time.")
+                         "assumed to hide behind compute here (--plan prices them at "
+                         "--host-gbps).")
     _hardware_math(est, main_m, hw, gradient_checkpointing)
     if hw.device_memory is not None:
         static = _static_bytes(main_m, hw)
@@ -930,7 +938,14 @@ def _hardware_math(est: Estimate, m: Measurement, hw: Hardware, gc: bool):
 #   property of the host that only a run measures);
 # * the disk: ``ssds x --ssd-write-gbps``, ``ssds x --ssd-read-gbps`` (default: the
 #   write bandwidth); ssdtrain's prefetch window, write-behind limit and tail from the
-#   settings.
+#   settings;
+# * with --host-budget, the host tier: its budget, whether an SSD lies beyond it
+#   (--no-ssd: none, and no SSD bandwidth is needed), and the device <-> host copy
+#   rate, --host-gbps each way (default DEFAULT_HOST_GBPS, a PCIe 4.0 x16 link): the
+#   planner prices the bytes that fit the budget at the link's rate and the rest at
+#   the SSD's, or holds them in device memory without an SSD (NOTE [ Tiers in the step
+#   cost model ] in _planner.py). Without --host-budget the planner prices every byte
+#   at the SSD's bandwidth, as it always has.
 #
 # The budget for activations: --memory-budget, else --device-memory minus what the
 # estimate puts on the device besides activations (weights, gradients, optimizer state:
@@ -981,6 +996,11 @@ class PlanEstimate:
     ``plan.write_behind_bytes``)."""
 
     @property
+    def host_tier(self) -> bool:
+        """Whether the plan prices a host tier (``--host-budget``)."""
+        return self.plan.step.prices_host_tier
+
+    @property
     def fits(self) -> bool:
         """Whether the plan's predicted peak fits the budget (always True without one)."""
         return bool(self.plan.fits)
@@ -998,9 +1018,13 @@ class PlanEstimate:
     def to_json(self) -> dict:
         """The ``"plan"`` object of ``--json`` (every number finite)."""
         def pred(p, choices, fits):
-            return {"layers": compact_plan(choices), "step_s": p.step_s, "stall_s": p.stall_s,
-                    "recompute_s": p.recompute_s, "peak_bytes": p.peak_bytes,
-                    "written_bytes": p.written_bytes, "kept_bytes": p.kept_bytes, "fits": fits}
+            out = {"layers": compact_plan(choices), "step_s": p.step_s, "stall_s": p.stall_s,
+                   "recompute_s": p.recompute_s, "peak_bytes": p.peak_bytes,
+                   "written_bytes": p.written_bytes, "kept_bytes": p.kept_bytes, "fits": fits}
+            if self.host_tier:
+                out.update(host_bytes=p.host_bytes, ssd_bytes=p.ssd_bytes,
+                           device_bytes=p.device_bytes)
+            return out
         s = self.plan.step
         rows = {name: pred(p, c, f) for name, c, p, f in self._rows()}
         out = {"choices": list(self.plan.choices),
@@ -1009,8 +1033,12 @@ class PlanEstimate:
                "budget_bytes": self.budget_bytes, "budget_from": self.budget_from,
                "predicted": rows.pop("plan"), "references": rows,
                "plans_searched": self.plan.plans_searched,
-               "write_bps": s.write_bps, "read_bps": s.read_bps,
-               "write_behind_bytes": s.write_behind_bytes}
+               "write_bps": s.write_bps if s.ssd_tier else None,
+               "read_bps": s.read_bps if s.ssd_tier else None,
+               "write_behind_bytes": s.write_behind_bytes,
+               "host_tier": None if not self.host_tier else {
+                   "budget_bytes": s.host_budget_bytes, "ssd_tier": s.ssd_tier,
+                   "write_bps": s.host_write_bps, "read_bps": s.host_read_bps}}
         return _finite(out)
 
     def table(self) -> str:
@@ -1021,19 +1049,32 @@ class PlanEstimate:
         labels = {"plan": "**plan**", "none": "none (keep all)",
                   "checkpoint_all": "checkpoint-all (recompute all)",
                   "offload_all": "offload-all"}
+        s = self.plan.step
+        tiers = ()
+        if self.host_tier:   # NOTE [ Tiers in the step cost model ]
+            tiers = (("to host RAM", "host_bytes"),
+                     ("to SSD", "ssd_bytes") if s.ssd_tier else
+                     ("kept on device (over host budget)", "device_bytes"))
         rows = [("", "blocks", "step (ms)", "vs none", "stalls (ms)", "recompute (ms)",
-                 "peak activations", "fits", "written per step")]
+                 "peak activations", "fits", "written per step")
+                + tuple(label for label, _ in tiers)]
         for name, choices, p, fits in self._rows():
             rows.append((labels[name], compact_plan(choices), f"{p.step_s * 1e3:.1f}",
                          f"{p.step_s / none:.2f}x" if none > 0 else "-",
                          f"{p.stall_s * 1e3:.1f}", f"{p.recompute_s * 1e3:.1f}",
-                         _b(p.peak_bytes), "yes" if fits else "NO", _b(p.written_bytes)))
-        s = self.plan.step
-        lines = [f"plan ({budget}; disk {s.write_bps / 1e9:.2f} GB/s write, "
-                 f"{s.read_bps / 1e9:.2f} GB/s read; {self.plan.plans_searched} plans "
+                         _b(p.peak_bytes), "yes" if fits else "NO", _b(p.written_bytes))
+                        + tuple(_b(getattr(p, key)) for _, key in tiers))
+        disk = f"disk {s.write_bps / 1e9:.2f} GB/s write, {s.read_bps / 1e9:.2f} GB/s read"
+        if self.host_tier:
+            budget_h = "unlimited" if s.host_budget_bytes >= MAX_BYTES else \
+                _b(s.host_budget_bytes)
+            disk = (f"host tier {budget_h} at {s.host_write_bps / 1e9:.2f} GB/s to host, "
+                    f"{s.host_read_bps / 1e9:.2f} GB/s back, then "
+                    + (disk if s.ssd_tier else "no SSD (the rest stays on the device)"))
+        lines = [f"plan ({budget}; {disk}; {self.plan.plans_searched} plans "
                  f"searched): " + "".join(PLAN_LETTERS[c] for c in self.plan.choices)
                  + " (K keep, O offload, R recompute, first block first)", ""]
-        lines += _md(rows, right=range(2, 9))
+        lines += _md(rows, right=range(2, 9 + len(tiers)))
         wb = self.plan.write_behind_bytes
         if self.plan.prediction.written_bytes > wb and wb < self.configured_write_behind_bytes:
             lines.append("")
@@ -1050,11 +1091,13 @@ class PlanEstimate:
         return "\n".join(lines)
 
 
-def _check_plan_inputs(hw: Hardware, gradient_checkpointing: bool):
-    """``ConfigError`` unless ``hw`` has what a plan needs (checked before the model runs)."""
+def _check_plan_inputs(hw: Hardware, gradient_checkpointing: bool, ssd_tier: bool = True):
+    """``ConfigError`` unless ``hw`` has what a plan needs (checked before the model runs;
+    without an SSD tier no SSD bandwidth)."""
     missing = [flag for flag, ok in (("--tflops or --step-seconds",
                                       hw.tflops is not None or hw.step_seconds is not None),
-                                     ("--ssd-write-gbps", hw.ssd_write_gbps is not None))
+                                     ("--ssd-write-gbps",
+                                      hw.ssd_write_gbps is not None or not ssd_tier))
                if not ok]
     if missing:
         raise ConfigError(f"ssdtrain estimate: --plan needs {' and '.join(missing)} (the "
@@ -1085,11 +1128,7 @@ def plan_costs(est: "Estimate"):
     """
     from ._planner import LayerCost, StepCost
     m, hw, cfg = est.measurement, est.hardware, est.config
-    _check_plan_inputs(hw, m.gradient_checkpointing)
-    if not est.ssd_tier:
-        raise ConfigError("ssdtrain estimate: --plan prices offloading at the SSD's bandwidth; "
-                          "a host tier without an SSD (--no-ssd) has none. Drop --no-ssd or "
-                          "--plan.")
+    _check_plan_inputs(hw, m.gradient_checkpointing, est.ssd_tier)
     if not m.layers:
         raise EstimateError(f"ssdtrain estimate: --plan plans per repeated block, and "
                             f"{m.model_name or 'the model'} has none (no nn.ModuleList); "
@@ -1111,14 +1150,20 @@ def plan_costs(est: "Estimate"):
                         fwd_s=f * per_flop, bwd_s=2.0 * f * per_flop,
                         recompute_bytes=lb.activation_bytes)
               for lb, f in zip(m.layers, layer_flops)]
-    write = hw.ssd_write_gbps * hw.ssds * 1e9
-    read = (hw.ssd_read_gbps if hw.ssd_read_gbps is not None else hw.ssd_write_gbps) \
-        * hw.ssds * 1e9
+    host = None if est.host_budget_bytes is None else \
+        (hw.host_gbps if hw.host_gbps is not None else DEFAULT_HOST_GBPS) * 1e9
+    if hw.ssd_write_gbps is not None:
+        write = hw.ssd_write_gbps * hw.ssds * 1e9
+        read = (hw.ssd_read_gbps if hw.ssd_read_gbps is not None else hw.ssd_write_gbps) \
+            * hw.ssds * 1e9
+    else:   # no SSD tier (--no-ssd): nothing is priced at the SSD's bandwidth
+        write = read = host
     step = StepCost(write_bps=write, read_bps=read, fwd_other_s=outside_s,
                     bwd_head_s=2.0 * outside_s, tail_s=0.0, prefetch_bytes=cfg.prefetch_bytes,
                     write_behind_bytes=cfg.write_behind_bytes, fixed_bytes=m.kept_held_bytes,
                     head_bytes=m.outside.unique_bytes, keep_tail_bytes=cfg.keep_tail_bytes,
-                    host_budget_bytes=est.host_budget_bytes or 0)
+                    host_budget_bytes=est.host_budget_bytes or 0, host_write_bps=host,
+                    host_read_bps=host, ssd_tier=est.ssd_tier)
     return layers, step
 
 
@@ -1140,7 +1185,8 @@ def predict_choices(est: "Estimate", choices):
 
     Returns:
         The planner's ``Prediction`` (``step_s``, ``stall_s``, ``recompute_s``,
-        ``peak_bytes``, ``written_bytes``, ``kept_bytes``).
+        ``peak_bytes``, ``written_bytes``, ``kept_bytes``; with a host tier where the
+        bytes go: ``host_bytes``, ``ssd_bytes``, ``device_bytes``).
 
     Raises:
         ConfigError, EstimateError: as :func:`plan_costs`.
@@ -1233,6 +1279,10 @@ def _parser(prog="ssdtrain estimate"):
                    help="sustained TFLOP/s; compute time from the model's FLOPs")
     h.add_argument("--ssd-tbw", type=float, help="drive endurance, TB written")
     h.add_argument("--ssds", type=int, default=1, help="drives for this device (default 1)")
+    h.add_argument("--host-gbps", type=float,
+                   help=f"with --plan and --host-budget: device <-> host copy rate, GB/s each "
+                        f"way, at which the plan prices the bytes in host RAM (default "
+                        f"{DEFAULT_HOST_GBPS:g}: a PCIe 4.0 x16 link)")
     h.add_argument("--bytes-per-param", type=float, default=16.0,
                    help="device bytes per trainable parameter for weights, gradients and "
                         "optimizer state (default 16: mixed-precision Adam)")
@@ -1242,7 +1292,9 @@ def _parser(prog="ssdtrain estimate"):
                          "policy's planner and print its predicted step time and peak "
                          "activation memory beside none, checkpoint-all and offload-all; "
                          "needs --tflops or --step-seconds and --ssd-write-gbps (read "
-                         "defaults to write); exit status 3 when no plan fits the budget")
+                         "defaults to write; not with --no-ssd); with --host-budget the "
+                         "bytes that fit in host RAM are priced at --host-gbps; exit "
+                         "status 3 when no plan fits the budget")
     pl.add_argument("--memory-budget",
                     help="activation bytes the plan may hold, e.g. 40GiB (default: "
                          "--device-memory minus weights, gradients and optimizer state, "
@@ -1280,7 +1332,11 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
         hw = Hardware(device_memory=a.device_memory, ssd_write_gbps=a.ssd_write_gbps,
                       ssd_read_gbps=a.ssd_read_gbps, step_seconds=a.step_seconds,
                       tflops=a.tflops, ssd_tbw=a.ssd_tbw, ssds=a.ssds,
-                      bytes_per_param=a.bytes_per_param)
+                      bytes_per_param=a.bytes_per_param, host_gbps=a.host_gbps)
+        if a.host_gbps is not None and (a.host_budget is None or not a.plan):
+            raise ConfigError("ssdtrain estimate: --host-gbps is the host tier's copy rate "
+                              "that --plan prices it at; add --plan and --host-budget (e.g. "
+                              "--host-budget 64GiB), or drop --host-gbps.")
         dtype = _dtype(a.dtype)
         if a.factory is not None:
             model = a.factory
@@ -1295,7 +1351,7 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
             raise ConfigError("ssdtrain estimate: --memory-budget is the plan's budget; add "
                               "--plan.")
         if a.plan:   # refused before the model runs
-            _check_plan_inputs(hw, a.gradient_checkpointing)
+            _check_plan_inputs(hw, a.gradient_checkpointing, ssd_tier)
             if a.memory_budget is not None:
                 _parse_budget(a.memory_budget)
         est = estimate(model, batch=a.batch, seq=a.seq, dtype=dtype,

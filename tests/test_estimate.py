@@ -324,8 +324,10 @@ def test_cli_json_keys(capsys):
     (["--factory", "models:gpt", "--no-ssd"], "--no-ssd leaves only the host tier"),
     (["--factory", "models:gpt", "--host-budget", "1GiB", "--no-ssd", "--max-spill-bytes",
       "1GiB"], "max_spill_bytes (--max-spill-bytes) is a budget for the SSD tier"),
-    (["--factory", "models:gpt", "--host-budget", "1GiB", "--no-ssd", "--plan",
-      "--step-seconds", "1", "--ssd-write-gbps", "1"], "--plan prices offloading"),
+    (["--factory", "models:gpt", "--host-gbps", "25", "--plan", "--step-seconds", "1",
+      "--ssd-write-gbps", "1"], "--host-gbps is the host tier's copy rate"),
+    (["--factory", "models:gpt", "--host-budget", "1GiB", "--host-gbps", "0", "--plan",
+      "--step-seconds", "1", "--ssd-write-gbps", "1"], "host_gbps (--host-gbps) must be > 0"),
 ])
 def test_cli_errors_exit_2_without_traceback(argv, message, capsys):
     assert E.main(argv) == 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -271,3 +272,125 @@ def test_predictions_beside_a_recorded_emulator_run(tmp_path, capsys):
         assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0
         if row["mode"] in ("none", "checkpoint", "budget") or row["mode"].startswith("rk"):
             assert abs(row["predicted_peak_bytes"] / row["measured_peak_bytes"] - 1) <= 0.10, row
+
+
+# ------------------------------------------------------------------- the host tier
+# NOTE [ Plan from the estimate ]'s host tier bullet; NOTE [ Tiers in the step cost
+# model ] in _planner.py.
+GB = 1e9
+
+# The plan and its references from the code before the host tier was priced (commit
+# 53ce136): key "ssd GB/s|--memory-budget" -> the plan, and per row step_s, stall_s,
+# peak_bytes, written_bytes.
+_BEFORE = {
+    "0.0001|None": ("KKKK", {
+        "plan": [0.18874368000000005, 0.0, 2312708, 0],
+        "none": [0.18874368000000005, 0.0, 2312708, 0],
+        "checkpoint_all": [2.680160256, 2.4326963199999994, 707076, 131072],
+        "offload_all": [41.987080192, 41.798336512, 2312708, 2097152]}),
+    "0.01|1MiB": ("RRRK", {
+        "plan": [0.23278387200000003, 0.0, 838148, 98304],
+        "none": [0.18874368000000005, 0.0, 2312708, 0],
+        "checkpoint_all": [0.24746393600000002, 0.0, 707076, 131072],
+        "offload_all": [0.46347059199999996, 0.274726912, 2312708, 2097152]}),
+    "0.001|600KiB": ("ROOO", {
+        "plan": [3.2699842559999994, 3.0665605119999992, 614400, 1605632],
+        "none": [0.18874368000000005, 0.0, 2312708, 0],
+        "checkpoint_all": [0.35468083199999995, 0.10721689599999996, 707076, 131072],
+        "offload_all": [4.238344192, 4.049600512, 2312708, 2097152]}),
+}
+
+
+def _rows(pe):
+    return {name: [p.step_s, p.stall_s, p.peak_bytes, p.written_bytes]
+            for name, _, p, _ in pe._rows()}
+
+
+def _letters(pe):
+    return "".join(E.PLAN_LETTERS[c] for c in pe.plan.choices)
+
+
+@pytest.mark.parametrize("key", sorted(_BEFORE))
+@pytest.mark.parametrize("host", [None, 0], ids=["no-host-tier", "host-budget-0"])
+def test_plan_without_host_bytes_is_the_old_one(est, key, host):
+    """No host tier, or a budget of 0 bytes (every record goes to the SSD, as without
+    one; the link, 25 GB/s by default, faster than the SSD): the plan and every
+    prediction are those of the code before the tier was priced, to the bit."""
+    gbps, budget = key.split("|")
+    at = dataclasses.replace(_with(est, tflops=1e-3, ssd_write_gbps=float(gbps)),
+                             host_budget_bytes=host)
+    pe = at.plan(None if budget == "None" else budget)
+    plan, rows = _BEFORE[key]
+    assert (_letters(pe), _rows(pe)) == (plan, rows)
+    assert pe.host_tier == (host is not None)
+
+
+def test_plan_costs_carry_the_host_tier(est):
+    """--host-budget puts the tier's budget, --host-gbps (default 25 GB/s each way) and
+    whether an SSD lies beyond it in the planner's StepCost; none without it."""
+    _, step = E.plan_costs(_with(est, tflops=1e-3, ssd_write_gbps=1.0))
+    assert (step.host_budget_bytes, step.host_write_bps, step.ssd_tier) == (0, None, True)
+    tiered = dataclasses.replace(_with(est, tflops=1e-3, ssd_write_gbps=1.0),
+                                 host_budget_bytes=1 << 20)
+    _, step = E.plan_costs(tiered)
+    assert step.host_budget_bytes == 1 << 20 and step.ssd_tier
+    assert step.host_write_bps == step.host_read_bps == E.DEFAULT_HOST_GBPS * GB == 25 * GB
+    _, step = E.plan_costs(dataclasses.replace(
+        _with(est, tflops=1e-3, host_gbps=3.0), host_budget_bytes=1 << 20, ssd_tier=False))
+    assert step.host_write_bps == step.host_read_bps == 3 * GB and not step.ssd_tier
+
+
+def test_host_tier_covering_everything_prices_offload_at_the_link(est):
+    """A host budget covering every offloaded byte and an SSD too slow to hide: offload-all
+    is predicted at the link's cost (25 GB/s: hidden behind compute, the step of none),
+    nothing goes to the SSD, and under a budget the planner offloads where, pricing every
+    byte at the SSD, it recomputed."""
+    slow = _with(est, tflops=1e-3, ssd_write_gbps=0.01)
+    tiered = dataclasses.replace(slow, host_budget_bytes=E.MAX_BYTES)
+    pe = tiered.plan("1MiB")
+    off, none = pe.references["offload_all"], pe.references["none"]
+    assert off.step_s == pytest.approx(none.step_s) and off.stall_s == pytest.approx(0.0)
+    assert off.ssd_bytes == 0 and off.host_bytes == off.written_bytes + \
+        est.measurement.outside.unique_bytes   # the head's records too (no kept tail)
+    before = slow.plan("1MiB")
+    assert "offload" not in before.plan.choices and "recompute" in before.plan.choices
+    assert "offload" in pe.plan.choices and "recompute" not in pe.plan.choices
+    assert pe.plan.prediction.step_s < before.plan.prediction.step_s
+    # A slow link is priced as such: offload-all stalls on it.
+    crawl = dataclasses.replace(_with(est, tflops=1e-3, ssd_write_gbps=0.01, host_gbps=1e-3),
+                                host_budget_bytes=E.MAX_BYTES)
+    assert crawl.plan("1MiB").references["offload_all"].step_s > off.step_s
+
+
+def test_plan_split_is_the_tiers(capsys):
+    """The bytes the plan's offload-all sends to the SSD (with an SSD) or keeps on the
+    device (--no-ssd) are those the estimate's replay of the tier (HostBudget, as the
+    store runs it) sends there, and the text and JSON show them."""
+    argv = ["--factory", FACTORY, "--min-tensor-bytes", "4KiB", "--keep-tail-bytes", "0",
+            "--prefetch-bytes", "128KiB", "--tflops", "1e-3", "--plan", "--json",
+            "--host-budget", "1MiB"]
+    assert E.main(argv + ["--ssd-write-gbps", "0.01"]) == 0
+    out = _finite_json(capsys.readouterr().out)
+    off, tier = out["plan"]["references"]["offload_all"], out["host_tier"]
+    assert off["ssd_bytes"] == tier["ssd_bytes"] > 0 and off["host_bytes"] == 1 << 20
+    assert off["device_bytes"] == 0
+    assert out["plan"]["host_tier"] == {"budget_bytes": 1 << 20, "ssd_tier": True,
+                                        "write_bps": 25 * GB, "read_bps": 25 * GB}
+    assert E.main(argv + ["--no-ssd", "--host-gbps", "2"]) == 0   # no SSD bandwidth needed
+    out = _finite_json(capsys.readouterr().out)
+    off, tier = out["plan"]["references"]["offload_all"], out["host_tier"]
+    assert off["device_bytes"] == tier["device_bytes"] > 0 and off["ssd_bytes"] == 0
+    assert out["plan"]["write_bps"] is None and out["plan"]["host_tier"]["write_bps"] == 2 * GB
+    # Kept on the device: in offload-all's peak, as much as keeping everything.
+    assert off["peak_bytes"] >= out["plan"]["references"]["none"]["peak_bytes"] - (1 << 20)
+    argv[argv.index("--json")] = "--memory-budget"
+    argv.insert(argv.index("--memory-budget") + 1, "1.5MiB")
+    assert E.main(argv + ["--ssd-write-gbps", "0.01"]) == 0
+    text = capsys.readouterr().out
+    assert "host tier 1.00 MiB at 25.00 GB/s to host, 25.00 GB/s back, then disk 0.01 GB/s" \
+        in text
+    assert re.search(r"\| written per step \| +to host RAM \| +to SSD \|", text)
+    assert E.main(argv + ["--no-ssd"]) == 0
+    text = capsys.readouterr().out
+    assert "then no SSD (the rest stays on the device)" in text
+    assert re.search(r"\| +to host RAM \| kept on device \(over host budget\) \|", text)
