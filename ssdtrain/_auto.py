@@ -44,9 +44,11 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    memory contention from the I/O shows only there): ``scale`` halves. A step that
    wrote nothing is not judged (its time owes nothing to the disk). Otherwise it
    grows by ``STEP_UP`` (0.25) up to ``MAX_SCALE`` (1.5: the probe's bandwidth is a low
-   estimate, and the feedback is what holds the margin).
+   estimate, and the feedback is what holds the margin). It is never more than ``S``
+   less ``keep_tail_bytes``: under a quota the tail window keeps nothing (each record is
+   decided as it is saved, ``TailWindow.begin_step``), so the quota keeps the step's end.
 
-The first steps therefore use as much memory as no offloading: the default never makes
+The first steps therefore use as much memory as no offloading: ``"auto"`` never makes
 a step slower than ``1 + max_slowdown`` times its time without ssdtrain, but it does not
 make a model fit that does not fit without offloading (``policy="static"`` offloads
 everything eligible; ``policy="adaptive"`` plans for a memory budget). A step whose
