@@ -327,7 +327,8 @@ class Store(WriteBack, Prefetch, HostTier):
                 return Kept(t)
             version = t._version
             extent = byte_extent(t)
-            if self._window.spent and self.layers is None and key not in self._table.registry:
+            if self._window.spent and self.layers is None and key not in self._table.registry \
+                    and self._events.failure is None:  # (else pack raises it, as always)
                 cur = self._current  # the quota is spent: kept without a record
                 if cur is not None:  # (NOTE [ The pack decision ] in _policy.py)
                     return self._pass_spent(t, cur, key, version, extent, storage, nbytes)
