@@ -44,7 +44,11 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    memory contention from the I/O shows only there): ``scale`` halves. A step that
    wrote nothing is not judged (its time owes nothing to the disk). Otherwise it
    grows by ``STEP_UP`` (0.25) up to ``MAX_SCALE`` (1.5: the probe's bandwidth is a low
-   estimate, and the feedback is what holds the margin). It is never more than ``S``
+   estimate, and the feedback is what holds the margin). A quota below ``MIN_SHARE``
+   (1/16) of ``S`` is not worth what it costs (each write takes CPU and the GIL from the
+   step, and saves almost nothing): it is raised to that share while the bound allows,
+   and once a step at that share was slowed it is 0 (nothing written, nothing judged)
+   for ``RETRY_STEPS`` (100) steps, then tried again. It is never more than ``S``
    less ``keep_tail_bytes``: under a quota the tail window keeps nothing (each record is
    decided as it is saved, ``TailWindow.begin_step``), so the quota keeps the step's end.
 
@@ -63,7 +67,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 __all__ = ["AutoQuota", "StepSample", "quota_bound", "slowed", "next_scale", "probe_bytes",
-           "BASELINE_STEPS", "SAFETY", "START_SCALE", "STEP_UP", "MAX_SCALE"]
+           "BASELINE_STEPS", "SAFETY", "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE",
+           "RETRY_STEPS"]
 
 MiB = 1 << 20
 BASELINE_STEPS = 2     # steps measured without offloading
@@ -73,6 +78,8 @@ STEP_UP = 0.25         # scale added after a step that was not slowed
 MAX_SCALE = 1.5        # most of the bound the feedback may reach
 MIN_PROBE = 8 * MiB
 MAX_PROBE = 64 * MiB
+MIN_SHARE = 1 / 16     # a quota below this share of a step's bytes is not worth its cost
+RETRY_STEPS = 100      # steps at quota 0 (below MIN_SHARE) before trying MIN_SHARE again
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,8 @@ class AutoQuota:
         self.quota = 0
         self.reason = ""
         self._slowed = None               # whether the last step measured was slowed
+        self._idle = 0                    # steps in a row with the quota below MIN_SHARE
+        self._given_up = False            # a quota of MIN_SHARE slowed a step: 0 for a while
         self._begin = None                # the running step: clock at begin, at end of forward
         self._end = None
         self._counters = None             # (stall, saved, offloaded) at its begin
@@ -231,6 +240,27 @@ class AutoQuota:
         # Never the last keep_tail_bytes of a step: backward needs them first (under a
         # quota the tail window decides nothing, TailWindow.begin_step).
         quota = int(max(0, min(self.bound * self.scale, last.saved_bytes - self.tail_bytes)))
+        floor = MIN_SHARE * last.saved_bytes
+        cap = max(0, last.saved_bytes - self.tail_bytes)
+        if quota < floor and self.bound >= floor and cap >= floor:
+            if self._slowed is True:
+                self._given_up = True  # the least worth having slowed the step
+            elif self._given_up and self._idle >= RETRY_STEPS:
+                self._given_up = False  # a while at 0: try it again
+            if not self._given_up:     # the least worth having; the feedback goes on
+                self.scale = floor / self.bound
+                quota = int(floor)
+        if quota < floor:
+            self._idle += 1
+            return 0, (f"0: {self.scale:.2f} x the bound {self.bound / MiB:.1f} MiB is below "
+                       f"1/{round(1 / MIN_SHARE)} of the step's {last.saved_bytes / MiB:.1f} MiB "
+                       f"(write {self.write_bps / 1e9:.2f} GB/s, read {self.read_bps / 1e9:.2f} "
+                       f"GB/s, forward {self.base_forward_s * 1e3:.0f} ms, step "
+                       f"{self.base_step_s * 1e3:.0f} ms): too little to be worth its cost"
+                       + (f"; a quota of that share slowed a step: tried again in "
+                          f"{max(0, RETRY_STEPS - self._idle + 1)} steps" if self._given_up
+                          else ""))
+        self._idle = 0
         why = (f"{self.scale:.2f} x the bound {self.bound / MiB:.1f} MiB (0.8 x the least of "
                f"write {self.write_bps / 1e9:.2f} GB/s x forward {self.base_forward_s * 1e3:.0f}"
                f" ms, read {self.read_bps / 1e9:.2f} GB/s x rest of step "

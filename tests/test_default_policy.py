@@ -147,6 +147,33 @@ def test_controller_leaves_the_last_keep_tail_bytes_of_a_step():
     assert all(q <= saved - tail for q in quotas)
 
 
+def test_controller_gives_up_below_a_sixteenth_and_tries_again_later():
+    """A quota below MIN_SHARE of a step is raised to it while the bound allows; once a
+    step at that share is slowed, nothing is offloaded (nothing judged) for RETRY_STEPS
+    steps, then the share is tried again. A disk whose bound is below it: always 0."""
+    from ssdtrain._auto import MIN_SHARE, RETRY_STEPS
+    saved = 160 * MiB
+    floor = int(MIN_SHARE * saved)
+    # bound = 0.8 x write x forward = 1.5 x floor: the first quota (0.5 x bound) is raised
+    clock, stats = _Clock(), ssdtrain.Stats()
+    w = 1.5 * floor / 0.8 / 0.1
+    ctl = AutoQuota(0.03, lambda n: (n / w, n / 1e15), stats, clock=clock)
+    for _ in range(BASELINE_STEPS):
+        _step(ctl, clock, stats, 0.1, 0.2, saved)
+    assert _step(ctl, clock, stats, 0.1, 0.2, saved, stall=0.05) == floor   # slowed
+    assert _step(ctl, clock, stats, 0.1, 0.2, saved) == 0                   # given up
+    assert "slowed a step" in stats.offload_quota_reason
+    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(RETRY_STEPS)]
+    assert quotas[:-1] == [0] * (RETRY_STEPS - 1) and quotas[-1] == floor   # tried again
+    # a disk whose bound is below the share: never
+    clock, stats = _Clock(), ssdtrain.Stats()
+    w = 0.5 * floor / 0.8 / 0.1
+    ctl = AutoQuota(0.03, lambda n: (n / w, n / 1e15), stats, clock=clock)
+    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(BASELINE_STEPS + 5)]
+    assert quotas == [0] * len(quotas)
+    assert "1/16" in stats.offload_quota_reason
+
+
 def test_controller_does_not_judge_a_step_that_wrote_nothing():
     clock, stats = _Clock(), ssdtrain.Stats()
     ctl = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), stats, clock=clock)
