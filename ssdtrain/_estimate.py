@@ -435,7 +435,7 @@ class _Replay:
                         group.remove(rec)
 
     def end_pass(self):
-        """Prefetch._end_pass_locked: the records still in the tail are kept."""
+        """Store._end_pass_locked: the records still in the tail are kept."""
         self._drain()
         for rec in self.window.close():
             rec.fate = State.KEPT

@@ -139,7 +139,7 @@ from ._config import MAX_BYTES
 from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._table import RecordTable
-from ._prefetch import Prefetch, _Pass
+from ._prefetch import ReadPath, _Pass
 from ._readbuf import ReadBuffers
 from ._hosttier import HostBudget, HostTier
 from ._iothread import IOThread
@@ -165,7 +165,7 @@ def _free_slot(rec):
     if slot is not None:
         slot.file.free(slot)
 
-class Store(WriteBack, Prefetch, HostTier):
+class Store(WriteBack, HostTier):
     """The records of one offloader, and every transition between their states."""
 
     def __init__(self, config, spill, engine, stats):
@@ -174,7 +174,7 @@ class Store(WriteBack, Prefetch, HostTier):
                                  "(OffloadConfig.resolve()); please report this bug.")
         self.cfg = config
         self.spill = spill
-        self.engine = engine
+        self._engine = engine                  # Store.engine: the paths see a swap
         self.stats = stats
         self._lock = threading.Lock()
         self._inbox = collections.deque()      # (kind, record, arg): NOTE [ Store lock discipline ]
@@ -185,7 +185,6 @@ class Store(WriteBack, Prefetch, HostTier):
         # NOTE [ Host tier ] in _hosttier.py: the budget (None: no host tier).
         self._host = None if config.host_budget_bytes is None else \
             HostBudget(config.host_budget_bytes, bool(spill.files), stats)
-        self._passes = []                      # passes whose prefetch is not finished
         self._current = None                   # the pass being recorded (forward running)
         self._seq = 0
         self._events = Events()                # NOTE [ One event, one error ] in _events.py
@@ -200,6 +199,13 @@ class Store(WriteBack, Prefetch, HostTier):
         # NOTE [ Record table ] in _table.py: the records and every count over them.
         self._table = RecordTable(self._window, self._host, stats, self._graveyard)
         self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
+        # A completion's callback queues it in the inbox; it holds the store weakly, as do
+        # the paths that attach it (the store must stay collectable by reference counting).
+        ref = weakref.ref(self)
+        self._callback = _completions(ref)
+        self._reads = ReadPath(self._table, self._buffers, engine, config, stats, self._events,
+                               self._callback, lambda rec: ref()._load_host_locked(rec))
+        self._read_due = self._reads.due       # a hint read after every unpack: bound once
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
@@ -219,6 +225,17 @@ class Store(WriteBack, Prefetch, HostTier):
         except RuntimeError:  # no thread to be had: the store never ran (released)
             self.closed = True
             raise
+
+    @property
+    def engine(self):
+        """The engine requests go to."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine):
+        """``replace_engine``, and tests that put a wrapper in place: the paths submit to
+        the new engine from their next request on."""
+        self._engine = self._reads.engine = engine
 
     def replace_engine(self, fn):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
@@ -287,6 +304,22 @@ class Store(WriteBack, Prefetch, HostTier):
         self._buffers.trim()
         self._current = _Pass()
         self._window.begin_step(self.quota)
+
+    def _end_pass_locked(self):
+        """Forward ended: writes the I/O thread has not started yet start now, the tail
+        stays in memory, and the read path queues the pass's records for prefetch, in
+        reverse pack order (NOTE [ Prefetch window ] in _prefetch.py)."""
+        p, self._current = self._current, None
+        self._ended = p  # an error raised at the end of forward is this pass's
+        if p is None or self.closed:
+            return
+        self._start_due_locked()  # what pack decided and the I/O thread has not started
+        for rec in self._window.close():  # the kept tail: keep_tail_bytes at most
+            self._keep_locked(rec)
+            # The kept tail is what backward uses first: it fills the window, so
+            # kept + prefetched bytes stay within prefetch_bytes (not their sum).
+            self._table.count_ahead(rec)
+        self._reads.queue_pass_locked(p)
 
     def end_pass(self):
         """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
@@ -496,7 +529,7 @@ class Store(WriteBack, Prefetch, HostTier):
             self._write_done_locked(rec, fut)
         if rec.state in (State.ON_DISK, State.HOSTED, State.SPILLING):
             return self._unpack_locked(rec, handle)
-        self._read_done_locked(rec, fut)
+        self._reads.read_done_locked(rec, fut)
         if rec.state is State.FAILED:
             self._raise_event_locked(rec)
         if rec.storage is None or rec.state not in SERVABLE:
@@ -539,7 +572,7 @@ class Store(WriteBack, Prefetch, HostTier):
             self.stats.prefetch_hits += first and rec.state is State.LOADING
         elif rec.state is State.ON_DISK:
             self.stats.prefetch_misses += 1
-            self._start_read_locked(rec)
+            self._reads.start_read_locked(rec)
         else:
             raise SSDTrainError(f"ssdtrain: unpacking a record in state {rec.state.value}; "
                                 f"please report this bug.")
@@ -548,13 +581,14 @@ class Store(WriteBack, Prefetch, HostTier):
     def _use_locked(self, rec, handle):
         """The unpacked view of a resident record."""
         storage, base = rec.storage, rec.base
+        reads = self._reads
         if rec.device is not None:  # a load's copy, or (in memory) the producer: rule 7
             rec.device.consume(storage, rec.produced if rec.ready is None else rec.ready)
         if handle.token in rec.unseen:
             rec.unseen.discard(handle.token)
             if rec.prefetched:
                 self._table.uncount_ahead(rec)
-        self._promote_locked(rec)
+        reads.promote_locked(rec)
         itemsize = handle.dtype.itemsize
         offset, odd = divmod(base + handle.rel, itemsize)
         if odd:
@@ -564,8 +598,8 @@ class Store(WriteBack, Prefetch, HostTier):
         view = torch.empty((0,), dtype=handle.dtype, device=storage.device).set_(
             storage, offset, handle.size, handle.stride)
         if not rec.unseen and rec.state is State.LOADED:
-            self._evict_locked(rec)
-        self._pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
+            reads.evict_locked(rec)
+        reads.pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
         return view
 
     def _wait(self, rec, fut):
@@ -583,21 +617,6 @@ class Store(WriteBack, Prefetch, HostTier):
             self.stats.stall_seconds += time.perf_counter() - t0
 
     # ----------------------------------------------------------------- events
-    def _callback(self, rec, kind):
-        """A future callback that queues the completion (and does not keep the store alive).
-        On an engine thread it also drains the inbox if the lock is free."""
-        ref = weakref.ref(self)
-
-        def callback(fut):
-            s = ref()
-            if s is not None and not s._forked:
-                s._inbox.append((kind, rec, fut))
-                # get_ident, not current_thread(): that would register a dummy Thread
-                # object for every engine thread, forever.
-                if threading.get_ident() != threading.main_thread().ident:
-                    s._settle_nowait()
-        return callback
-
     def _settle(self):
         """Drain the inbox (a safe point: called after every locked section of the store
         operations but the hooks, and at the end of each backward); memory that dropped
@@ -648,7 +667,7 @@ class Store(WriteBack, Prefetch, HostTier):
         into, else the next prefetch read. Whether more may be due."""
         if self.closed or self._paused:
             return False
-        return self._start_due_locked(1) or self._pump_locked(1)
+        return self._start_due_locked(1) or self._reads.pump_locked(1)
 
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
@@ -709,7 +728,7 @@ class Store(WriteBack, Prefetch, HostTier):
                 elif ev[0] is _SLOT_FREE:
                     self._free_extra_slot_locked(ev[1])
                 else:
-                    self._read_done_locked(ev[1], ev[2])
+                    self._reads.read_done_locked(ev[1], ev[2])
             except Exception:
                 if inbox and inbox[0] is ev:
                     inbox.popleft()
@@ -729,7 +748,7 @@ class Store(WriteBack, Prefetch, HostTier):
             if rec.future is None:
                 self._table.free(rec)  # else freed when the I/O completes
         elif not rec.unseen and rec.state is State.LOADED:
-            self._evict_locked(rec)
+            self._reads.evict_locked(rec)
 
     # ----------------------------------------------------------------- lifetimes
     def _move_locked(self, rec, to):
@@ -1047,7 +1066,7 @@ class Store(WriteBack, Prefetch, HostTier):
         them done."""
         if start and not self.closed:
             self._start_due_locked()
-            self._pump_locked()
+            self._reads.pump_locked()
         pending = []
         # Copies: completing a write whose handles are gone frees its record, which
         # leaves its group (and an emptied group the registry).
@@ -1061,7 +1080,7 @@ class Store(WriteBack, Prefetch, HostTier):
                 elif r.state in OUTBOUND:
                     self._write_done_locked(r, f)
                 else:
-                    self._read_done_locked(r, f)
+                    self._reads.read_done_locked(r, f)
         return pending
 
     def close(self):
@@ -1087,7 +1106,7 @@ class Store(WriteBack, Prefetch, HostTier):
                         if rec.state is not State.FREED:  # final, whatever it was: close()
                             self._move_locked(rec, State.FREED)  # ends all (aggregates: below)
                 self._table.registry.clear()
-                self._passes.clear()
+                self._reads.passes.clear()
                 self._inbox.clear()
                 # Every aggregate is recomputed from what is left, as a repair does, the
                 # spill allocator included: the records' slots go back (no slot is handed
@@ -1113,4 +1132,21 @@ class Store(WriteBack, Prefetch, HostTier):
 
 def _nothing():
     pass
+
+
+def _completions(ref):
+    """``callback(rec, kind)``: a future's done-callback that queues the completion in the
+    inbox of the store ``ref`` refers to (weakly: it does not keep the store alive). On an
+    engine thread it also drains the inbox if the lock is free (``_settle_nowait``)."""
+    def callback(rec, kind):
+        def done(fut):
+            s = ref()
+            if s is not None and not s._forked:
+                s._inbox.append((kind, rec, fut))
+                # get_ident, not current_thread(): that would register a dummy Thread
+                # object for every engine thread, forever.
+                if threading.get_ident() != threading.main_thread().ident:
+                    s._settle_nowait()
+        return done
+    return callback
 

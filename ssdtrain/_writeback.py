@@ -173,7 +173,7 @@ class WriteBack:
         records ]). Reads the due writes and the prefetch queue without the lock: a hint."""
         if not self._staging:
             return
-        for rec in (self._next_write_hint(), self._next_read_hint()):
+        for rec in (self._next_write_hint(), self._reads.next_hint()):
             dev = None if rec is None else rec.device
             if dev is not None and not dev.direct:
                 try:
@@ -187,12 +187,6 @@ class WriteBack:
         except (StopIteration, RuntimeError):  # emptied or changed meanwhile
             return None
 
-    def _next_read_hint(self):
-        try:
-            queue = self._passes[-1].queue if self._read_due() else None
-            return queue[0] if queue else None
-        except (IndexError, AttributeError, RuntimeError):  # changed meanwhile
-            return None
 
     def _fail_locked(self, rec, exc):
         """Any state -> FAILED: ``exc`` is raised when backward needs the record."""

@@ -315,7 +315,7 @@ def test_engine_requests_are_made_only_where_they_own_their_memory():
     """Outside ssdtrain/io/, an engine's ``write``/``read`` is called in three functions
     only, each of which hands the request the memory it uses (``_owning``)."""
     allowed = {("ssdtrain/_writeback.py", "WriteBack._submit_write"),
-               ("ssdtrain/_prefetch.py", "Prefetch._submit_read"),
+               ("ssdtrain/_prefetch.py", "ReadPath.submit_read"),
                ("ssdtrain/_store.py", "Store._submit_probe")}
     found = set()
     for path in SOURCES:
