@@ -9,9 +9,33 @@ files) in ``_iothread.py`` (``IOThread``), what a round of it does here
 (``_background_round``);
 the end of a record (``RecordTable.free``) is the table's too, so every path frees a
 record without reaching the store; failure events and once-only warnings in
-``_events.py`` (``Events``, ``Store._events``: NOTE [ One event, one error ]);
-write-back (tail, throttle, budget, failure policy) in ``_writeback.py``; prefetch and
-reads in ``_prefetch.py``; read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
+``_events.py`` (``Events``, ``Store._events``: NOTE [ One event, one error ]); the
+write path (starting and completing writes, budget, failure policy) in ``_writeback.py``,
+the read path (prefetch and reads) in ``_prefetch.py``, the host tier in ``_hosttier.py``
+(NOTE [ The store's paths ]); read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
+
+NOTE [ The store's paths ]
+
+What happens to a record after the pack decision is done by three objects the store
+composes, each given what it uses in its constructor (none holds the store, so a
+store nobody references is collected at once, and its I/O thread ends):
+``WritePath`` (``Store._writes``, _writeback.py: the due writes, their completion,
+the spill budget's verdicts, keeping and failing a record), ``ReadPath``
+(``Store._reads``, _prefetch.py: the pass queues, prefetch, reads, dropping read
+copies) and ``HostTier`` (``Store._tier``, _hosttier.py: admission, copies to RAM and
+back, evictions to the SSD). The write path and the tier call each other (an eviction
+is a write; a copy to RAM is started and completed where writes are): the store sets
+``WritePath.tier`` once both exist. The store keeps what takes or spans the lock: the
+hooks, the inbox and its drain, the passes' boundaries, the throttle's wait, flush,
+close, fork and repair; every path method ending in ``_locked`` runs under it.
+Completions reach the store through ``callback`` (``_completions``: a weak reference
+to the store); the engine through ``engine``, which ``Store.engine``'s setter keeps
+equal to the store's (``replace_engine``). The hints the hooks read without the lock
+(``WritePath.overdue``, ``ReadPath.due``) and what unpack calls for every record it
+serves (``ReadPath.promote_locked``, ``pump_low_locked``) are bound once as store
+attributes of the same names as before (``_write_overdue``, ``_read_due``,
+``_promote_locked``, ``_pump_low_locked``): the per-tensor path looks up no more
+attributes than the mixins did.
 
 NOTE [ Store lock discipline ]
 
@@ -64,9 +88,9 @@ thread ("ssdtrain-store", one per store): pack puts a record in the tail window 
 when the window holds more than ``keep_tail_bytes``, decides its oldest records then
 and there (written or kept), puts those to be written in the record table's ``due``
 and wakes the thread (a ``SimpleQueue.put``), which starts their writes
-(``_start_due_locked``). The thread decides nothing: what is written does not depend on
+(``WritePath.start_due_locked``). The thread decides nothing: what is written does not depend on
 when it runs. unpack serves a record that is in memory and wakes the
-thread when the prefetch window has room, which starts the next reads (``_pump_locked``).
+thread when the prefetch window has room, which starts the next reads (``ReadPath.pump_locked``).
 The thread also drains what arrives after a hook's locked section (and what an
 engine thread could not drain, the lock being busy) and releases the graveyard; the
 end of each backward releases it itself, so that memory is back before the optimizer
@@ -84,7 +108,7 @@ takes); the throttle starts overdue writes before it waits (they count against
 nothing: it would only throw the results away); unpack starts reads
 itself when the thread lags so far that backward would soon miss (less than a quarter
 of ``prefetch_bytes`` held or loading ahead of use, or the next record the window
-would take among the next two backward uses: ``_pump_low_locked``), and reads a record
+would take among the next two backward uses: ``ReadPath.pump_low_locked``), and reads a record
 that is only on disk at once (a miss).
 
 A request the thread cannot start for want of memory (a read buffer's mapping, pinned
@@ -146,7 +170,7 @@ from ._iothread import IOThread
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
 from ._events import Events, _copy, _needed_by, _without_frames
-from ._writeback import _READ, _WRITTEN, WriteBack, _owning, failed_future
+from ._writeback import _READ, _WRITTEN, WritePath, _owning, failed_future
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -165,7 +189,7 @@ def _free_slot(rec):
     if slot is not None:
         slot.file.free(slot)
 
-class Store(WriteBack, HostTier):
+class Store:
     """The records of one offloader, and every transition between their states."""
 
     def __init__(self, config, spill, engine, stats):
@@ -201,11 +225,22 @@ class Store(WriteBack, HostTier):
         self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
         # A completion's callback queues it in the inbox; it holds the store weakly, as do
         # the paths that attach it (the store must stay collectable by reference counting).
-        ref = weakref.ref(self)
-        self._callback = _completions(ref)
+        self._callback = _completions(weakref.ref(self))
+        # The paths (NOTE [ The store's paths ]): objects given what they use; none holds
+        # the store. The write path and the host tier call each other (an eviction is a
+        # write; a copy to RAM is started and completed where writes are).
+        self._writes = WritePath(self._table, self._window, spill, engine, config, stats,
+                                 self._events, self._callback)
+        self._tier = self._writes.tier = HostTier(self._table, self._host, self._writes, config,
+                                                  stats, self._events, self._callback)
         self._reads = ReadPath(self._table, self._buffers, engine, config, stats, self._events,
-                               self._callback, lambda rec: ref()._load_host_locked(rec))
-        self._read_due = self._reads.due       # a hint read after every unpack: bound once
+                               self._callback, self._tier.load_locked)
+        # What the hooks call on every pack and unpack: bound once (the per-tensor path
+        # looks up no more than it did when the paths were mixins).
+        self._write_overdue = self._writes.overdue
+        self._read_due = self._reads.due
+        self._promote_locked = self._reads.promote_locked
+        self._pump_low_locked = self._reads.pump_low_locked
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
@@ -235,7 +270,7 @@ class Store(WriteBack, HostTier):
     def engine(self, engine):
         """``replace_engine``, and tests that put a wrapper in place: the paths submit to
         the new engine from their next request on."""
-        self._engine = self._reads.engine = engine
+        self._engine = self._reads.engine = self._writes.engine = engine
 
     def replace_engine(self, fn):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
@@ -313,9 +348,10 @@ class Store(WriteBack, HostTier):
         self._ended = p  # an error raised at the end of forward is this pass's
         if p is None or self.closed:
             return
-        self._start_due_locked()  # what pack decided and the I/O thread has not started
+        writes = self._writes
+        writes.start_due_locked()  # what pack decided and the I/O thread has not started
         for rec in self._window.close():  # the kept tail: keep_tail_bytes at most
-            self._keep_locked(rec)
+            writes.keep_locked(rec)
             # The kept tail is what backward uses first: it fills the window, so
             # kept + prefetched bytes stay within prefetch_bytes (not their sum).
             self._table.count_ahead(rec)
@@ -394,7 +430,7 @@ class Store(WriteBack, HostTier):
             if self.layers is not None:
                 self.layers.attribute(rec.nbytes)
             if choice == "keep":  # "offload" and no plan: the tail window (NOTE [ Applying a plan ])
-                self._keep_locked(rec)
+                self._writes.keep_locked(rec)
             else:
                 window = self._window
                 window.add(rec)
@@ -416,10 +452,10 @@ class Store(WriteBack, HostTier):
         """The tail window holds more than ``keep_tail_bytes``: its oldest records are
         decided now, in pack, never later (NOTE [ The pack decision ] in _policy.py)."""
         outside = 0 if self.cfg.max_spill_bytes is None else self._outside_spill_bytes()
-        host = self._host
+        host, writes = self._host, self._writes
         for rec, reason in self._window.overflow(outside):
             if reason is KEEP_QUOTA:
-                self._keep_locked(rec)
+                writes.keep_locked(rec)
                 self.stats.quota_kept_bytes += rec.nbytes
                 # Backward uses it before any record the step wrote (those are older):
                 # like the kept tail it fills the prefetch window, so reads start as
@@ -432,9 +468,9 @@ class Store(WriteBack, HostTier):
             if reason is None and host is not None:  # NOTE [ Host tier ] in _hosttier.py
                 if rec.device is None:
                     if not host.evicts:  # in host memory already, and no SSD tier
-                        self._keep_host_record_locked(rec)
+                        self._tier.keep_host_record_locked(rec)
                         continue
-                elif not self._admit_locked(rec):
+                elif not self._tier.admit_locked(rec):
                     continue  # beyond the budget, no SSD tier: kept on the device
             if reason is None:
                 self._table.make_due(rec)
@@ -442,16 +478,7 @@ class Store(WriteBack, HostTier):
                 # skipped because the record died first, failed) depends on timing.
                 self.stats.offloaded_bytes += rec.nbytes
             else:
-                self._over_budget_locked(rec)
-
-    def _keep_host_record_locked(self, rec):
-        """A host record with a host tier and no SSD tier: it is in host memory already
-        and nothing can free it (NOTE [ Host tier ] in _hosttier.py)."""
-        self._keep_locked(rec)
-        self._events.warn_once(
-            "host-record", "ssdtrain: a saved CPU tensor stays in memory: with host_budget_bytes "
-            "and no spill_dir only device records move (to host RAM); host memory can only be "
-            "freed by an SSD. Give a spill_dir to offload CPU tensors.")
+                writes.over_budget_locked(rec)
 
     def _outside_spill_bytes(self):
         """Spill bytes in use that belong to no record: the bandwidth probe's slot and
@@ -473,6 +500,61 @@ class Store(WriteBack, HostTier):
             dev = self._devices[(leaf, device)] = DeviceTransfers(
                 leaf, device, self.engine.capabilities.device_memory, pool)
         return dev
+
+    # ----------------------------------------------------------------- throttle
+    def _over_write_behind(self):
+        """Whether more than the write-behind limit in force is written or due to be
+        (writes in flight plus due writes the I/O thread has not started yet). Read
+        without the lock: :meth:`_throttle` looks again."""
+        table = self._table
+        return table.writing_bytes + table.due_bytes > self.write_behind
+
+    def _throttle(self):
+        """Wait until the writes in flight fit in ``write_behind_bytes``: start every write
+        that is due (this thread waits anyway), then wait for the oldest write's future,
+        never under the lock; ``io_timeout_s`` for each write."""
+        t0 = time.perf_counter()
+        table = self._table
+        span = _trace.span(_trace.WAIT_WRITE, table.writing_bytes + table.due_bytes)
+        try:
+            while True:
+                with self._lock:
+                    done, oldest, fut = self._guarded_locked(self._throttled_locked)
+                if done:
+                    return
+                if oldest is None:
+                    continue
+                if fut is None:
+                    raise SSDTrainError(f"ssdtrain: record {oldest!r} is being written with no "
+                                        f"request; please report this bug.")
+                try:
+                    fut.exception(timeout=self.cfg.io_timeout_s)
+                except FutureTimeout:
+                    raise SpillIOError(
+                        f"ssdtrain: writing record {oldest!r} to {oldest.slot.file.name} did not "
+                        f"finish within io_timeout_s={self.cfg.io_timeout_s} s; the device may be "
+                        f"hung or overloaded.", filename=oldest.slot.file.directory) from None
+        finally:
+            span.__exit__(None, None, None)
+            self.stats.write_stall_seconds += time.perf_counter() - t0
+            if self._graveyard:  # writes it completed dropped memory
+                self._kick()
+
+    def _throttled_locked(self):
+        """``(done, oldest WRITING record, its future)`` for the throttle; completes the
+        oldest write if it is done (its callback may still be queued): then ``oldest`` is
+        None and the throttle looks again."""
+        self._raise_event_locked()
+        if not self.closed:
+            self._writes.start_due_locked()
+        if self._table.writing_bytes <= self.write_behind or self.closed:
+            return True, None, None
+        oldest = next(iter(self._table.writing))
+        fut = oldest.future
+        if fut is not None and fut.done():
+            self._writes.write_done_locked(oldest, fut)
+            return False, None, None
+        return False, oldest, fut
 
     # ----------------------------------------------------------------- backward
     def unpack(self, handle):
@@ -526,7 +608,7 @@ class Store(WriteBack, HostTier):
         has ended; ``(None, future)`` when there is another one to wait for (an
         eviction's write ended: the record is read now)."""
         if rec.state is State.SPILLING:
-            self._write_done_locked(rec, fut)
+            self._writes.write_done_locked(rec, fut)
         if rec.state in (State.ON_DISK, State.HOSTED, State.SPILLING):
             return self._unpack_locked(rec, handle)
         self._reads.read_done_locked(rec, fut)
@@ -566,7 +648,7 @@ class Store(WriteBack, HostTier):
             return self._use_locked(rec, handle), None
         if rec.state is State.HOSTED:  # NOTE [ Host tier ]: a copy from RAM, queued now
             self.stats.prefetch_misses += 1
-            self._load_host_locked(rec)
+            self._tier.load_locked(rec)
             return self._use_locked(rec, handle), None
         if rec.state is State.LOADING or rec.state is State.SPILLING:
             self.stats.prefetch_hits += first and rec.state is State.LOADING
@@ -581,14 +663,13 @@ class Store(WriteBack, HostTier):
     def _use_locked(self, rec, handle):
         """The unpacked view of a resident record."""
         storage, base = rec.storage, rec.base
-        reads = self._reads
         if rec.device is not None:  # a load's copy, or (in memory) the producer: rule 7
             rec.device.consume(storage, rec.produced if rec.ready is None else rec.ready)
         if handle.token in rec.unseen:
             rec.unseen.discard(handle.token)
             if rec.prefetched:
                 self._table.uncount_ahead(rec)
-        reads.promote_locked(rec)
+        self._promote_locked(rec)
         itemsize = handle.dtype.itemsize
         offset, odd = divmod(base + handle.rel, itemsize)
         if odd:
@@ -598,8 +679,8 @@ class Store(WriteBack, HostTier):
         view = torch.empty((0,), dtype=handle.dtype, device=storage.device).set_(
             storage, offset, handle.size, handle.stride)
         if not rec.unseen and rec.state is State.LOADED:
-            reads.evict_locked(rec)
-        reads.pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
+            self._reads.evict_locked(rec)
+        self._pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
         return view
 
     def _wait(self, rec, fut):
@@ -667,7 +748,22 @@ class Store(WriteBack, HostTier):
         into, else the next prefetch read. Whether more may be due."""
         if self.closed or self._paused:
             return False
-        return self._start_due_locked(1) or self._reads.pump_locked(1)
+        return self._writes.start_due_locked(1) or self._reads.pump_locked(1)
+
+    def _reserve_staging(self):
+        """The I/O thread, before it takes the lock: when the next write or prefetch read
+        due is a device record's, make sure its staging pool has a buffer for it, so that
+        the pinned allocation (milliseconds) runs outside the lock (NOTE [ Device
+        records ]). Reads the due writes and the prefetch queue without the lock: a hint."""
+        if not self._staging:
+            return
+        for rec in (self._writes.next_hint(), self._reads.next_hint()):
+            dev = None if rec is None else rec.device
+            if dev is not None and not dev.direct:
+                try:
+                    dev.pool.reserve(rec.nbytes)
+                except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
+                    pass
 
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
@@ -724,7 +820,7 @@ class Store(WriteBack, HostTier):
                 if type(ev) is Token:  # a handle died (its weak reference's callback)
                     self._released_locked(ev.record, ev)
                 elif ev[0] is _WRITTEN:
-                    self._write_done_locked(ev[1], ev[2])
+                    self._writes.write_done_locked(ev[1], ev[2])
                 elif ev[0] is _SLOT_FREE:
                     self._free_extra_slot_locked(ev[1])
                 else:
@@ -1065,7 +1161,7 @@ class Store(WriteBack, HostTier):
         would: the writes and prefetch reads that are due, so that ``wait()`` returns with
         them done."""
         if start and not self.closed:
-            self._start_due_locked()
+            self._writes.start_due_locked()
             self._reads.pump_locked()
         pending = []
         # Copies: completing a write whose handles are gone frees its record, which
@@ -1078,7 +1174,7 @@ class Store(WriteBack, HostTier):
                 if not f.done():
                     pending.append((r, f))
                 elif r.state in OUTBOUND:
-                    self._write_done_locked(r, f)
+                    self._writes.write_done_locked(r, f)
                 else:
                     self._reads.read_done_locked(r, f)
         return pending
