@@ -51,15 +51,20 @@ staged SSD-only write is.
   the consumer waits on the copy's event). When every live handle has been unpacked
   the device copy is dropped: LOADED -> HOSTED (``retain_graph`` loads it again).
 * evicted: HOSTED -> SPILLING: the I/O thread writes the pinned copy to the SSD (no
-  second device copy) -> ON_DISK, the buffer back in the pool. A record evicted while
+  second device copy) -> ON_DISK, the buffer back in the pool (-> LOADED instead when
+  prefetch or unpack claimed it meanwhile, loaded from that copy first). A record evicted while
   its copy to RAM or a load is running is spilled once it is HOSTED again; one still
   PENDING is written from the device as an SSD-only record would be.
 * a record freed (its last handle gone) leaves the budget and its buffer goes back
   to the pool.
 
-Prefetch walks HOSTING, HOSTED and SSD records alike (NOTE [ Prefetch window ]); a
-record whose eviction write is still running when backward reaches it is not
-prefetched (it is read when backward needs it, after its write).
+Prefetch walks HOSTING, HOSTED, SPILLING and SSD records alike (NOTE [ Prefetch
+window ]). A record whose eviction write is still running (SPILLING) when prefetch or
+backward reaches it is *claimed*: when the write ends it is loaded from its pinned
+copy (SPILLING -> LOADED, the copy queued then, the buffer going back to the pool once
+the copy has ended), never read back from the SSD; used, it is ON_DISK (it left the
+budget when it was evicted). Backward still waits for that write: the load is queued
+when it ends, not before (a LOADED record has no request in flight).
 
 **The default budget** (``host_budget_bytes="auto"``): half of the memory this
 process may use: the cgroup's limit (``/sys/fs/cgroup/memory.max``, cgroup v1's
@@ -387,8 +392,13 @@ class HostTier:
             self.stats.bytes_written += rec.nbytes
             if self.cfg.verify and not rec.device.direct:
                 rec.crc = fut.result()
-            self._table.move(rec, State.ON_DISK)
-            rec.host = None  # the buffer goes back to the pool (its lease's finalizer)
+            if rec.claimed and rec.tokens:  # prefetch or unpack reached it while it was
+                self.load_locked(rec)  # written: loaded from its RAM copy, not read back
+            else:
+                self._table.move(rec, State.ON_DISK)
+            # The buffer goes back to the pool (its lease's finalizer), not before the
+            # load's copy out of it has ended (DeviceTransfers.from_host: lease.after).
+            rec.host = None
         rec.future = None
         if not rec.tokens:
             self._table.free(rec)

@@ -28,8 +28,10 @@ from ._writeback import _READ, _owning, failed_future
 
 
 # States prefetch brings back: being written or copied to RAM (their bytes are kept
-# when the request ends), on disk, in the host tier (NOTE [ Host tier ] in _hosttier.py).
-_FETCHED = frozenset({State.WRITING, State.ON_DISK, State.HOSTING, State.HOSTED})
+# when the request ends), on disk, in the host tier, being evicted from it (loaded from
+# its RAM copy when the write ends: NOTE [ Host tier ] in _hosttier.py).
+_FETCHED = frozenset({State.WRITING, State.ON_DISK, State.HOSTING, State.HOSTED,
+                      State.SPILLING})
 _NEAR = 2  # records: a window this close to backward's use is refilled by unpack itself
 
 
@@ -120,7 +122,8 @@ class ReadPath:
                 continue
             rec = p.queue[0]
             if rec.tokens and not rec.prefetched and not rec.used:
-                if rec.state is State.WRITING or rec.state is State.HOSTING:
+                if rec.state is State.WRITING or rec.state is State.HOSTING or \
+                        rec.state is State.SPILLING:
                     rec.claimed = True
                     self._table.count_ahead(rec)
                 elif rec.state is State.ON_DISK:

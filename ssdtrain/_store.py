@@ -592,7 +592,8 @@ class Store:
             self._after_hook(self._read_due())
             # LOADING and this handle not yet unpacked in this generation: nothing can drop
             # the bytes between the read's end and their use below. SPILLING (NOTE [ Host
-            # tier ]): once its write ends, it is read (a second round).
+            # tier ]): once its write ends, it is loaded from RAM (claimed), or, should the
+            # write have failed or been cut short, looked at again (a second round).
             while view is None:
                 self._wait(rec, fut)
                 with self._lock:
@@ -605,12 +606,15 @@ class Store:
 
     def _loaded_locked(self, rec, handle, fut):
         """``(view, None)`` of ``rec`` once the request ``fut`` that unpack waited for
-        has ended; ``(None, future)`` when there is another one to wait for (an
-        eviction's write ended: the record is read now)."""
+        has ended; ``(None, future)`` when there is another one to wait for."""
         if rec.state is State.SPILLING:
             self._writes.write_done_locked(rec, fut)
-        if rec.state in (State.ON_DISK, State.HOSTED, State.SPILLING):
+        if rec.state is State.ON_DISK:  # a read cut short: read again (a miss again)
             return self._unpack_locked(rec, handle)
+        if rec.state is State.HOSTED or rec.state is State.SPILLING:
+            # Only an eviction's write waited for (counted then) ends here: it failed
+            # (on_spill_error="keep") or was cut short (evicted again).
+            return self._unpack_locked(rec, handle, True)
         self._reads.read_done_locked(rec, fut)
         if rec.state is State.FAILED:
             self._raise_event_locked(rec)
@@ -619,8 +623,9 @@ class Store:
                                 f"please report this bug.")
         return self._use_locked(rec, handle), None
 
-    def _unpack_locked(self, rec, handle):
-        """``(view, None)`` if the bytes are in memory, else ``(None, read future)``."""
+    def _unpack_locked(self, rec, handle, counted=False):
+        """``(view, None)`` if the bytes are in memory, else ``(None, the future to wait
+        for)``. ``counted``: this unpack's hit or miss was counted already."""
         if self.closed:
             raise OffloaderClosedError(
                 "ssdtrain: backward needs a tensor saved under an Offloader that has been "
@@ -647,11 +652,18 @@ class Store:
             # drops the bytes from memory (State.ON_DISK).
             return self._use_locked(rec, handle), None
         if rec.state is State.HOSTED:  # NOTE [ Host tier ]: a copy from RAM, queued now
-            self.stats.prefetch_misses += 1
+            self.stats.prefetch_misses += not counted
             self._tier.load_locked(rec)
             return self._use_locked(rec, handle), None
-        if rec.state is State.LOADING or rec.state is State.SPILLING:
-            self.stats.prefetch_hits += first and rec.state is State.LOADING
+        if rec.state is State.LOADING:
+            self.stats.prefetch_hits += first
+        elif rec.state is State.SPILLING:  # NOTE [ Host tier ]: loaded from RAM once written
+            if not counted:
+                if first and rec.prefetched:  # prefetch claimed it
+                    self.stats.prefetch_hits += 1
+                else:
+                    self.stats.prefetch_misses += 1
+            rec.claimed = True
         elif rec.state is State.ON_DISK:
             self.stats.prefetch_misses += 1
             self._reads.start_read_locked(rec)
