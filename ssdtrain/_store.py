@@ -17,15 +17,18 @@ the read path (prefetch and reads) in ``_prefetch.py``, the host tier in ``_host
 NOTE [ The store's paths ]
 
 What happens to a record after the pack decision is done by three objects the store
-composes, each given what it uses in its constructor (none holds the store, so a
-store nobody references is collected at once, and its I/O thread ends):
+composes, each given what it uses in its constructor (none holds the store, and they
+hold one another without a cycle, so a store nobody references is collected at once
+with its records, and its I/O thread ends):
 ``WritePath`` (``Store._writes``, _writeback.py: the due writes, their completion,
 the spill budget's verdicts, keeping and failing a record), ``ReadPath``
 (``Store._reads``, _prefetch.py: the pass queues, prefetch, reads, dropping read
 copies) and ``HostTier`` (``Store._tier``, _hosttier.py: admission, copies to RAM and
 back, evictions to the SSD). The write path and the tier call each other (an eviction
 is a write; a copy to RAM is started and completed where writes are): the store sets
-``WritePath.tier`` once both exist. The store keeps what takes or spans the lock: the
+``WritePath.tier`` once both exist, to a weak proxy of the tier (a strong one would make
+a cycle holding the record table, and the records' memory would wait for the garbage
+collector). The store keeps what takes or spans the lock: the
 hooks, the inbox and its drain, the passes' boundaries, the throttle's wait, flush,
 close, fork and repair; every path method ending in ``_locked`` runs under it.
 Completions reach the store through ``callback`` (``_completions``: a weak reference
@@ -228,11 +231,13 @@ class Store:
         self._callback = _completions(weakref.ref(self))
         # The paths (NOTE [ The store's paths ]): objects given what they use; none holds
         # the store. The write path and the host tier call each other (an eviction is a
-        # write; a copy to RAM is started and completed where writes are).
+        # write; a copy to RAM is started and completed where writes are); the write
+        # path holds the tier weakly, so no cycle keeps the records alive past the store.
         self._writes = WritePath(self._table, self._window, spill, engine, config, stats,
                                  self._events, self._callback)
-        self._tier = self._writes.tier = HostTier(self._table, self._host, self._writes, config,
-                                                  stats, self._events, self._callback)
+        self._tier = HostTier(self._table, self._host, self._writes, config, stats,
+                              self._events, self._callback)
+        self._writes.tier = weakref.proxy(self._tier)
         self._reads = ReadPath(self._table, self._buffers, engine, config, stats, self._events,
                                self._callback, self._tier.load_locked)
         # What the hooks call on every pack and unpack: bound once (the per-tensor path

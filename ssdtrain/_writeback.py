@@ -29,8 +29,9 @@ class WritePath:
 
     A device record admitted to the host tier is copied to RAM instead of written, and
     an evicted one is written from its pinned copy: ``tier`` (the store's
-    :class:`~ssdtrain._hosttier.HostTier`, set by the store once both exist: each calls
-    the other) starts those requests and completes them (NOTE [ Host tier ]).
+    :class:`~ssdtrain._hosttier.HostTier`, a weak proxy set by the store once both exist:
+    each calls the other, and a cycle would keep the record table alive past the store)
+    starts those requests and completes them (NOTE [ Host tier ]).
 
     Args:
         table: the store's :class:`~ssdtrain._table.RecordTable` (``move()``, ``free()``,
