@@ -294,7 +294,7 @@ class _Replay:
                  device_records: bool = False, quota: Optional[int] = None,
                  ssd_tier: Optional[bool] = None):
         self.cfg = cfg
-        # NOTE [ Host tier ] in _hosttier.py: the same HostBudget as Store._admit_locked.
+        # NOTE [ Host tier ] in _hosttier.py: the same HostBudget as HostTier.admit_locked.
         budget = budget_bytes(cfg.host_budget_bytes)
         ssd = has_ssd_tier(cfg) if ssd_tier is None else ssd_tier
         self.host = None if budget is None else HostBudget(budget, ssd, m)
@@ -391,7 +391,7 @@ class _Replay:
         for rec, reason in self.window.overflow():
             lb = self._lb(rec.layer)
             if reason is None and host is not None and not self._admit(rec):
-                rec.fate = State.KEPT  # Store._keep_host_record_locked / _admit_locked
+                rec.fate = State.KEPT  # HostTier.keep_host_record_locked / admit_locked
                 m.kept_bytes += rec.nbytes
                 lb.kept_bytes += rec.nbytes
                 continue
@@ -447,7 +447,7 @@ class _Replay:
                         group.remove(rec)
 
     def end_pass(self):
-        """Prefetch._end_pass_locked: the records still in the tail are kept."""
+        """Store._end_pass_locked: the records still in the tail are kept."""
         self._drain()
         for rec in self.window.close():
             rec.fate = State.KEPT

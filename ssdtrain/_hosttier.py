@@ -51,15 +51,20 @@ staged SSD-only write is.
   the consumer waits on the copy's event). When every live handle has been unpacked
   the device copy is dropped: LOADED -> HOSTED (``retain_graph`` loads it again).
 * evicted: HOSTED -> SPILLING: the I/O thread writes the pinned copy to the SSD (no
-  second device copy) -> ON_DISK, the buffer back in the pool. A record evicted while
+  second device copy) -> ON_DISK, the buffer back in the pool (-> LOADED instead when
+  prefetch or unpack claimed it meanwhile, loaded from that copy first). A record evicted while
   its copy to RAM or a load is running is spilled once it is HOSTED again; one still
   PENDING is written from the device as an SSD-only record would be.
 * a record freed (its last handle gone) leaves the budget and its buffer goes back
   to the pool.
 
-Prefetch walks HOSTING, HOSTED and SSD records alike (NOTE [ Prefetch window ]); a
-record whose eviction write is still running when backward reaches it is not
-prefetched (it is read when backward needs it, after its write).
+Prefetch walks HOSTING, HOSTED, SPILLING and SSD records alike (NOTE [ Prefetch
+window ]). A record whose eviction write is still running (SPILLING) when prefetch or
+backward reaches it is *claimed*: when the write ends it is loaded from its pinned
+copy (SPILLING -> LOADED, the copy queued then, the buffer going back to the pool once
+the copy has ended), never read back from the SSD; used, it is ON_DISK (it left the
+budget when it was evicted). Backward still waits for that write: the load is queued
+when it ends, not before (a LOADED record has no request in flight).
 
 **The default budget** (``host_budget_bytes="auto"``): half of the memory this
 process may use: the cgroup's limit (``/sys/fs/cgroup/memory.max``, cgroup v1's
@@ -214,28 +219,64 @@ IN_TIER = frozenset({State.PENDING, State.HOSTING, State.HOSTED, State.LOADED})
 
 
 class HostTier:
-    """The :class:`ssdtrain._store.Store` mixin that moves records through the host
-    tier (NOTE [ Host tier ]); methods ending in ``_locked`` run with the store lock."""
+    """Moves device records through the host tier (NOTE [ Host tier ]): the pack's
+    admission (with :class:`HostBudget`), the copies to RAM and back, the evicted
+    records' writes to the SSD and their completion. The store holds one
+    (``Store._tier``) and calls it under its lock (methods ending in ``_locked``); the
+    write path hands it the records it admitted and the completions of their requests.
+    It owns nothing but its collaborators: the records and their counts are the
+    table's, the budget's bookkeeping the :class:`HostBudget`'s.
 
-    def _admit_locked(self, rec):
+    Args:
+        table: the store's :class:`~ssdtrain._table.RecordTable`.
+        budget: the store's :class:`HostBudget`, or None (no host tier: no record is
+            admitted, so nothing here is called).
+        writes: the store's :class:`~ssdtrain._writeback.WritePath`: records are kept
+            and failed as written ones are, and an eviction is a write
+            (``submit_write``).
+        cfg, stats, events: the store's resolved config, ``Stats`` and
+            :class:`~ssdtrain._events.Events`.
+        callback: ``callback(rec, kind)``, the done-callback that queues a completion in
+            the store's inbox.
+    """
+
+    def __init__(self, table, budget, writes, cfg, stats, events, callback):
+        self._table = table
+        self._budget = budget
+        self._writes = writes
+        self.cfg = cfg
+        self.stats = stats
+        self._events = events
+        self._callback = callback
+
+    def admit_locked(self, rec):
         """The pack decision for a device record leaving the tail window with a host
         tier: admitted (due to be copied to RAM), written to the SSD, or kept on the
         device; earlier records evicted. Returns whether ``rec`` leaves device memory."""
-        admitted, evicted = self._host.admit(rec)
+        admitted, evicted = self._budget.admit(rec)
         for old in evicted:
             self._evict_to_ssd_locked(old)
         if admitted:
             return True
-        if self._host.evicts:
+        if self._budget.evicts:
             self.stats.host_spilled_bytes += rec.nbytes  # straight to the SSD
             return True
-        self._keep_locked(rec)
+        self._writes.keep_locked(rec)
         self.stats.over_budget_bytes += rec.nbytes
         self._events.warn_once(
             "host-budget", "ssdtrain: host_budget_bytes=%d is full and there is no spill_dir: "
             "records beyond it stay in device memory (Stats.over_budget_bytes). Give a spill_dir "
-            "to write them to an SSD, or raise host_budget_bytes.", self._host.budget)
+            "to write them to an SSD, or raise host_budget_bytes.", self._budget.budget)
         return False
+
+    def keep_host_record_locked(self, rec):
+        """A host record with a host tier and no SSD tier: it is in host memory already
+        and nothing can free it."""
+        self._writes.keep_locked(rec)
+        self._events.warn_once(
+            "host-record", "ssdtrain: a saved CPU tensor stays in memory: with host_budget_bytes "
+            "and no spill_dir only device records move (to host RAM); host memory can only be "
+            "freed by an SSD. Give a spill_dir to offload CPU tensors.")
 
     def _evict_to_ssd_locked(self, rec):
         """``rec`` leaves the host tier's budget for the SSD (decided at a pack). Still
@@ -243,27 +284,27 @@ class HostTier:
         its pinned copy once that copy is all it holds (HOSTED)."""
         self.stats.host_spilled_bytes += rec.nbytes
         if rec.state is State.PENDING:
-            return  # due: _start_write_locked sees tier == 0 and writes it to the SSD
+            return  # due: start_write_locked sees tier == 0 and writes it to the SSD
         rec.evict = True
         if rec.state is State.HOSTED:
             self._table.queue_spill(rec)
 
     # ------------------------------------------------------------ device -> RAM
-    def _start_host_locked(self, rec):
+    def start_host_locked(self, rec):
         """PENDING -> HOSTING: queue the copy into pinned memory; the future completes
         when the copy has ended (the "ssdtrain-d2h" thread waits for its event)."""
         dev = rec.device
         try:
             lease, done = dev.to_host(rec.storage, rec.base, rec.nbytes, rec.produced)
         except Exception as e:  # noqa: BLE001 - no pinned memory now: stays on the device
-            self._keep_locked(rec)
+            self._writes.keep_locked(rec)
             self._events.warn_once(
                 "host-pinned", "ssdtrain: a device record could not be copied to the host tier "
                 "(%s: %s); such records stay in device memory.", type(e).__name__, e)
             return
         rec.host = lease
         rec.submitted = False
-        self._move_locked(rec, State.HOSTING)
+        self._table.move(rec, State.HOSTING)
         try:
             rec.submitted = True; fut = dev.after(done, _landed)  # noqa: E702
         except Exception as e:  # noqa: BLE001 - the waiter thread is gone (closing)
@@ -271,29 +312,29 @@ class HostTier:
         rec.future = _owning(fut, (rec.source, rec.storage, lease))
         rec.future.add_done_callback(self._callback(rec, _WRITTEN))
 
-    def _hosted_locked(self, rec, fut):
-        """The copy of ``rec`` to RAM ended (``_write_done_locked`` dispatches here).
-        Idempotent: clears ``rec.future`` last."""
+    def hosted_locked(self, rec, fut):
+        """The copy of ``rec`` to RAM ended (``WritePath.write_done_locked`` dispatches
+        here). Idempotent: clears ``rec.future`` last."""
         exc = _without_frames(fut.exception())
         if exc is not None:
             # The copy never ran (an interrupt, the waiter shut down): the bytes are
             # still on the device.
             rec.host = None
             if rec.storage is not None and not rec.storage_changed():
-                self._move_locked(rec, State.KEPT)
+                self._table.move(rec, State.KEPT)
                 self.stats.kept_bytes += rec.nbytes
             else:
                 self._events.report(rec, exc, lost=True)
-                self._fail_locked(rec, exc)
-        elif not self._written_intact_locked(rec):
+                self._writes.fail_locked(rec, exc)
+        elif not self._writes.written_intact_locked(rec):
             pass  # failed with autograd's message (in-place write, storage changed)
         elif rec.claimed:  # prefetch reached it: the device bytes stay, as a load
-            self._move_locked(rec, State.LOADED)
+            self._table.move(rec, State.LOADED)
             rec.source = None
             rec.ready = rec.produced
             rec.produced = None
         else:
-            self._move_locked(rec, State.HOSTED)
+            self._table.move(rec, State.HOSTED)
             self._table.drop_memory(rec)
             rec.storage = rec.source = rec.produced = None
         rec.future = None
@@ -301,30 +342,31 @@ class HostTier:
             self._table.free(rec)
 
     # ------------------------------------------------------------ RAM -> device
-    def _load_host_locked(self, rec):
+    def load_locked(self, rec):
         """HOSTED -> LOADED: queue the copy back to device memory now (rules 5-7 of
         NOTE [ Device records ]); the consumer waits on ``rec.ready``."""
         storage, base, ready = rec.device.from_host(rec.host, device_misalign(rec.ptr, rec.lo))
         rec.storage, rec.base, rec.ready = storage, base, ready
-        self._move_locked(rec, State.LOADED)
+        self._table.move(rec, State.LOADED)
         self.stats.host_loaded_bytes += rec.nbytes
 
     # --------------------------------------------------------------- RAM -> SSD
-    def _start_spill_locked(self, rec):
+    def start_spill_locked(self, rec):
         """HOSTED -> SPILLING: write the pinned copy to a slot; the request owns it."""
         address = rec.host.view.data_ptr()
-        rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
+        writes = self._writes
+        rec.slot = writes.spill.alloc(rec.nbytes, address % BLOCK)
         rec.submitted = False
-        self._move_locked(rec, State.SPILLING)
+        self._table.move(rec, State.SPILLING)
         rec.writes += 1
         try:
-            fut = self._submit_write(rec, rec.slot, address, rec.nbytes, False)
+            fut = writes.submit_write(rec, rec.slot, address, rec.nbytes, False)
         except Exception as e:  # noqa: BLE001 - refused: nothing in flight
             fut = failed_future(e)
         rec.future = _owning(fut, (rec.host,))
         rec.future.add_done_callback(self._callback(rec, _WRITTEN))
 
-    def _spilled_locked(self, rec, fut):
+    def spilled_locked(self, rec, fut):
         """The write of an evicted record ended. Idempotent: clears ``rec.future`` last."""
         exc = _without_frames(fut.exception())
         if exc is not None and (not isinstance(exc, Exception) or (
@@ -341,17 +383,22 @@ class HostTier:
                 self._events.warn_once("write", "ssdtrain: a spill write failed (%s); "
                                        "on_spill_error='keep' keeps such records in memory.", exc)
             rec.evict = again
-            self._move_locked(rec, State.HOSTED)
+            self._table.move(rec, State.HOSTED)
         elif exc is not None:
             self._events.report(rec, exc, lost=True)
-            self._fail_locked(rec, exc)
+            self._writes.fail_locked(rec, exc)
         else:
             self.stats.records_written += 1
             self.stats.bytes_written += rec.nbytes
             if self.cfg.verify and not rec.device.direct:
                 rec.crc = fut.result()
-            self._move_locked(rec, State.ON_DISK)
-            rec.host = None  # the buffer goes back to the pool (its lease's finalizer)
+            if rec.claimed and rec.tokens:  # prefetch or unpack reached it while it was
+                self.load_locked(rec)  # written: loaded from its RAM copy, not read back
+            else:
+                self._table.move(rec, State.ON_DISK)
+            # The buffer goes back to the pool (its lease's finalizer), not before the
+            # load's copy out of it has ended (DeviceTransfers.from_host: lease.after).
+            rec.host = None
         rec.future = None
         if not rec.tokens:
             self._table.free(rec)

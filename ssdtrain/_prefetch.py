@@ -1,15 +1,16 @@
-"""Prefetch and reads: pass queues, the prefetch window, starting and finishing reads,
-dropping read copies. A mixin of :class:`ssdtrain._store.Store`; methods whose name ends
-in ``_locked`` run with the store lock held (NOTE [ Store lock discipline ] in _store.py).
+"""The read path: pass queues, the prefetch window, starting and finishing reads,
+dropping read copies. :class:`ReadPath` is an object the store composes (``Store._reads``),
+given its collaborators when made; methods whose name ends in ``_locked`` run with the
+store lock held (NOTE [ Store lock discipline ] in _store.py).
 
 NOTE [ Prefetch window ]
 
 Each forward under the offloader is a *pass*. When it ends, its records that are being
 written or are on disk are queued newest first (backward uses them in reverse order);
-``_pump_locked`` starts reads from the queue of the pass whose backward runs (the last
+``ReadPath.pump_locked`` starts reads from the queue of the pass whose backward runs (the last
 one whose record was used) while fewer than ``prefetch_bytes`` are held ahead of use.
 The kept tail counts against the same window. A record is read at most once per use:
-one that was used and dropped (every live handle unpacked) is never prefetched again
+one that was used and dropped (every live handle unpacked) is never prefetched
 again until a new pack uses it (``Record.used``).
 """
 
@@ -27,8 +28,10 @@ from ._writeback import _READ, _owning, failed_future
 
 
 # States prefetch brings back: being written or copied to RAM (their bytes are kept
-# when the request ends), on disk, in the host tier (NOTE [ Host tier ] in _hosttier.py).
-_FETCHED = frozenset({State.WRITING, State.ON_DISK, State.HOSTING, State.HOSTED})
+# when the request ends), on disk, in the host tier, being evicted from it (loaded from
+# its RAM copy when the write ends: NOTE [ Host tier ] in _hosttier.py).
+_FETCHED = frozenset({State.WRITING, State.ON_DISK, State.HOSTING, State.HOSTED,
+                      State.SPILLING})
 _NEAR = 2  # records: a window this close to backward's use is refilled by unpack itself
 
 
@@ -46,35 +49,52 @@ class _Pass:
         self.reported = self.aborted = False
 
 
-class Prefetch:
-    """Everything between a record's write and its use in backward."""
+class ReadPath:
+    """Everything between a record's write and its use in backward: the pass queues,
+    the prefetch window, reads and their completion, dropping read copies. The store
+    holds one (``Store._reads``) and calls it under its lock (methods ending in
+    ``_locked``); it owns the pass queues (``passes``) and nothing else: the records
+    and their counts are the table's, the read buffers the pool's.
 
-    def _end_pass_locked(self):
-        """Forward ended: writes the I/O thread has not started yet start now, the tail
-        stays in memory, and prefetch starts in reverse pack order."""
-        p, self._current = self._current, None
-        self._ended = p  # an error raised at the end of forward is this pass's
-        if p is None or self.closed:
-            return
-        self._start_due_locked()  # what pack decided and the I/O thread has not started
-        for rec in self._window.close():  # the kept tail: keep_tail_bytes at most
-            self._keep_locked(rec)
-            # The kept tail is what backward uses first: it fills the window, so
-            # kept + prefetched bytes stay within prefetch_bytes (not their sum).
-            self._table.count_ahead(rec)
-        if p.passed is not None:  # passed through after the quota was spent: the same
-            ranges, p.passed = p.passed, None  # (only its tensors keep it alive now)
-            self._table.count_passed(ranges, self._inbox.append)
+    Args:
+        table: the store's :class:`~ssdtrain._table.RecordTable` (``move()``, ``free()``,
+            the bytes ahead of use).
+        buffers: the :class:`~ssdtrain._readbuf.ReadBuffers` reads of host records land in.
+        engine: the engine reads are submitted to; ``Store.engine``'s setter (the store's
+            ``replace_engine``, tests) sets ``engine`` here too.
+        cfg, stats, events: the store's resolved config, ``Stats`` and
+            :class:`~ssdtrain._events.Events`.
+        callback: ``callback(rec, kind)``, the done-callback that queues a completion in
+            the store's inbox (NOTE [ Store lock discipline ] in _store.py).
+        load_host: ``load_host(rec)``, the host tier's load of a HOSTED record (a copy
+            from RAM queued at once: NOTE [ Host tier ] in _hosttier.py).
+    """
+
+    def __init__(self, table, buffers, engine, cfg, stats, events, callback, load_host):
+        self._table = table
+        self._buffers = buffers
+        self.engine = engine
+        self.cfg = cfg
+        self.stats = stats
+        self._events = events
+        self._callback = callback
+        self._load_host = load_host
+        self.passes = []  # passes whose prefetch is not finished; the last one is pumped
+
+    def queue_pass_locked(self, p):
+        """Forward of pass ``p`` ended (``Store._end_pass_locked``, after the due writes
+        started and the tail was kept): its records being written or on disk are queued
+        newest first, and the first window's reads start here, once per forward:
+        backward's first unpacks come at once, and in whatever order its graph takes.
+        The I/O thread starts the reads as the window slides (NOTE [ The store's I/O
+        thread ] in _store.py)."""
         todo = {id(r): r for r in p.records if r.state in _FETCHED}
         p.queue = collections.deque(sorted(todo.values(), key=lambda r: -r.seq))
         p.records = None
-        self._passes = [q for q in self._passes if q.queue] + ([p] if p.queue else [])
-        # The first window's reads start here, once per forward: backward's first unpacks
-        # come at once, and in whatever order its graph takes. The I/O thread starts the
-        # reads as the window slides (NOTE [ The store's I/O thread ] in _store.py).
-        self._pump_locked()
+        self.passes = [q for q in self.passes if q.queue] + ([p] if p.queue else [])
+        self.pump_locked()
 
-    def _pump_low_locked(self, used):
+    def pump_low_locked(self, used):
         """Unpack's part of prefetch, after it used record ``used``: the I/O thread fills
         the window as it slides (NOTE [ The store's I/O thread ] in _store.py). When it
         lags so far that backward would soon miss, this thread starts reads itself: while
@@ -82,28 +102,29 @@ class Prefetch:
         when the next record the window would take is one of the next ``_NEAR`` records
         backward uses (it walks a pass in reverse pack order: the queue's order)."""
         low = self.cfg.prefetch_bytes >> 2
-        while self._table.ahead < low and self._pump_locked(1):
+        while self._table.ahead < low and self.pump_locked(1):
             pass
-        if self._passes and self._table.ahead < self.cfg.prefetch_bytes:
-            queue = self._passes[-1].queue
+        if self.passes and self._table.ahead < self.cfg.prefetch_bytes:
+            queue = self.passes[-1].queue
             if queue and 0 < used.seq - queue[0].seq <= _NEAR:
-                self._pump_locked(1)
+                self.pump_locked(1)
 
-    def _pump_locked(self, limit=None):
+    def pump_locked(self, limit=None):
         """Start reads from the queue of the pass whose backward runs while fewer than
         ``prefetch_bytes`` are held ahead of use, at most ``limit`` of them (all with
         None). Returns whether it stopped at ``limit`` with more to do. The store's I/O
         thread calls it (NOTE [ The store's I/O thread ] in _store.py), and ``flush()``."""
         budget = self.cfg.prefetch_bytes
         started = 0
-        while self._passes and self._table.ahead < budget:
-            p = self._passes[-1]
+        while self.passes and self._table.ahead < budget:
+            p = self.passes[-1]
             if not p.queue:
-                self._passes.pop()
+                self.passes.pop()
                 continue
             rec = p.queue[0]
             if rec.tokens and not rec.prefetched and not rec.used:
-                if rec.state is State.WRITING or rec.state is State.HOSTING:
+                if rec.state is State.WRITING or rec.state is State.HOSTING or \
+                        rec.state is State.SPILLING:
                     rec.claimed = True
                     self._table.count_ahead(rec)
                 elif rec.state is State.ON_DISK:
@@ -118,30 +139,39 @@ class Prefetch:
                                                "backward needs them until memory frees up.",
                                                type(e).__name__, e)
                         return False
-                    self._start_read_locked(rec, buf)
+                    self.start_read_locked(rec, buf)
                     self._table.count_ahead(rec)
                     started += 1
                 elif rec.state is State.HOSTED:  # a copy from RAM, queued now
                     if limit is not None and started >= limit:
                         return True
-                    self._load_host_locked(rec)
+                    self._load_host(rec)
                     self._table.count_ahead(rec)
                     started += 1
             p.queue.popleft()
         return False
 
-    def _read_due(self):
+    def due(self):
         """Whether the prefetch window has room and a queue to fill it from. Read without
         the lock: a hint for waking the I/O thread."""
-        return bool(self._passes) and self._table.ahead < self.cfg.prefetch_bytes
+        return bool(self.passes) and self._table.ahead < self.cfg.prefetch_bytes
 
-    def _promote_locked(self, rec):
+    def next_hint(self):
+        """The next record the window would take, or None. Read without the lock: a hint
+        (``Store._reserve_staging``)."""
+        try:
+            queue = self.passes[-1].queue if self.due() else None
+            return queue[0] if queue else None
+        except (IndexError, AttributeError, RuntimeError):  # changed meanwhile
+            return None
+
+    def promote_locked(self, rec):
         """Backward of another pass began (e.g. 1F1B): prefetch for it now."""
         owner = rec.owner
-        if owner is not None and owner.queue and self._passes and self._passes[-1] is not owner \
-                and owner in self._passes:
-            self._passes.remove(owner)
-            self._passes.append(owner)
+        if owner is not None and owner.queue and self.passes and self.passes[-1] is not owner \
+                and owner in self.passes:
+            self.passes.remove(owner)
+            self.passes.append(owner)
 
     def _read_buffer_locked(self, rec):
         """Where a read of ``rec`` lands: ``(storage, lead, address, owner)``. Changes no
@@ -162,7 +192,7 @@ class Prefetch:
         address, owner = dev.read_buffer(misalign, rec.nbytes)
         return None, 0, address, owner
 
-    def _start_read_locked(self, rec, buf=None):
+    def start_read_locked(self, rec, buf=None):
         """ON_DISK -> LOADING: a read buffer (``buf``, or one made here) and the read; the
         request owns the buffer."""
         with _trace.span(_trace.READ, rec.nbytes, rec.seq):  # NOTE [ Profiler ranges ]
@@ -170,15 +200,15 @@ class Prefetch:
             slot = rec.slot
             rec.storage, rec.base = storage, lead
             rec.submitted = False
-            self._move_locked(rec, State.LOADING)
+            self._table.move(rec, State.LOADING)
             try:
-                fut = self._submit_read(rec, slot, address, owner)
+                fut = self.submit_read(rec, slot, address, owner)
             except Exception as e:  # refused: nothing in flight, the read fails
                 fut = failed_future(e)
             rec.future = _owning(fut, (owner,))
             rec.future.add_done_callback(self._callback(rec, _READ))
 
-    def _submit_read(self, rec, slot, address, buf):
+    def submit_read(self, rec, slot, address, buf):
         """The engine call; ``rec.submitted`` is set on the same line, just before it."""
         dev = rec.device
         engine = self.engine
@@ -186,7 +216,7 @@ class Prefetch:
             rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)  # noqa: E501,E702
         elif dev is None and self.cfg.verify and engine.capabilities.checksums:
             # The engine's worker takes the CRC of the bytes read (no GIL); the result is
-            # compared when the read is completed (_read_done_locked).
+            # compared when the read is completed (read_done_locked).
             rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, crc=True)  # noqa: E501,E702
             fut.ssdtrain_crc = rec.crc
         else:
@@ -199,7 +229,7 @@ class Prefetch:
                                               device_misalign(rec.ptr, rec.lo)))
         return fut
 
-    def _read_done_locked(self, rec, fut):
+    def read_done_locked(self, rec, fut):
         """The read of ``rec`` ended. Idempotent (the waiter and the callback may both
         call it): clears ``rec.future`` last."""
         if rec.future is not fut:
@@ -211,26 +241,26 @@ class Prefetch:
             if exc is not None and not isinstance(exc, Exception):
                 # An interrupt while the read completed inline (its CRC on this thread):
                 # the engine is done with the buffer; drop it, a later unpack reads again.
-                self._move_locked(rec, State.ON_DISK)
+                self._table.move(rec, State.ON_DISK)
                 rec.storage = rec.ready = None
             elif exc is not None:
                 rec.error = exc
-                self._move_locked(rec, State.FAILED)
+                self._table.move(rec, State.FAILED)
                 rec.storage = None
             else:
                 if rec.device is not None:
                     rec.storage, rec.base, rec.ready = fut.result()
-                self._move_locked(rec, State.LOADED)
+                self._table.move(rec, State.LOADED)
                 self.stats.bytes_read += rec.nbytes
                 self.stats.records_read += 1
         rec.future = None
         if not rec.tokens:
             self._table.free(rec)
 
-    def _evict_locked(self, rec):
+    def evict_locked(self, rec):
         """LOADED -> ON_DISK (or HOSTED, loaded from the host tier): every live handle
         has been unpacked; drop the copy (retain_graph reads it again, on demand)."""
-        self._move_locked(rec, State.ON_DISK if rec.host is None else State.HOSTED)
+        self._table.move(rec, State.ON_DISK if rec.host is None else State.HOSTED)
         rec.storage = rec.ready = None
         rec.generation += 1
         rec.used = True

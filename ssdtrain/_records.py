@@ -37,6 +37,8 @@ for any other writer::
     HOSTED    no (in host RAM)  no        no              LOADED  (loaded from RAM to the device)
                                                           SPILLING (evicted: its write starts)
     SPILLING  no (in host RAM)  landing   write           ON_DISK (write done: RAM copy dropped)
+                                                          LOADED  (write done, prefetch or unpack
+                                                                   claimed it: loaded from RAM)
                                                           HOSTED  (write failed and
                                                                    on_spill_error="keep"; or
                                                                    its submission was undone)
@@ -112,7 +114,7 @@ TRANSITIONS = {
     _S.FAILED: frozenset({_S.FREED}),
     _S.HOSTING: frozenset({_S.HOSTED, _S.LOADED, _S.KEPT, _S.FAILED, _S.FREED}),
     _S.HOSTED: frozenset({_S.LOADED, _S.SPILLING, _S.FREED}),
-    _S.SPILLING: frozenset({_S.ON_DISK, _S.HOSTED, _S.FAILED, _S.FREED}),
+    _S.SPILLING: frozenset({_S.ON_DISK, _S.LOADED, _S.HOSTED, _S.FAILED, _S.FREED}),
     _S.FREED: frozenset(),
 }
 """Legal moves: ``TRANSITIONS[a]`` is the set of states ``a`` may move to (NOTE [ Record

@@ -9,9 +9,36 @@ files) in ``_iothread.py`` (``IOThread``), what a round of it does here
 (``_background_round``);
 the end of a record (``RecordTable.free``) is the table's too, so every path frees a
 record without reaching the store; failure events and once-only warnings in
-``_events.py`` (``Events``, ``Store._events``: NOTE [ One event, one error ]);
-write-back (tail, throttle, budget, failure policy) in ``_writeback.py``; prefetch and
-reads in ``_prefetch.py``; read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
+``_events.py`` (``Events``, ``Store._events``: NOTE [ One event, one error ]); the
+write path (starting and completing writes, budget, failure policy) in ``_writeback.py``,
+the read path (prefetch and reads) in ``_prefetch.py``, the host tier in ``_hosttier.py``
+(NOTE [ The store's paths ]); read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
+
+NOTE [ The store's paths ]
+
+What happens to a record after the pack decision is done by three objects the store
+composes, each given what it uses in its constructor (none holds the store, and they
+hold one another without a cycle, so a store nobody references is collected at once
+with its records, and its I/O thread ends):
+``WritePath`` (``Store._writes``, _writeback.py: the due writes, their completion,
+the spill budget's verdicts, keeping and failing a record), ``ReadPath``
+(``Store._reads``, _prefetch.py: the pass queues, prefetch, reads, dropping read
+copies) and ``HostTier`` (``Store._tier``, _hosttier.py: admission, copies to RAM and
+back, evictions to the SSD). The write path and the tier call each other (an eviction
+is a write; a copy to RAM is started and completed where writes are): the store sets
+``WritePath.tier`` once both exist, to a weak proxy of the tier (a strong one would make
+a cycle holding the record table, and the records' memory would wait for the garbage
+collector). The store keeps what takes or spans the lock: the
+hooks, the inbox and its drain, the passes' boundaries, the throttle's wait, flush,
+close, fork and repair; every path method ending in ``_locked`` runs under it.
+Completions reach the store through ``callback`` (``_completions``: a weak reference
+to the store); the engine through ``engine``, which ``Store.engine``'s setter keeps
+equal to the store's (``replace_engine``). The hints the hooks read without the lock
+(``WritePath.overdue``, ``ReadPath.due``) and what unpack calls for every record it
+serves (``ReadPath.promote_locked``, ``pump_low_locked``) are bound once as store
+attributes of the same names as before (``_write_overdue``, ``_read_due``,
+``_promote_locked``, ``_pump_low_locked``): the per-tensor path looks up no more
+attributes than the mixins did.
 
 NOTE [ Store lock discipline ]
 
@@ -64,9 +91,9 @@ thread ("ssdtrain-store", one per store): pack puts a record in the tail window 
 when the window holds more than ``keep_tail_bytes``, decides its oldest records then
 and there (written or kept), puts those to be written in the record table's ``due``
 and wakes the thread (a ``SimpleQueue.put``), which starts their writes
-(``_start_due_locked``). The thread decides nothing: what is written does not depend on
+(``WritePath.start_due_locked``). The thread decides nothing: what is written does not depend on
 when it runs. unpack serves a record that is in memory and wakes the
-thread when the prefetch window has room, which starts the next reads (``_pump_locked``).
+thread when the prefetch window has room, which starts the next reads (``ReadPath.pump_locked``).
 The thread also drains what arrives after a hook's locked section (and what an
 engine thread could not drain, the lock being busy) and releases the graveyard; the
 end of each backward releases it itself, so that memory is back before the optimizer
@@ -84,7 +111,7 @@ takes); the throttle starts overdue writes before it waits (they count against
 nothing: it would only throw the results away); unpack starts reads
 itself when the thread lags so far that backward would soon miss (less than a quarter
 of ``prefetch_bytes`` held or loading ahead of use, or the next record the window
-would take among the next two backward uses: ``_pump_low_locked``), and reads a record
+would take among the next two backward uses: ``ReadPath.pump_low_locked``), and reads a record
 that is only on disk at once (a miss).
 
 A request the thread cannot start for want of memory (a read buffer's mapping, pinned
@@ -139,14 +166,14 @@ from ._config import MAX_BYTES
 from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, PassedRanges, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._table import PassedRef, RecordTable
-from ._prefetch import Prefetch, _Pass
+from ._prefetch import ReadPath, _Pass
 from ._readbuf import ReadBuffers
 from ._hosttier import HostBudget, HostTier
 from ._iothread import IOThread
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
 from ._events import Events, _copy, _needed_by, _without_frames
-from ._writeback import _READ, _WRITTEN, WriteBack, _owning, failed_future
+from ._writeback import _READ, _WRITTEN, WritePath, _owning, failed_future
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -165,7 +192,7 @@ def _free_slot(rec):
     if slot is not None:
         slot.file.free(slot)
 
-class Store(WriteBack, Prefetch, HostTier):
+class Store:
     """The records of one offloader, and every transition between their states."""
 
     def __init__(self, config, spill, engine, stats):
@@ -174,7 +201,7 @@ class Store(WriteBack, Prefetch, HostTier):
                                  "(OffloadConfig.resolve()); please report this bug.")
         self.cfg = config
         self.spill = spill
-        self.engine = engine
+        self._engine = engine                  # Store.engine: the paths see a swap
         self.stats = stats
         self._lock = threading.Lock()
         self._inbox = collections.deque()      # (kind, record, arg): NOTE [ Store lock discipline ]
@@ -185,7 +212,6 @@ class Store(WriteBack, Prefetch, HostTier):
         # NOTE [ Host tier ] in _hosttier.py: the budget (None: no host tier).
         self._host = None if config.host_budget_bytes is None else \
             HostBudget(config.host_budget_bytes, bool(spill.files), stats)
-        self._passes = []                      # passes whose prefetch is not finished
         self._current = None                   # the pass being recorded (forward running)
         self._seq = 0
         self._events = Events()                # NOTE [ One event, one error ] in _events.py
@@ -200,6 +226,26 @@ class Store(WriteBack, Prefetch, HostTier):
         # NOTE [ Record table ] in _table.py: the records and every count over them.
         self._table = RecordTable(self._window, self._host, stats, self._graveyard)
         self._buffers = ReadBuffers(config.prefetch_bytes, unmap=self._graveyard.append)
+        # A completion's callback queues it in the inbox; it holds the store weakly, as do
+        # the paths that attach it (the store must stay collectable by reference counting).
+        self._callback = _completions(weakref.ref(self))
+        # The paths (NOTE [ The store's paths ]): objects given what they use; none holds
+        # the store. The write path and the host tier call each other (an eviction is a
+        # write; a copy to RAM is started and completed where writes are); the write
+        # path holds the tier weakly, so no cycle keeps the records alive past the store.
+        self._writes = WritePath(self._table, self._window, spill, engine, config, stats,
+                                 self._events, self._callback)
+        self._tier = HostTier(self._table, self._host, self._writes, config, stats,
+                              self._events, self._callback)
+        self._writes.tier = weakref.proxy(self._tier)
+        self._reads = ReadPath(self._table, self._buffers, engine, config, stats, self._events,
+                               self._callback, self._tier.load_locked)
+        # What the hooks call on every pack and unpack: bound once (the per-tensor path
+        # looks up no more than it did when the paths were mixins).
+        self._write_overdue = self._writes.overdue
+        self._read_due = self._reads.due
+        self._promote_locked = self._reads.promote_locked
+        self._pump_low_locked = self._reads.pump_low_locked
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
@@ -219,6 +265,17 @@ class Store(WriteBack, Prefetch, HostTier):
         except RuntimeError:  # no thread to be had: the store never ran (released)
             self.closed = True
             raise
+
+    @property
+    def engine(self):
+        """The engine requests go to."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine):
+        """``replace_engine``, and tests that put a wrapper in place: the paths submit to
+        the new engine from their next request on."""
+        self._engine = self._reads.engine = self._writes.engine = engine
 
     def replace_engine(self, fn):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
@@ -287,6 +344,26 @@ class Store(WriteBack, Prefetch, HostTier):
         self._buffers.trim()
         self._current = _Pass()
         self._window.begin_step(self.quota)
+
+    def _end_pass_locked(self):
+        """Forward ended: writes the I/O thread has not started yet start now, the tail
+        stays in memory, and the read path queues the pass's records for prefetch, in
+        reverse pack order (NOTE [ Prefetch window ] in _prefetch.py)."""
+        p, self._current = self._current, None
+        self._ended = p  # an error raised at the end of forward is this pass's
+        if p is None or self.closed:
+            return
+        writes = self._writes
+        writes.start_due_locked()  # what pack decided and the I/O thread has not started
+        for rec in self._window.close():  # the kept tail: keep_tail_bytes at most
+            writes.keep_locked(rec)
+            # The kept tail is what backward uses first: it fills the window, so
+            # kept + prefetched bytes stay within prefetch_bytes (not their sum).
+            self._table.count_ahead(rec)
+        if p.passed is not None:  # passed through after the quota was spent: the same
+            ranges, p.passed = p.passed, None  # (only its tensors keep it alive now)
+            self._table.count_passed(ranges, self._inbox.append)
+        self._reads.queue_pass_locked(p)
 
     def end_pass(self):
         """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""
@@ -384,7 +461,7 @@ class Store(WriteBack, Prefetch, HostTier):
             if self.layers is not None:
                 self.layers.attribute(rec.nbytes)
             if choice == "keep":  # "offload" and no plan: the tail window (NOTE [ Applying a plan ])
-                self._keep_locked(rec)
+                self._writes.keep_locked(rec)
             else:
                 window = self._window
                 window.add(rec)
@@ -406,10 +483,10 @@ class Store(WriteBack, Prefetch, HostTier):
         """The tail window holds more than ``keep_tail_bytes``: its oldest records are
         decided now, in pack, never later (NOTE [ The pack decision ] in _policy.py)."""
         outside = 0 if self.cfg.max_spill_bytes is None else self._outside_spill_bytes()
-        host = self._host
+        host, writes = self._host, self._writes
         for rec, reason in self._window.overflow(outside):
             if reason is KEEP_QUOTA:
-                self._keep_locked(rec)
+                writes.keep_locked(rec)
                 self.stats.quota_kept_bytes += rec.nbytes
                 # Backward uses it before any record the step wrote (those are older):
                 # like the kept tail it fills the prefetch window, so reads start as
@@ -422,9 +499,9 @@ class Store(WriteBack, Prefetch, HostTier):
             if reason is None and host is not None:  # NOTE [ Host tier ] in _hosttier.py
                 if rec.device is None:
                     if not host.evicts:  # in host memory already, and no SSD tier
-                        self._keep_host_record_locked(rec)
+                        self._tier.keep_host_record_locked(rec)
                         continue
-                elif not self._admit_locked(rec):
+                elif not self._tier.admit_locked(rec):
                     continue  # beyond the budget, no SSD tier: kept on the device
             if reason is None:
                 self._table.make_due(rec)
@@ -432,16 +509,7 @@ class Store(WriteBack, Prefetch, HostTier):
                 # skipped because the record died first, failed) depends on timing.
                 self.stats.offloaded_bytes += rec.nbytes
             else:
-                self._over_budget_locked(rec)
-
-    def _keep_host_record_locked(self, rec):
-        """A host record with a host tier and no SSD tier: it is in host memory already
-        and nothing can free it (NOTE [ Host tier ] in _hosttier.py)."""
-        self._keep_locked(rec)
-        self._events.warn_once(
-            "host-record", "ssdtrain: a saved CPU tensor stays in memory: with host_budget_bytes "
-            "and no spill_dir only device records move (to host RAM); host memory can only be "
-            "freed by an SSD. Give a spill_dir to offload CPU tensors.")
+                writes.over_budget_locked(rec)
 
     def _outside_spill_bytes(self):
         """Spill bytes in use that belong to no record: the bandwidth probe's slot and
@@ -463,6 +531,61 @@ class Store(WriteBack, Prefetch, HostTier):
             dev = self._devices[(leaf, device)] = DeviceTransfers(
                 leaf, device, self.engine.capabilities.device_memory, pool)
         return dev
+
+    # ----------------------------------------------------------------- throttle
+    def _over_write_behind(self):
+        """Whether more than the write-behind limit in force is written or due to be
+        (writes in flight plus due writes the I/O thread has not started yet). Read
+        without the lock: :meth:`_throttle` looks again."""
+        table = self._table
+        return table.writing_bytes + table.due_bytes > self.write_behind
+
+    def _throttle(self):
+        """Wait until the writes in flight fit in ``write_behind_bytes``: start every write
+        that is due (this thread waits anyway), then wait for the oldest write's future,
+        never under the lock; ``io_timeout_s`` for each write."""
+        t0 = time.perf_counter()
+        table = self._table
+        span = _trace.span(_trace.WAIT_WRITE, table.writing_bytes + table.due_bytes)
+        try:
+            while True:
+                with self._lock:
+                    done, oldest, fut = self._guarded_locked(self._throttled_locked)
+                if done:
+                    return
+                if oldest is None:
+                    continue
+                if fut is None:
+                    raise SSDTrainError(f"ssdtrain: record {oldest!r} is being written with no "
+                                        f"request; please report this bug.")
+                try:
+                    fut.exception(timeout=self.cfg.io_timeout_s)
+                except FutureTimeout:
+                    raise SpillIOError(
+                        f"ssdtrain: writing record {oldest!r} to {oldest.slot.file.name} did not "
+                        f"finish within io_timeout_s={self.cfg.io_timeout_s} s; the device may be "
+                        f"hung or overloaded.", filename=oldest.slot.file.directory) from None
+        finally:
+            span.__exit__(None, None, None)
+            self.stats.write_stall_seconds += time.perf_counter() - t0
+            if self._graveyard:  # writes it completed dropped memory
+                self._kick()
+
+    def _throttled_locked(self):
+        """``(done, oldest WRITING record, its future)`` for the throttle; completes the
+        oldest write if it is done (its callback may still be queued): then ``oldest`` is
+        None and the throttle looks again."""
+        self._raise_event_locked()
+        if not self.closed:
+            self._writes.start_due_locked()
+        if self._table.writing_bytes <= self.write_behind or self.closed:
+            return True, None, None
+        oldest = next(iter(self._table.writing))
+        fut = oldest.future
+        if fut is not None and fut.done():
+            self._writes.write_done_locked(oldest, fut)
+            return False, None, None
+        return False, oldest, fut
 
     # ----------------------------------------------------------------- backward
     def unpack(self, handle):
@@ -509,7 +632,8 @@ class Store(WriteBack, Prefetch, HostTier):
             self._after_hook(self._read_due())
             # LOADING and this handle not yet unpacked in this generation: nothing can drop
             # the bytes between the read's end and their use below. SPILLING (NOTE [ Host
-            # tier ]): once its write ends, it is read (a second round).
+            # tier ]): once its write ends, it is loaded from RAM (claimed), or, should the
+            # write have failed or been cut short, looked at again (a second round).
             while view is None:
                 self._wait(rec, fut)
                 with self._lock:
@@ -533,13 +657,16 @@ class Store(WriteBack, Prefetch, HostTier):
 
     def _loaded_locked(self, rec, handle, fut):
         """``(view, None)`` of ``rec`` once the request ``fut`` that unpack waited for
-        has ended; ``(None, future)`` when there is another one to wait for (an
-        eviction's write ended: the record is read now)."""
+        has ended; ``(None, future)`` when there is another one to wait for."""
         if rec.state is State.SPILLING:
-            self._write_done_locked(rec, fut)
-        if rec.state in (State.ON_DISK, State.HOSTED, State.SPILLING):
+            self._writes.write_done_locked(rec, fut)
+        if rec.state is State.ON_DISK:  # a read cut short: read again (a miss again)
             return self._unpack_locked(rec, handle)
-        self._read_done_locked(rec, fut)
+        if rec.state is State.HOSTED or rec.state is State.SPILLING:
+            # Only an eviction's write waited for (counted then) ends here: it failed
+            # (on_spill_error="keep") or was cut short (evicted again).
+            return self._unpack_locked(rec, handle, True)
+        self._reads.read_done_locked(rec, fut)
         if rec.state is State.FAILED:
             self._raise_event_locked(rec)
         if rec.storage is None or rec.state not in SERVABLE:
@@ -547,8 +674,9 @@ class Store(WriteBack, Prefetch, HostTier):
                                 f"please report this bug.")
         return self._use_locked(rec, handle), None
 
-    def _unpack_locked(self, rec, handle):
-        """``(view, None)`` if the bytes are in memory, else ``(None, read future)``."""
+    def _unpack_locked(self, rec, handle, counted=False):
+        """``(view, None)`` if the bytes are in memory, else ``(None, the future to wait
+        for)``. ``counted``: this unpack's hit or miss was counted already."""
         if self.closed:
             raise OffloaderClosedError(
                 "ssdtrain: backward needs a tensor saved under an Offloader that has been "
@@ -575,14 +703,21 @@ class Store(WriteBack, Prefetch, HostTier):
             # drops the bytes from memory (State.ON_DISK).
             return self._use_locked(rec, handle), None
         if rec.state is State.HOSTED:  # NOTE [ Host tier ]: a copy from RAM, queued now
-            self.stats.prefetch_misses += 1
-            self._load_host_locked(rec)
+            self.stats.prefetch_misses += not counted
+            self._tier.load_locked(rec)
             return self._use_locked(rec, handle), None
-        if rec.state is State.LOADING or rec.state is State.SPILLING:
-            self.stats.prefetch_hits += first and rec.state is State.LOADING
+        if rec.state is State.LOADING:
+            self.stats.prefetch_hits += first
+        elif rec.state is State.SPILLING:  # NOTE [ Host tier ]: loaded from RAM once written
+            if not counted:
+                if first and rec.prefetched:  # prefetch claimed it
+                    self.stats.prefetch_hits += 1
+                else:
+                    self.stats.prefetch_misses += 1
+            rec.claimed = True
         elif rec.state is State.ON_DISK:
             self.stats.prefetch_misses += 1
-            self._start_read_locked(rec)
+            self._reads.start_read_locked(rec)
         else:
             raise SSDTrainError(f"ssdtrain: unpacking a record in state {rec.state.value}; "
                                 f"please report this bug.")
@@ -607,7 +742,7 @@ class Store(WriteBack, Prefetch, HostTier):
         view = torch.empty((0,), dtype=handle.dtype, device=storage.device).set_(
             storage, offset, handle.size, handle.stride)
         if not rec.unseen and rec.state is State.LOADED:
-            self._evict_locked(rec)
+            self._reads.evict_locked(rec)
         self._pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
         return view
 
@@ -626,21 +761,6 @@ class Store(WriteBack, Prefetch, HostTier):
             self.stats.stall_seconds += time.perf_counter() - t0
 
     # ----------------------------------------------------------------- events
-    def _callback(self, rec, kind):
-        """A future callback that queues the completion (and does not keep the store alive).
-        On an engine thread it also drains the inbox if the lock is free."""
-        ref = weakref.ref(self)
-
-        def callback(fut):
-            s = ref()
-            if s is not None and not s._forked:
-                s._inbox.append((kind, rec, fut))
-                # get_ident, not current_thread(): that would register a dummy Thread
-                # object for every engine thread, forever.
-                if threading.get_ident() != threading.main_thread().ident:
-                    s._settle_nowait()
-        return callback
-
     def _settle(self):
         """Drain the inbox (a safe point: called after every locked section of the store
         operations but the hooks, and at the end of each backward); memory that dropped
@@ -691,7 +811,22 @@ class Store(WriteBack, Prefetch, HostTier):
         into, else the next prefetch read. Whether more may be due."""
         if self.closed or self._paused:
             return False
-        return self._start_due_locked(1) or self._pump_locked(1)
+        return self._writes.start_due_locked(1) or self._reads.pump_locked(1)
+
+    def _reserve_staging(self):
+        """The I/O thread, before it takes the lock: when the next write or prefetch read
+        due is a device record's, make sure its staging pool has a buffer for it, so that
+        the pinned allocation (milliseconds) runs outside the lock (NOTE [ Device
+        records ]). Reads the due writes and the prefetch queue without the lock: a hint."""
+        if not self._staging:
+            return
+        for rec in (self._writes.next_hint(), self._reads.next_hint()):
+            dev = None if rec is None else rec.device
+            if dev is not None and not dev.direct:
+                try:
+                    dev.pool.reserve(rec.nbytes)
+                except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
+                    pass
 
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
@@ -750,11 +885,11 @@ class Store(WriteBack, Prefetch, HostTier):
                 elif type(ev) is PassedRef:  # a pass's passed-through tensors died
                     self._table.uncount_passed(ev)
                 elif ev[0] is _WRITTEN:
-                    self._write_done_locked(ev[1], ev[2])
+                    self._writes.write_done_locked(ev[1], ev[2])
                 elif ev[0] is _SLOT_FREE:
                     self._free_extra_slot_locked(ev[1])
                 else:
-                    self._read_done_locked(ev[1], ev[2])
+                    self._reads.read_done_locked(ev[1], ev[2])
             except Exception:
                 if inbox and inbox[0] is ev:
                     inbox.popleft()
@@ -774,7 +909,7 @@ class Store(WriteBack, Prefetch, HostTier):
             if rec.future is None:
                 self._table.free(rec)  # else freed when the I/O completes
         elif not rec.unseen and rec.state is State.LOADED:
-            self._evict_locked(rec)
+            self._reads.evict_locked(rec)
 
     # ----------------------------------------------------------------- lifetimes
     def _move_locked(self, rec, to):
@@ -1091,8 +1226,8 @@ class Store(WriteBack, Prefetch, HostTier):
         would: the writes and prefetch reads that are due, so that ``wait()`` returns with
         them done."""
         if start and not self.closed:
-            self._start_due_locked()
-            self._pump_locked()
+            self._writes.start_due_locked()
+            self._reads.pump_locked()
         pending = []
         # Copies: completing a write whose handles are gone frees its record, which
         # leaves its group (and an emptied group the registry).
@@ -1104,9 +1239,9 @@ class Store(WriteBack, Prefetch, HostTier):
                 if not f.done():
                     pending.append((r, f))
                 elif r.state in OUTBOUND:
-                    self._write_done_locked(r, f)
+                    self._writes.write_done_locked(r, f)
                 else:
-                    self._read_done_locked(r, f)
+                    self._reads.read_done_locked(r, f)
         return pending
 
     def close(self):
@@ -1132,7 +1267,7 @@ class Store(WriteBack, Prefetch, HostTier):
                         if rec.state is not State.FREED:  # final, whatever it was: close()
                             self._move_locked(rec, State.FREED)  # ends all (aggregates: below)
                 self._table.registry.clear()
-                self._passes.clear()
+                self._reads.passes.clear()
                 self._inbox.clear()
                 # Every aggregate is recomputed from what is left, as a repair does, the
                 # spill allocator included: the records' slots go back (no slot is handed
@@ -1158,4 +1293,21 @@ class Store(WriteBack, Prefetch, HostTier):
 
 def _nothing():
     pass
+
+
+def _completions(ref):
+    """``callback(rec, kind)``: a future's done-callback that queues the completion in the
+    inbox of the store ``ref`` refers to (weakly: it does not keep the store alive). On an
+    engine thread it also drains the inbox if the lock is free (``_settle_nowait``)."""
+    def callback(rec, kind):
+        def done(fut):
+            s = ref()
+            if s is not None and not s._forked:
+                s._inbox.append((kind, rec, fut))
+                # get_ident, not current_thread(): that would register a dummy Thread
+                # object for every engine thread, forever.
+                if threading.get_ident() != threading.main_thread().ident:
+                    s._settle_nowait()
+        return done
+    return callback
 

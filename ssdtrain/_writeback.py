@@ -1,18 +1,17 @@
-"""Write-back: starting the writes the pack decision made (NOTE [ The pack decision ] in
-_policy.py), the throttle, the spill budget's verdicts and the failure policy. A mixin of :class:`ssdtrain._store.Store`; methods whose name ends in
-``_locked`` run with the store lock held (NOTE [ Store lock discipline ] in _store.py).
-The failure policy reports to the store's :class:`~ssdtrain._events.Events` (NOTE [ One
-event, one error ] in _events.py).
+"""The write path: starting the writes the pack decision made (NOTE [ The pack decision ]
+in _policy.py), their completion, the spill budget's verdicts and the failure policy.
+:class:`WritePath` is an object the store composes (``Store._writes``), given its
+collaborators when made; methods whose name ends in ``_locked`` run with the store lock
+held (NOTE [ Store lock discipline ] in _store.py). The failure policy reports to the
+store's :class:`~ssdtrain._events.Events` (NOTE [ One event, one error ] in _events.py).
 """
 
 import errno as _errno
 import functools
-import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from . import _checksum, _trace
-from ._errors import SpillIOError, SSDTrainError
+from ._errors import SpillIOError
 from ._events import _without_frames
 from ._policy import slot_bound
 from ._records import State, inplace_error, swapped_error
@@ -20,10 +19,44 @@ from ._spill import BLOCK
 from .io.base import then
 
 
-class WriteBack:
-    """Everything between a record's pack and the end of its write."""
+class WritePath:
+    """Everything between a record's pack decision and the end of its write: starting
+    the due writes, their completion, the spill budget's verdicts and the failure
+    policy. The store holds one (``Store._writes``) and calls it under its lock
+    (methods ending in ``_locked``); it owns nothing but its collaborators: the records
+    and their counts are the table's, the slots the spill set's. The throttle's wait,
+    which takes the lock, is the store's (``Store._throttle``).
 
-    def _start_due_locked(self, limit=None):
+    A device record admitted to the host tier is copied to RAM instead of written, and
+    an evicted one is written from its pinned copy: ``tier`` (the store's
+    :class:`~ssdtrain._hosttier.HostTier`, a weak proxy set by the store once both exist:
+    each calls the other, and a cycle would keep the record table alive past the store)
+    starts those requests and completes them (NOTE [ Host tier ]).
+
+    Args:
+        table: the store's :class:`~ssdtrain._table.RecordTable` (``move()``, ``free()``,
+            ``drop_memory()``, the due writes).
+        window: the :class:`~ssdtrain._policy.TailWindow` (the spill budget's reservations).
+        spill: the :class:`~ssdtrain._spill.SpillSet` slots come from.
+        engine: the engine writes are submitted to; ``Store.engine``'s setter sets it.
+        cfg, stats, events: the store's resolved config, ``Stats`` and
+            :class:`~ssdtrain._events.Events`.
+        callback: ``callback(rec, kind)``, the done-callback that queues a completion in
+            the store's inbox (NOTE [ Store lock discipline ] in _store.py).
+    """
+
+    def __init__(self, table, window, spill, engine, cfg, stats, events, callback):
+        self._table = table
+        self._window = window
+        self.spill = spill
+        self.engine = engine
+        self.cfg = cfg
+        self.stats = stats
+        self._events = events
+        self._callback = callback
+        self.tier = None
+
+    def start_due_locked(self, limit=None):
         """Start the writes pack decided (``RecordTable.due``), oldest first, at most ``limit``
         of them (all with None). Returns whether it stopped at ``limit`` with more due.
         The store's I/O thread calls it one record at a time; end of forward, ``flush()``
@@ -34,23 +67,31 @@ class WriteBack:
         while due:
             if limit is not None and done >= limit:
                 return True
-            self._start_write_locked(next(iter(due)))  # it leaves ``due`` (_move_locked)
+            self.start_write_locked(next(iter(due)))  # it leaves ``due`` (RecordTable.move)
             done += 1
         spill = self._table.spill_due  # evicted from the host tier (NOTE [ Host tier ])
         while spill:
             if limit is not None and done >= limit:
                 return True
-            self._start_spill_locked(next(iter(spill)))  # it leaves ``spill_due``
+            self.tier.start_spill_locked(next(iter(spill)))  # it leaves ``spill_due``
             done += 1
         return False
 
-    def _write_overdue(self):
+    def overdue(self):
         """Whether writes are due and not started. Read without the lock: a hint for
         waking the I/O thread."""
         table = self._table
         return table.due_bytes > 0 or bool(table.spill_due)
 
-    def _start_write_locked(self, rec):
+    def next_hint(self):
+        """The oldest due write, or None. Read without the lock: a hint
+        (``Store._reserve_staging``)."""
+        try:
+            return next(iter(self._table.due)) if self.overdue() else None
+        except (StopIteration, RuntimeError):  # emptied or changed meanwhile
+            return None
+
+    def start_write_locked(self, rec):
         """PENDING -> WRITING: allocate a slot and submit the write.
 
         The request owns the memory it reads (NOTE [ Memory owned by requests ]). The
@@ -61,12 +102,12 @@ class WriteBack:
             if rec.storage_changed():
                 # resize_()/set_ after pack: the bytes are gone; writing (or staging a device
                 # record) would read freed memory.
-                self._fail_locked(rec, swapped_error(
+                self.fail_locked(rec, swapped_error(
                     rec.source, "its storage was resized or replaced "
                                 "(untyped_storage().resize_() or set_)"))
                 return
             if rec.tier:  # admitted to the host tier: copied to RAM (NOTE [ Host tier ])
-                self._start_host_locked(rec)
+                self.tier.start_host_locked(rec)
                 return
             dev, ready = rec.device, None
             if dev is None:
@@ -76,29 +117,29 @@ class WriteBack:
                     address, rec.staging, ready = dev.stage_out(rec.storage, rec.base, rec.nbytes,
                                                                 rec.produced)
                 except Exception as e:  # noqa: BLE001 - no pinned memory for the staging copy
-                    self._keep_locked(rec)  # in device memory, exact; nothing was submitted
+                    self.keep_locked(rec)  # in device memory, exact; nothing was submitted
                     self._events.warn_once(
                         "staging", "ssdtrain: a device record could not be staged for writing "
                         "(%s: %s); such records stay in device memory.", type(e).__name__, e)
                     return
             rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
             rec.submitted = False
-            self._move_locked(rec, State.WRITING)
+            self._table.move(rec, State.WRITING)
             rec.writes += 1
             owners = (rec.source, rec.storage, rec.staging)
             try:
                 if ready is None:
-                    fut = self._submit_write(rec, rec.slot, address, rec.nbytes, False)
+                    fut = self.submit_write(rec, rec.slot, address, rec.nbytes, False)
                 else:  # submitted by the device waiter thread once the copy is done
                     rec.submitted = True
-                    fut = dev.after(ready, functools.partial(self._submit_write, None, rec.slot,
+                    fut = dev.after(ready, functools.partial(self.submit_write, None, rec.slot,
                                                              address, rec.nbytes, dev.direct))
             except Exception as e:  # refused (e.g. the engine was shut down): nothing in flight
                 fut = failed_future(e)
             rec.future = _owning(fut, owners)
             rec.future.add_done_callback(self._callback(rec, _WRITTEN))
 
-    def _submit_write(self, rec, slot, address, nbytes, on_device):
+    def submit_write(self, rec, slot, address, nbytes, on_device):
         """The engine call. ``rec.submitted`` is set on the same line, just before it: a
         record seen WRITING with no future and ``submitted`` false had nothing submitted."""
         engine = self.engine
@@ -115,14 +156,15 @@ class WriteBack:
             fut = then(fut, functools.partial(_checksum.crc32c, address, nbytes))
         return fut
 
-    def _write_done_locked(self, rec, fut):
-        """The write of ``rec`` ended. Idempotent: clears ``rec.future`` last."""
+    def write_done_locked(self, rec, fut):
+        """The write of ``rec`` ended (or its copy to RAM: the inbox's ``_WRITTEN``).
+        Idempotent: clears ``rec.future`` last."""
         if rec.future is not fut:
             return
         if rec.state is State.HOSTING:  # NOTE [ Host tier ] in _hosttier.py
-            return self._hosted_locked(rec, fut)
+            return self.tier.hosted_locked(rec, fut)
         if rec.state is State.SPILLING:
-            return self._spilled_locked(rec, fut)
+            return self.tier.spilled_locked(rec, fut)
         if rec.state is State.WRITING:
             rec.staging = None
             exc = _without_frames(fut.exception())
@@ -133,127 +175,45 @@ class WriteBack:
                 slot, rec.slot = rec.slot, None
                 if slot is not None:
                     slot.file.free(slot)
-                self._move_locked(rec, State.KEPT)
+                self._table.move(rec, State.KEPT)
             elif exc is not None:
                 if not self._keep_after_failed_write_locked(rec, exc):
                     self._events.report(rec, exc, lost=True)
-                    self._fail_locked(rec, exc)
-            elif self._written_intact_locked(rec):
+                    self.fail_locked(rec, exc)
+            elif self.written_intact_locked(rec):
                 self.stats.records_written += 1
                 self.stats.bytes_written += rec.nbytes
                 if self.cfg.verify and (rec.device is None or not rec.device.direct):
                     rec.crc = fut.result()  # of the bytes written (host memory or staging)
                 if rec.claimed:  # prefetch reached it before the write ended: hold the bytes
-                    self._move_locked(rec, State.LOADED)
+                    self._table.move(rec, State.LOADED)
                     rec.source = rec.produced = None
                 else:
-                    self._move_locked(rec, State.ON_DISK)
+                    self._table.move(rec, State.ON_DISK)
                     self._table.drop_memory(rec)
                     rec.storage = rec.source = rec.produced = None
         rec.future = None
         if not rec.tokens:
             self._table.free(rec)
 
-    def _written_intact_locked(self, rec):
+    def written_intact_locked(self, rec):
         """Whether the saved tensor was left as it was saved while its bytes were copied
         out; if not, ``rec`` fails with autograd's message (NOTE [ In-place checks ])."""
         if rec.source._version != rec.version:
-            self._fail_locked(rec, inplace_error(rec.source, rec.source._version, rec.version))
+            self.fail_locked(rec, inplace_error(rec.source, rec.source._version, rec.version))
             return False
         if rec.storage_changed():
-            self._fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
-                                                 "replaced while it was being written"))
+            self.fail_locked(rec, swapped_error(rec.source, "its storage was resized or "
+                                                "replaced while it was being written"))
             return False
         return True
 
-    def _reserve_staging(self):
-        """The I/O thread, before it takes the lock: when the next write or prefetch read
-        due is a device record's, make sure its staging pool has a buffer for it, so that
-        the pinned allocation (milliseconds) runs outside the lock (NOTE [ Device
-        records ]). Reads the due writes and the prefetch queue without the lock: a hint."""
-        if not self._staging:
-            return
-        for rec in (self._next_write_hint(), self._next_read_hint()):
-            dev = None if rec is None else rec.device
-            if dev is not None and not dev.direct:
-                try:
-                    dev.pool.reserve(rec.nbytes)
-                except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
-                    pass
-
-    def _next_write_hint(self):
-        try:
-            return next(iter(self._table.due)) if self._write_overdue() else None
-        except (StopIteration, RuntimeError):  # emptied or changed meanwhile
-            return None
-
-    def _next_read_hint(self):
-        try:
-            queue = self._passes[-1].queue if self._read_due() else None
-            return queue[0] if queue else None
-        except (IndexError, AttributeError, RuntimeError):  # changed meanwhile
-            return None
-
-    def _fail_locked(self, rec, exc):
+    def fail_locked(self, rec, exc):
         """Any state -> FAILED: ``exc`` is raised when backward needs the record."""
         rec.error = exc
-        self._move_locked(rec, State.FAILED)
+        self._table.move(rec, State.FAILED)
         self._table.drop_memory(rec)
         rec.storage = rec.source = rec.staging = rec.produced = rec.host = None
-
-    def _over_write_behind(self):
-        """Whether more than the write-behind limit in force is written or due to be
-        (writes in flight plus due writes the I/O thread has not started yet). Read
-        without the lock: :meth:`_throttle` looks again."""
-        table = self._table
-        return table.writing_bytes + table.due_bytes > self.write_behind
-
-    def _throttle(self):
-        """Wait until the writes in flight fit in ``write_behind_bytes``: start every write
-        that is due (this thread waits anyway), then wait for the oldest write's future,
-        never under the lock; ``io_timeout_s`` for each write."""
-        t0 = time.perf_counter()
-        table = self._table
-        span = _trace.span(_trace.WAIT_WRITE, table.writing_bytes + table.due_bytes)
-        try:
-            while True:
-                with self._lock:
-                    done, oldest, fut = self._guarded_locked(self._throttled_locked)
-                if done:
-                    return
-                if oldest is None:
-                    continue
-                if fut is None:
-                    raise SSDTrainError(f"ssdtrain: record {oldest!r} is being written with no "
-                                        f"request; please report this bug.")
-                try:
-                    fut.exception(timeout=self.cfg.io_timeout_s)
-                except FutureTimeout:
-                    raise SpillIOError(
-                        f"ssdtrain: writing record {oldest!r} to {oldest.slot.file.name} did not "
-                        f"finish within io_timeout_s={self.cfg.io_timeout_s} s; the device may be "
-                        f"hung or overloaded.", filename=oldest.slot.file.directory) from None
-        finally:
-            span.__exit__(None, None, None)
-            self.stats.write_stall_seconds += time.perf_counter() - t0
-            if self._graveyard:  # writes it completed dropped memory
-                self._kick()
-
-    def _throttled_locked(self):
-        """``(done, oldest WRITING record, its future)`` for the throttle; completes the
-        oldest write if it is done (its callback may still be queued): then ``oldest`` is
-        None and the throttle looks again."""
-        self._raise_event_locked()
-        if not self.closed:
-            self._start_due_locked()
-        if self._table.writing_bytes <= self.write_behind or self.closed:
-            return True, None, None
-        oldest = next(iter(self._table.writing))
-        fut = oldest.future
-        if fut is not None and fut.done():
-            self._write_done_locked(oldest, fut)
-            return False, None, None
-        return False, oldest, fut
 
     # ------------------------------------------------ spill errors and budget
     def _keep_after_failed_write_locked(self, rec, exc):
@@ -264,7 +224,7 @@ class WriteBack:
         slot, rec.slot = rec.slot, None
         if slot is not None:
             slot.file.free(slot)
-        self._move_locked(rec, State.KEPT)
+        self._table.move(rec, State.KEPT)
         self.stats.spill_errors += 1
         self.stats.kept_bytes += rec.nbytes
         self._events.warn_once(
@@ -273,14 +233,14 @@ class WriteBack:
             "are counted in Stats.spill_errors.", exc)
         return True
 
-    def _over_budget_locked(self, rec):
+    def over_budget_locked(self, rec):
         """``max_spill_bytes``: the pack decision keeps ``rec`` in memory, as writing it
         would take the spill tier beyond the budget (``TailWindow.overflow``); queue the
         error too with ``on_spill_full="raise"``."""
         limit = self.cfg.max_spill_bytes
         need = slot_bound(rec.nbytes)
         used = self._window.reserved
-        self._keep_locked(rec)
+        self.keep_locked(rec)
         self.stats.over_budget_bytes += rec.nbytes
         if self.cfg.on_spill_full == "raise":
             self._events.report(rec, SpillIOError(
@@ -296,9 +256,9 @@ class WriteBack:
                 "budget", "ssdtrain: max_spill_bytes=%d reached (%d bytes reserved); records "
                 "beyond it stay in memory (Stats.over_budget_bytes).", limit, used)
 
-    def _keep_locked(self, rec):
+    def keep_locked(self, rec):
         """PENDING -> KEPT: the record stays in memory until its last handle dies."""
-        self._move_locked(rec, State.KEPT)
+        self._table.move(rec, State.KEPT)
         self.stats.kept_bytes += rec.nbytes
 
 

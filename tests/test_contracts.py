@@ -314,8 +314,8 @@ def test_the_bandwidth_probe_keeps_its_buffer_and_slot_past_a_timeout(make_offlo
 def test_engine_requests_are_made_only_where_they_own_their_memory():
     """Outside ssdtrain/io/, an engine's ``write``/``read`` is called in three functions
     only, each of which hands the request the memory it uses (``_owning``)."""
-    allowed = {("ssdtrain/_writeback.py", "WriteBack._submit_write"),
-               ("ssdtrain/_prefetch.py", "Prefetch._submit_read"),
+    allowed = {("ssdtrain/_writeback.py", "WritePath.submit_write"),
+               ("ssdtrain/_prefetch.py", "ReadPath.submit_read"),
                ("ssdtrain/_store.py", "Store._submit_probe")}
     found = set()
     for path in SOURCES:

@@ -214,17 +214,17 @@ def test_loads_come_from_ram_and_prefetch_them(make_offloader):
     assert off.live_records() == 0 and st_.host_bytes == 0
 
 
-def test_backward_reads_a_record_whose_eviction_write_is_still_running(make_offloader,
-                                                                       monkeypatch):
+def _evicted_while_written(make_offloader, monkeypatch, prefetch_bytes):
     """Budget one record of two: saving the second evicts the first (in RAM by then),
-    whose write to the SSD is held until backward runs. Backward needs it while that
-    write runs: unpack waits for the write, then reads the record back (exact; one SSD
-    read, one load from RAM). Tier off: no record is ever SPILLING."""
+    whose write to the SSD is held (a gate) until backward runs. Returns (the offloader,
+    the graph's output, the tensors backward gets, the values saved, the gate) once the
+    first is SPILLING and the second in RAM (HOSTED; LOADED where prefetch loaded it)."""
     import threading
     import time
     from ssdtrain.io.base import then
     dev = LoopbackDevice()
-    off = _offloader(make_offloader, dev, host_budget_bytes=N, prefetch_bytes=0, verify=False)
+    off = _offloader(make_offloader, dev, host_budget_bytes=N, prefetch_bytes=prefetch_bytes,
+                     verify=False)
     engine = off._store.engine
     real, gate = engine.write, threading.Event()
     monkeypatch.setattr(engine, "write", lambda *a, **k: then(real(*a, **k),
@@ -240,17 +240,64 @@ def test_backward_reads_a_record_whose_eviction_write_is_still_running(make_offl
             del d
             if i == 0:
                 off.wait()  # the first is in RAM (HOSTED) when the second evicts it
+    want = ["spilling", "loaded" if prefetch_bytes else "hosted"]
     deadline = time.monotonic() + 10
-    while [s.value for s in _states(off)] != ["spilling", "hosted"] \
-            and time.monotonic() < deadline:
+    while [s.value for s in _states(off)] != want and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert [s.value for s in _states(off)] == ["spilling", "hosted"]
+    assert [s.value for s in _states(off)] == want
+    return off, out, sink, values, gate
+
+
+def test_backward_loads_a_record_whose_eviction_write_is_still_running_from_ram(
+        make_offloader, monkeypatch):
+    """No prefetch: backward needs the evicted record while its write runs. Unpack
+    claims it and waits for the write; then it is loaded from its pinned copy, still in
+    RAM, not read back from the SSD (exact; no SSD read, two loads from RAM). Before
+    the claim it was read back (``bytes_read == N``). Tier off: no record is ever
+    SPILLING."""
+    import threading
+    off, out, sink, values, gate = _evicted_while_written(make_offloader, monkeypatch, 0)
     threading.Timer(0.2, gate.set).start()  # the write ends while backward waits for it
     out.backward()
     assert all(torch.equal(s[0], v) for s, v in zip(reversed(sink), values))
     st_ = off.stats()
-    assert (st_.bytes_written, st_.bytes_read, st_.host_loaded_bytes) == (N, N, N)
+    assert (st_.bytes_written, st_.bytes_read, st_.host_loaded_bytes) == (N, 0, 2 * N)
+    assert st_.prefetch_misses == 2 and st_.prefetch_hits == 0
     assert st_.stall_seconds > 0 and off.live_records() == 0
+    off._store.check_invariants()
+
+
+def test_prefetch_of_a_record_whose_eviction_write_is_still_running_uses_its_ram_copy(
+        make_offloader, monkeypatch):
+    """Prefetch reaches the evicted record while its write runs (held until backward
+    needs it): it claims it, and when the write ends the record is loaded from its
+    pinned copy, still in RAM, never read back from the SSD; both records are prefetch
+    hits, and what backward gets is exact. After use the record is on the SSD only (it
+    left the budget when it was evicted), so a second backward (``retain_graph``) reads
+    it back from there. Before the fix prefetch skipped a SPILLING record and backward
+    read it back from the SSD (``bytes_read == N`` after the first backward, a miss)."""
+    import threading
+    off, out, sink, values, gate = _evicted_while_written(make_offloader, monkeypatch, 2 * N)
+    threading.Timer(0.2, gate.set).start()  # the write ends while backward waits for it
+    out.backward(retain_graph=True)
+    assert all(torch.equal(s[0], v) for s, v in zip(reversed(sink), values))
+    st_ = off.stats()
+    # The evicted record's load from RAM is N; the second record was loaded from RAM
+    # too (N more), or, still being copied there when prefetch reached it, kept on the
+    # device (claimed): which of the two depends on when its copy ended.
+    loaded = st_.host_loaded_bytes
+    assert (st_.bytes_written, st_.bytes_read) == (N, 0) and loaded in (N, 2 * N)
+    assert st_.prefetch_hits == 2 and st_.prefetch_misses == 0
+    off._store.check_invariants()
+    assert [s.value for s in _states(off)] == ["on_disk", "hosted"]
+    sink.clear()
+    out.backward()  # the evicted record comes back from the SSD now, the other from RAM
+    assert all(torch.equal(s[0], v) for s, v in zip(reversed(sink), values))
+    st_ = off.stats()
+    assert (st_.bytes_read, st_.host_loaded_bytes) == (N, loaded + N)
+    del out
+    assert off.live_records() == 0
+    off._store.check_invariants()
 
 
 def test_no_ssd_tier_keeps_what_does_not_fit_on_the_device(make_offloader, caplog):

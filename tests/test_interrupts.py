@@ -188,7 +188,7 @@ PASS_THROUGH = ",".join((
     "ssdtrain._store:Store.unpack", "ssdtrain._store:Store._use_passed_locked",
     "ssdtrain._policy:PassedRanges.add", "ssdtrain._table:RecordTable.count_passed",
     "ssdtrain._table:RecordTable.use_passed", "ssdtrain._table:RecordTable.uncount_passed",
-    "ssdtrain._prefetch:Prefetch._end_pass_locked"))
+    "ssdtrain._store:Store._end_pass_locked"))
 
 
 @pytest.mark.parametrize("select", ["first", "last"])

@@ -223,7 +223,7 @@ def test_sliding_window_reads_come_from_the_io_thread(make_offloader):
     xs = _tensors(16, nbytes)
 
     def due():  # bytes the window could still take in (racy reads: a test's poll)
-        left = sum(r.nbytes for p in list(store._passes) for r in list(p.queue)
+        left = sum(r.nbytes for p in list(store._reads.passes) for r in list(p.queue)
                    if r.tokens and not r.prefetched and not r.used)
         return min(4 * nbytes - store._table.ahead, left)
 

@@ -675,6 +675,26 @@ def test_offloader_released_when_collected(spill_dir):
     assert unraisable.seen == []
 
 
+def test_a_dropped_store_takes_its_paths_without_the_collector(spill_dir):
+    """A store nobody references goes at once, by reference counting, and its parts
+    with it: the write path, the host tier and the read path hold the record table
+    (the records, and the memory of the tensors they hold), so no cycle among them may
+    wait for the garbage collector (NOTE [ The store's paths ] in ssdtrain/_store.py).
+    A strong ``WritePath.tier`` (the tier holds the write path) kept both alive."""
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", **DISK)
+    model, inputs = ALL_MODELS["mlp"](torch.float32)
+    run_step(model, inputs, off)
+    store = off._store
+    alive = [weakref.ref(x) for x in (store, store._writes, store._tier, store._reads)]
+    del store
+    gc.disable()
+    try:
+        del off
+        assert [r() is None for r in alive] == [True] * 4
+    finally:
+        gc.enable()
+
+
 def test_graph_outlives_its_offloader(spill_dir):
     """Dropping the Offloader object (not closing it) leaves graphs built under it usable;
     threads and files go when the last such graph goes."""

@@ -278,7 +278,7 @@ def test_pipeline_prefetch_follows_the_schedule(pipeline_results, schedule):
         # The reads are started by the store's I/O thread, which a loaded machine can
         # leave unscheduled for a moment: a read not yet started when a pass's backward
         # begins is a miss (CI saw 1 in the interleaved schedule; 0 on an idle machine).
-        # Without the promotion of the pass whose backward began (_promote_locked), the
+        # Without the promotion of the pass whose backward began (ReadPath.promote_locked), the
         # interleaved schedule's first stage misses 6 here: more than 2 is that bug.
         assert warm_misses <= 2, \
             f"{schedule} stage {rank}: {warm_misses} prefetch misses, {warm_hits} hits"
