@@ -198,3 +198,15 @@ def test_gpu_smoke_small_on_cuda(tmp_path, spill_dir):
             assert result["summary"][mode]["grads_equal"] is True, mode
     assert result["summary"]["ssdtrain-ram"]["bytes_written_per_step"] == 0
     assert "ratio" in result["host_tier_vs_save_on_cpu"]
+
+
+def test_quota_hook_cost_tiny(tmp_path, spill_dir):
+    """The pass-through benchmark runs, checks what came back, and says which way is
+    which: the auto step really was past its quota (else it raises)."""
+    out = tmp_path / "q.json"
+    proc = _run(REPO_ROOT / "benchmarks" / "quota_hook_cost.py", "--rounds", "1", "--count", "4",
+                "--size", 64 << 10, "--spill-dir", spill_dir, "--json", out, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"small", "record", "passed"}
+    assert all(r["pack_us"] > 0 and r["unpack_us"] > 0 for r in res.values())
