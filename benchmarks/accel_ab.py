@@ -44,7 +44,7 @@ MiB = 1 << 20
 class StepClock:
     """A clock that runs only during one mode's own steps. ``policy="auto"`` measures a
     step from one forward to the next; here the other modes' steps come between, so
-    its controller is given this clock (``AutoQuota``'s ``clock``)."""
+    its controller is given this clock (``ssdtrain.tools.set_auto_clock``)."""
 
     def __init__(self):
         self.total = 0.0
@@ -63,6 +63,7 @@ class StepClock:
 
 def setup(mode, cfg, budget, spill_dir):
     import ssdtrain
+    from ssdtrain import tools
     emu = E.EMU = E.Emu(cfg)
     model = E.build_model(cfg)
     off = None
@@ -78,7 +79,8 @@ def setup(mode, cfg, budget, spill_dir):
     elif mode in ("auto", "static"):  # a policy with nothing else set but spill_dir
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy=mode, **base))
         if mode == "auto":
-            clock = off._auto._clock = StepClock()
+            clock = StepClock()
+            tools.set_auto_clock(off, clock)
     elif mode != "none":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
         off.track(model, list(model.layers))

@@ -33,7 +33,7 @@ from ._spill import SpillFile, SpillSet, filesystem_type
 
 __all__ = ["BLOCK", "SpillFile", "SpillSet", "ReadBuffers", "filesystem_type", "rok_plans",
            "predict", "crc32c", "crc32c_available", "uring_probe", "HookTimer",
-           "LoopbackDevice", "attach_loopback", "MAX_BYTES"]
+           "LoopbackDevice", "attach_loopback", "MAX_BYTES", "set_auto_clock"]
 
 
 def crc32c_available() -> bool:
@@ -64,6 +64,24 @@ def uring_probe() -> Tuple[bool, str]:
 # torch's own accessor for the innermost saved-tensor hooks (also used by _attach.py);
 # looked up by capability, not by version.
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def set_auto_clock(offloader, clock) -> None:
+    """Make ``policy="auto"`` time ``offloader``'s steps with ``clock`` (seconds, any
+    origin) instead of ``time.perf_counter``. For harnesses that run several offloaders'
+    steps in turn in one process (``benchmarks/accel_ab.py``): each controller measures
+    a step from its forward to its next one, so the other offloaders' steps in between
+    would count as its own unless its clock stops while they run.
+
+    Raises:
+        ConfigError: ``offloader`` does not run ``policy="auto"``.
+    """
+    from ._errors import ConfigError
+    auto = getattr(offloader, "_auto", None)
+    if auto is None:
+        raise ConfigError(f"ssdtrain: set_auto_clock needs an Offloader with policy='auto'; "
+                          f"this one runs policy={offloader.config.policy!r}.")
+    auto._clock = clock
 
 
 class HookTimer:

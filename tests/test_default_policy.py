@@ -424,3 +424,28 @@ def test_passed_bytes_leave_the_window_when_their_graph_dies(spill_dir):
         assert table.ahead == 0 and not table.passed
     finally:
         off.close()
+
+
+def test_set_auto_clock_times_the_steps_with_the_given_clock(spill_dir):
+    """ssdtrain.tools.set_auto_clock: the controller measures steps on the clock given
+    (a harness that interleaves offloaders), and only policy='auto' takes one."""
+    from ssdtrain import tools
+    model, inputs = models.mlp()
+    clock = _Clock()
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+    static = ssdtrain.Offloader(spill_dir=str(spill_dir), **dict(SMALL, policy="static"))
+    try:
+        tools.set_auto_clock(off, clock)
+        for _ in range(2):
+            with off:
+                loss = model(*inputs)
+            clock.now += 0.5
+            loss.backward()
+        with off:
+            pass
+        assert [s.step_s for s in off._auto.samples] == [0.5, 0.5]
+        with pytest.raises(ssdtrain.ConfigError, match="policy='auto'"):
+            tools.set_auto_clock(static, clock)
+    finally:
+        off.close()
+        static.close()
