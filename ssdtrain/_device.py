@@ -196,6 +196,14 @@ class StagingPool:
         weakref.finalize(lease, self._back.append, (buf, size, box))
         return lease
 
+    def ready(self, nbytes: int) -> bool:
+        """Whether :meth:`take` of ``nbytes`` (offset 0) would find an idle buffer: no
+        pinned allocation."""
+        size = self.size_for(nbytes)
+        with self._lock:
+            self._collect_locked()
+            return bool(self._idle.get(size))
+
     def reserve(self, nbytes: int) -> None:
         """Make sure a buffer for ``nbytes`` is idle, allocating it now if not: the I/O
         thread calls this before it takes the store lock for a write."""

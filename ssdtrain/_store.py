@@ -247,6 +247,7 @@ class Store:
         self._promote_locked = self._reads.promote_locked
         self._pump_low_locked = self._reads.pump_low_locked
         self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
+        self._staging_failed = False           # the last _reserve_staging could not allocate
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
         self._forked = False
@@ -808,9 +809,20 @@ class Store:
 
     def _start_one_locked(self):
         """Start one request that is due: the oldest write the tail window overflowed
-        into, else the next prefetch read. Whether more may be due."""
+        into, else the next prefetch read. Whether more may be due.
+
+        A device record's write whose staging the I/O thread has not reserved (it became
+        due after ``_reserve_staging`` looked: a pack made it due while this thread
+        waited for the lock) is not started here: the round goes back to reserve it
+        outside the lock (NOTE [ Device records ]), unless that reservation failed (then
+        the write finds out under the lock, and says so)."""
         if self.closed or self._paused:
             return False
+        if self._staging and not self._staging_failed:
+            rec = self._writes.next_hint()
+            dev = None if rec is None else rec.device
+            if dev is not None and not dev.direct and not dev.pool.ready(rec.nbytes):
+                return True
         return self._writes.start_due_locked(1) or self._reads.pump_locked(1)
 
     def _reserve_staging(self):
@@ -818,6 +830,7 @@ class Store:
         due is a device record's, make sure its staging pool has a buffer for it, so that
         the pinned allocation (milliseconds) runs outside the lock (NOTE [ Device
         records ]). Reads the due writes and the prefetch queue without the lock: a hint."""
+        self._staging_failed = False
         if not self._staging:
             return
         for rec in (self._writes.next_hint(), self._reads.next_hint()):
@@ -826,7 +839,7 @@ class Store:
                 try:
                     dev.pool.reserve(rec.nbytes)
                 except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
-                    pass
+                    self._staging_failed = True
 
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
