@@ -306,7 +306,7 @@ class _Replay:
         self.storages: Dict[int, _Storage] = {}
         self.window = TailWindow(cfg.keep_tail_bytes, cfg.max_spill_bytes)
         self.window.begin_step(quota)  # Store._begin_pass_locked (NOTE [ The offload quota ])
-        self.passed = PassedRanges()   # saved after the quota was spent (NOTE [ The pack decision ])
+        self.passed = PassedRanges()   # past the quota (NOTE [ The pack decision ])
         self._inbox = collections.deque()
 
     def _layer(self):

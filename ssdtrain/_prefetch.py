@@ -42,7 +42,7 @@ class _Pass:
 
     def __init__(self):
         self.records = []
-        self.passed = None  # PassedRanges: saved after the quota was spent (NOTE [ The pack decision ])
+        self.passed = None  # PassedRanges past the quota (NOTE [ The pack decision ])
         self.queue = None  # deque of records to prefetch, built when forward ends
         # NOTE [ One event, one error ] in _events.py: an error was raised for it; in
         # its forward (a pack raised: the forward never ended, its graph is garbage).

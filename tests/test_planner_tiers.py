@@ -152,17 +152,8 @@ def test_without_a_priced_host_tier_predictions_are_the_old_ones(host):
 
 
 # ------------------------------------------------------------------ properties
-layer_st = st.builds(
-    LayerCost,
-    name=st.just("layer"),
-    saved_bytes=st.integers(0, 512 * MiB),
-    input_bytes=st.integers(0, 64 * MiB),
-    fwd_s=st.floats(0.0, 2.0, allow_nan=False),
-    bwd_s=st.floats(0.0, 4.0, allow_nan=False),
-    recompute_bytes=st.integers(0, 640 * MiB),
-)
-layers_st = st.lists(layer_st, min_size=0, max_size=5)
-bw_st = st.floats(1e6, 1e11, allow_nan=False)
+from test_planner import bw_st, layers_st  # noqa: E402 (the planner's strategies)
+
 step_st = st.builds(
     StepCost,
     write_bps=bw_st,
