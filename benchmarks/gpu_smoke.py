@@ -95,9 +95,12 @@ from _common import (  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(tempfile.gettempdir(), "ssdtrain-gpu_smoke.json")
-MODES = ("none", "ssdtrain", "ssdtrain-host", "ssdtrain-ram", "save_on_cpu", "checkpoint")
-SSDTRAIN_MODES = ("ssdtrain", "ssdtrain-host", "ssdtrain-ram")
-HOST_TIER_MODES = ("ssdtrain-host", "ssdtrain-ram")
+MODES = ("none", "ssdtrain", "ssdtrain-host", "ssdtrain-ram", "save_on_cpu", "checkpoint",
+         "ssdtrain-auto")
+# ssdtrain-auto is run only when named: its quota needs warm-up steps (--warmup >= 6).
+DEFAULT_MODES = MODES[:-1]
+SSDTRAIN_MODES = ("ssdtrain", "ssdtrain-host", "ssdtrain-ram", "ssdtrain-auto")
+HOST_TIER_MODES = ("ssdtrain-host", "ssdtrain-ram", "ssdtrain-auto")
 DEFAULT_HOST_BUDGET = "0.5x"
 GiB = 1 << 30
 EXIT_NO_CUDA = 2
@@ -112,6 +115,8 @@ SMALL_OFFLOAD = dict(min_tensor_kib=4, keep_tail_mib=0)
 MODE_NOTES = {
     "none": "reference: no hooks",
     "ssdtrain": "SSD only",
+    "ssdtrain-auto": "policy auto (offload what the tiers absorb in time), host tier 'auto' "
+                     "budget, SSD beyond",
     "save_on_cpu": "pinned host copies of every saved tensor (host RAM is the tier)",
     "checkpoint": "per-block torch.utils.checkpoint: forward runs twice",
 }
@@ -358,6 +363,8 @@ def _offloader(ssdtrain, mode, cfg, host_budget):
         overrides.update(spill_dir=cfg["spill_dir"], host_budget_bytes=host_budget)
     elif mode == "ssdtrain-ram":
         overrides.update(spill_dir=None, host_budget_bytes="unlimited")
+    elif mode == "ssdtrain-auto":
+        overrides.update(spill_dir=cfg["spill_dir"], host_budget_bytes="auto", policy="auto")
     else:
         raise SystemExit(f"gpu_smoke: {mode!r} is not an ssdtrain mode; please report")
     off = ssdtrain.Offloader(ssdtrain.OffloadConfig.from_env(**overrides))
@@ -407,6 +414,11 @@ def summarize(runs, modes):
                      bytes_written_per_step=median([x["bytes_written"] for x in st]),
                      stall_s_median=median([x["stall_seconds"] for x in st]),
                      prefetch_misses_median=median([x["prefetch_misses"] for x in st]))
+        if mode == "ssdtrain-auto":
+            s.update(offload_quota_bytes_median=median([x["offload_quota_bytes"] or 0
+                                                        for x in st]),
+                     offload_quota_reason=rs[0].get("final_stats", {}).get(
+                         "offload_quota_reason", ""))
         if mode in HOST_TIER_MODES:
             # peak_host_bytes is a maximum since the offloader began: its largest value
             # over the measured steps is the most any of them held in RAM.
@@ -489,6 +501,9 @@ def _notes(mode, s):
                 + (f", kept on the device over the budget "
                    f"{_gib(s['over_budget_bytes_per_step'])}/step"
                    if s["over_budget_bytes_per_step"] else ""))
+        if mode == "ssdtrain-auto":
+            notes.append(f"quota {_gib(s['offload_quota_bytes_median'])}/step: "
+                         f"{s['offload_quota_reason']}")
         if s["offloaded_bytes_per_step"] == 0:
             notes.append("NOTHING OFFLOADED: every saved tensor was kept in memory (all "
                          "below min_tensor_bytes or within keep_tail_bytes?)")
@@ -543,8 +558,9 @@ def build_parser():
     r.add_argument("--warmup", type=int, default=1, help="warm-up steps per run (default 1)")
     r.add_argument("--repeats", type=int, default=2,
                    help="fresh processes per mode, modes interleaved (default 2)")
-    r.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                   help="modes to run (default all); 'none' is needed for ratios")
+    r.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                   help="modes to run (default all but ssdtrain-auto); 'none' is needed "
+                        "for ratios")
     r.add_argument("--spill-dir",
                    help="directory on the NVMe for ssdtrain (default: a fresh directory under "
                         "the system temp dir, removed at the end)")
@@ -581,6 +597,10 @@ def main(argv=None):
             return EXIT_NO_CUDA
     if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("gpu_smoke: --steps and --repeats must be >= 1, --warmup >= 0")
+    if "ssdtrain-auto" in args.modes and args.warmup < 6:
+        print("gpu_smoke: warning: ssdtrain-auto offloads nothing in its first 2 steps and "
+              "adjusts its quota over the next few; with --warmup below 6 its measured "
+              "steps include those", file=sys.stderr)
     try:
         host_budget = parse_host_budget(args.host_budget)
     except ValueError as e:

@@ -23,11 +23,18 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    measure the forward time ``F``, the step time ``T`` (begin to next begin) and the
    bytes the step saves that could be offloaded (``S``, after dedup). The baseline
    times are the fastest seen since, in every step (one-time costs of the first
-   steps do not count).
-2. *Disk.* Once, after the baseline, :meth:`Store.time_io` writes and reads a probe of
+   steps do not count). On a device (kernels are asynchronous: the host's clock sees
+   their launches) the baseline steps begin and end their forward with a wait for the
+   device (:meth:`Store.synchronize_devices`): ``F`` is the least share of a step
+   such a forward took, times ``T`` (the step time, begin to next begin, is the
+   device's in a steady state; a forward not waited for measured kernel launches).
+2. *Tiers.* Once, after the baseline, :meth:`Store.time_io` writes and reads a probe of
    ``S / 8`` bytes (between 8 and 64 MiB), best of two: write bandwidth ``W``, read
    bandwidth ``R`` (one request at a time: a low estimate). This happens in the
-   offloader's ``__enter__``, before the step's clock starts.
+   offloader's ``__enter__``, before the step's clock starts. With a host tier
+   (``host_budget_bytes``), :meth:`Store.time_copies` times as many bytes copied device
+   -> pinned and back on the copy streams, once a device tensor has been saved (host
+   records never enter the host tier); without a ``spill_dir`` it is the only tier.
 3. *Bound.* Writes of the quota must end within forward (else their memory is not
    freed when forward's peak comes), ``Q <= W * F``; the reads must end by the end of
    backward, ``Q <= R * (T - F + m * T)`` with ``m = max_slowdown``, and they start
@@ -37,7 +44,9 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    and the step's peak would be no lower), which with backward using the step's
    bytes evenly gives ``Q * (1 - R * B / S) <= R * B * prefetch_bytes / S + R * m * T``
    (``B = T - F``; no limit when ``R * B >= S``); and ``Q <= S``. The bound is
-   ``SAFETY`` (0.8) times the least of these (:func:`quota_bound`).
+   ``SAFETY`` (0.8) times the least of these (:func:`quota_bound`). With a host tier,
+   the same bound with the copies' bandwidths, but no more than the host budget plus
+   the SSD's bound (0 without a ``spill_dir``): what overflows RAM goes on to the disk.
 4. *Feedback.* The quota is ``scale * bound``, ``scale`` starting at
    ``START_SCALE`` (0.5). A step is *slowed* when it waited on I/O (read stalls and
    write waits) for more than ``m * T`` or took more than ``(1 + m) * T`` (CPU or
@@ -149,25 +158,42 @@ class AutoQuota:
 
     Args:
         max_slowdown: the margin (``OffloadConfig.max_slowdown``).
-        probe: ``nbytes -> (write_s, read_s)``, the store's bandwidth probe.
+        probe: ``nbytes -> (write_s, read_s)``, the store's SSD probe; None: no SSD tier.
         stats: the offloader's :class:`~ssdtrain.Stats` (read for stalls and saved bytes,
             written for the quota in force).
         clock: seconds, monotonic (tests pass their own).
         window_bytes: the prefetch window (``prefetch_bytes``), see :func:`quota_bound`.
+        tail_bytes: ``keep_tail_bytes``: the quota never takes a step's last ones.
+        copy_probe: ``nbytes -> (d2h_s, h2d_s)`` or None (no device seen yet), the host
+            tier's probe (:meth:`Store.time_copies`); None: no host tier.
+        host_bytes: the host tier's budget (``host_budget_bytes``).
+        sync: waits for the devices' queued work; whether there was a device (the
+            baseline steps' forward is timed with it, step 1).
     """
 
-    def __init__(self, max_slowdown: float, probe: Callable[[int], Tuple[float, float]],
-                 stats, clock: Callable[[], float] = time.perf_counter,
-                 window_bytes: Optional[int] = None, tail_bytes: int = 0):
+    def __init__(self, max_slowdown: float,
+                 probe: Optional[Callable[[int], Tuple[float, float]]], stats,
+                 clock: Callable[[], float] = time.perf_counter,
+                 window_bytes: Optional[int] = None, tail_bytes: int = 0,
+                 copy_probe: Optional[Callable[[int], Optional[Tuple[float, float]]]] = None,
+                 host_bytes: int = 0, sync: Optional[Callable[[], bool]] = None):
         self.max_slowdown = max_slowdown
         self.window_bytes = window_bytes
         self.tail_bytes = tail_bytes
         self._probe = probe
+        self._copy_probe = copy_probe
+        self.host_bytes = host_bytes
         self._stats = stats
         self._clock = clock
+        self._sync = sync
+        self._synced = False              # the running step's forward end was synchronized
+        self._device_timed = False        # some forward was timed on a device: only such count
+        self._forward_share = 1.0         # least share of a step its timed forward took
         self.samples = []                 # StepSample of every step measured
-        self.write_bps: Optional[float] = None
+        self.write_bps: Optional[float] = None       # the SSD tier (probe)
         self.read_bps: Optional[float] = None
+        self.copy_write_bps: Optional[float] = None  # the host tier (copy_probe)
+        self.copy_read_bps: Optional[float] = None
         self.base_forward_s = math.inf
         self.base_step_s = math.inf
         self.scale = START_SCALE
@@ -188,6 +214,8 @@ class AutoQuota:
     def end_forward(self) -> None:
         """Forward of the running step ended (the first end counts)."""
         if self._begin is not None and self._end is None:
+            if self._sync is not None and len(self.samples) < BASELINE_STEPS:
+                self._synced = self._sync()   # the kernels' end, not their launch
             self._end = self._clock()
 
     def begin_step(self) -> int:
@@ -203,8 +231,11 @@ class AutoQuota:
         self.quota, self.reason = self._choose()
         self._stats.offload_quota_bytes = self.quota
         self._stats.offload_quota_reason = self.reason
+        if self._sync is not None and len(self.samples) < BASELINE_STEPS:
+            self._sync()             # a baseline step begins once the device is idle
         self._begin = self._clock()  # after the probe: it is not the step's time
         self._end = None
+        self._synced = False
         self._counters = self._read_counters()
         return self.quota
 
@@ -220,8 +251,18 @@ class AutoQuota:
             self._slowed = None
         # The fastest step seen is the one nearest to no overhead at all (one-time costs
         # of the first steps, noise): the baseline never grows.
-        self.base_forward_s = min(self.base_forward_s, sample.forward_s)
         self.base_step_s = min(self.base_step_s, sample.step_s)
+        # On a device, only a forward whose end was synchronized (a baseline step's)
+        # measured the kernels, the others their launches: forward's share of such a
+        # step, of the fastest step.
+        if self._synced:
+            self._device_timed = True
+            self._forward_share = min(self._forward_share,
+                                      sample.forward_s / max(sample.step_s, 1e-9))
+        if self._device_timed:
+            self.base_forward_s = self.base_step_s * self._forward_share
+        else:
+            self.base_forward_s = min(self.base_forward_s, sample.forward_s)
 
     def _choose(self):
         n = len(self.samples)
@@ -229,14 +270,12 @@ class AutoQuota:
             return 0, (f"measuring: step {n + 1} of {BASELINE_STEPS} runs without offloading "
                        f"(the baseline)")
         last = self.samples[-1]
-        if self.write_bps is None:
-            nbytes = probe_bytes(last.saved_bytes)
-            write_s, read_s = self._probe(nbytes)
-            self.write_bps = nbytes / max(write_s, 1e-9)
-            self.read_bps = nbytes / max(read_s, 1e-9)
-        self.bound = quota_bound(last.saved_bytes, self.base_forward_s, self.base_step_s,
-                                 self.write_bps, self.read_bps, self.max_slowdown,
-                                 window_bytes=self.window_bytes)
+        self._measure(probe_bytes(last.saved_bytes))
+        self.bound = self._bound(last.saved_bytes)
+        if self.write_bps is None and self.copy_write_bps is None:
+            self._idle += 1
+            return 0, ("0: nowhere to offload to: no SSD tier (spill_dir), and the host tier "
+                       "takes device tensors only (none saved yet)")
         # Never the last keep_tail_bytes of a step: backward needs them first (under a
         # quota the tail window decides nothing, TailWindow.begin_step).
         quota = int(max(0, min(self.bound * self.scale, last.saved_bytes - self.tail_bytes)))
@@ -250,22 +289,26 @@ class AutoQuota:
             if not self._given_up:     # the least worth having; the feedback goes on
                 self.scale = floor / self.bound
                 quota = int(floor)
+        if quota < floor and cap < floor:
+            self._idle += 1
+            return 0, (f"0: the step's {last.saved_bytes / MiB:.1f} MiB leave less than "
+                       f"1/{round(1 / MIN_SHARE)} of them beyond the last keep_tail_bytes="
+                       f"{self.tail_bytes / MiB:.1f} MiB, which stay in memory")
         if quota < floor:
             self._idle += 1
             return 0, (f"0: {self.scale:.2f} x the bound {self.bound / MiB:.1f} MiB is below "
                        f"1/{round(1 / MIN_SHARE)} of the step's {last.saved_bytes / MiB:.1f} MiB "
-                       f"(write {self.write_bps / 1e9:.2f} GB/s, read {self.read_bps / 1e9:.2f} "
-                       f"GB/s, forward {self.base_forward_s * 1e3:.0f} ms, step "
-                       f"{self.base_step_s * 1e3:.0f} ms): too little to be worth its cost"
+                       f"({self._tiers_text()}, forward {self.base_forward_s * 1e3:.0f} ms, "
+                       f"step {self.base_step_s * 1e3:.0f} ms): too little to be worth its cost"
                        + (f"; a quota of that share slowed a step: tried again in "
                           f"{max(0, RETRY_STEPS - self._idle + 1)} steps" if self._given_up
                           else ""))
         self._idle = 0
         why = (f"{self.scale:.2f} x the bound {self.bound / MiB:.1f} MiB (0.8 x the least of "
-               f"write {self.write_bps / 1e9:.2f} GB/s x forward {self.base_forward_s * 1e3:.0f}"
-               f" ms, read {self.read_bps / 1e9:.2f} GB/s x rest of step "
+               f"write x forward {self.base_forward_s * 1e3:.0f} ms, read x rest of step "
                f"{(self.base_step_s - self.base_forward_s) * 1e3:.0f} ms + "
-               f"{self.max_slowdown:.0%}; saved {last.saved_bytes / MiB:.1f} MiB)")
+               f"{self.max_slowdown:.0%}; {self._tiers_text()}; saved "
+               f"{last.saved_bytes / MiB:.1f} MiB)")
         was = self._slowed
         if was is True:
             why += (f"; lowered: the last step took {last.step_s * 1e3:.0f} ms and waited "
@@ -274,3 +317,41 @@ class AutoQuota:
         elif was is False:
             why += "; raised: the last step kept within the margin"
         return quota, why
+
+    # ------------------------------------------------------------------ tiers
+    def _measure(self, nbytes: int) -> None:
+        """Probe each tier once: the SSD after the baseline, the host tier once a device
+        tensor has been seen (its probe returns None until then)."""
+        if self._probe is not None and self.write_bps is None:
+            write_s, read_s = self._probe(nbytes)
+            self.write_bps = nbytes / max(write_s, 1e-9)
+            self.read_bps = nbytes / max(read_s, 1e-9)
+        if self._copy_probe is not None and self.copy_write_bps is None:
+            copies = self._copy_probe(nbytes)
+            if copies is not None:
+                self.copy_write_bps = nbytes / max(copies[0], 1e-9)
+                self.copy_read_bps = nbytes / max(copies[1], 1e-9)
+
+    def _bound(self, saved: int) -> int:
+        """The step's bound over the tiers (NOTE [ The offload quota ], step 3): the SSD's
+        alone; with a host tier, the copies' bound, of which no more than the host budget
+        plus the SSD's bound (what overflows RAM must also reach the disk in time)."""
+        def bound(w, r):
+            return quota_bound(saved, self.base_forward_s, self.base_step_s, w, r,
+                               self.max_slowdown, window_bytes=self.window_bytes)
+        disk = 0 if self.write_bps is None else bound(self.write_bps, self.read_bps)
+        if self.copy_write_bps is None:
+            return disk
+        return min(bound(self.copy_write_bps, self.copy_read_bps), self.host_bytes + disk)
+
+    def _tiers_text(self) -> str:
+        parts = []
+        if self.copy_write_bps is not None:
+            parts.append(f"host tier: copies {self.copy_write_bps / 1e9:.2f} GB/s out, "
+                         f"{self.copy_read_bps / 1e9:.2f} GB/s in, budget " +
+                         ("unlimited" if self.host_bytes >= 1 << 62 else
+                          f"{self.host_bytes / MiB:.0f} MiB"))
+        if self.write_bps is not None:
+            parts.append(f"SSD: write {self.write_bps / 1e9:.2f} GB/s, read "
+                         f"{self.read_bps / 1e9:.2f} GB/s")
+        return "; ".join(parts)

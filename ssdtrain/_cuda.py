@@ -49,6 +49,11 @@ class _Cuda:
         return torch.cuda.stream(stream)
 
     @staticmethod
+    def synchronize(device):
+        """Wait for the device's queued work, every stream's."""
+        torch.cuda.synchronize(device)
+
+    @staticmethod
     def new_event():
         # blocking: a host thread that waits on it sleeps instead of spinning.
         return torch.cuda.Event(blocking=True)

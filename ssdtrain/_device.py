@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -374,6 +375,40 @@ class DeviceTransfers:
         waiter thread; the returned future completes with that future's outcome (rule 2)."""
         ready = self._waiter.submit(event.synchronize)  # releases the GIL while it waits
         return then(ready, submit)
+
+    # ------------------------------------------------------------------- probe
+    def time_copies(self, nbytes: int, repeats: int):
+        """The best of ``repeats`` times, in seconds, to copy ``nbytes`` from device memory
+        to pinned staging on the offload stream and back on the prefetch stream:
+        ``(d2h_s, h2d_s)``, the host tier's bandwidths for ``policy="auto"`` (NOTE [ The
+        offload quota ] in _auto.py). Each copy waits for its stream's earlier work first
+        and is waited for: call it between steps (the offloader does, in ``__enter__``)."""
+        leaf = self.leaf
+        best = [float("inf"), float("inf")]
+        with leaf.entered(self.device):
+            with leaf.using(self.compute):
+                dev = leaf.empty(nbytes, self.device)
+            lease = self.pool.take(nbytes)
+            done = None
+            try:
+                for _ in range(repeats):
+                    for i, (stream, dst, src) in enumerate(((self.d2h, lease.view, dev),
+                                                            (self.h2d, dev, lease.view))):
+                        stream.wait_stream(self.compute)   # dev may still be written there
+                        stream.synchronize()
+                        t0 = time.perf_counter()
+                        with leaf.using(stream):
+                            leaf.copy(dst, src)
+                        done = leaf.new_event()
+                        done.record(stream)
+                        done.synchronize()
+                        best[i] = min(best[i], time.perf_counter() - t0)
+            finally:
+                if done is not None:
+                    lease.after(done)                      # rule 4
+                for stream in (self.d2h, self.h2d):       # rule 5, where a copy raised
+                    leaf.record_stream(dev, stream)
+        return best[0], best[1]
 
     # ------------------------------------------------------------------- reads
     def read_buffer(self, misalign: int, nbytes: int):

@@ -277,8 +277,9 @@ class LoopbackDevice:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.empty(n * itemsize).view(dtype).view(tuple(shape))
 
-    def synchronize(self) -> None:
-        """Wait for the work queued so far on every stream of this device."""
+    def synchronize(self, device=None) -> None:
+        """Wait for the work queued so far on every stream of this device (``device``:
+        the leaf interface's argument, this device)."""
         for stream in list(self._streams):
             stream.synchronize()
 

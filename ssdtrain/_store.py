@@ -217,6 +217,7 @@ class Store:
         self._events = Events()                # NOTE [ One event, one error ] in _events.py
         self._ended = None                     # the pass whose forward ended last
         self._devices = {}                     # (leaf, device) -> DeviceTransfers
+        self._seen_device = None               # (leaf, device) of a device tensor passed
         # The I/O thread (_iothread.py) and the memory it releases outside the lock (NOTE
         # [ The store's I/O thread ]); kick and bury are bound once: the hooks call them.
         self._io = IOThread(self, engine, spill, self._devices)
@@ -409,6 +410,8 @@ class Store:
                     and self._events.failure is None:  # (else pack raises it, as always)
                 cur = self._current  # the quota is spent: kept without a record
                 if cur is not None:  # (NOTE [ The pack decision ] in _policy.py)
+                    if leaf is not None and self._seen_device is None:
+                        self._seen_device = (leaf, leaf.device(t))  # for time_copies
                     return self._pass_spent(t, cur, key, version, extent, storage, nbytes)
             layers = self.layers
             choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
@@ -1111,6 +1114,29 @@ class Store:
                 except BufferError:  # exported still: released with its last reference
                     pass
         return best["write"], best["read"]
+
+    def time_copies(self, nbytes, repeats):
+        """The host tier's probe (``policy="auto"``, NOTE [ The offload quota ] in
+        _auto.py): the best of ``repeats`` times to copy ``nbytes`` device -> pinned and
+        back on a device this store has seen a saved tensor of (``(d2h_s, h2d_s)``,
+        :meth:`DeviceTransfers.time_copies`), or None: no host tier, or no device tensor
+        seen yet (host records never enter the host tier)."""
+        if self._host is None:
+            return None
+        with self._lock:
+            seen = next(iter(self._devices), None) or self._seen_device
+            dev = None if seen is None else self._guarded_locked(self._transfers, *seen)
+        return None if dev is None else dev.time_copies(nbytes, repeats)
+
+    def synchronize_devices(self) -> bool:
+        """Wait for the work queued on every device this store has seen a saved tensor
+        of; whether there was one. ``policy="auto"`` times its baseline steps' forward
+        with it (kernels are asynchronous: the host's clock alone sees their launches)."""
+        with self._lock:
+            seen = list(self._devices) or ([self._seen_device] if self._seen_device else [])
+        for leaf, device in seen:
+            leaf.synchronize(device)
+        return bool(seen)
 
     def _extra_slot_locked(self, nbytes):
         slot = self.spill.files[0].alloc(nbytes, 0)

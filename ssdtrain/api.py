@@ -239,10 +239,15 @@ class Offloader:
         if config.policy == "auto":
             from ._auto import AutoQuota
             store = self._store
-            self._auto = AutoQuota(config.max_slowdown,
-                                   lambda nbytes: store.time_io(nbytes, repeats=2), self._stats,
-                                   window_bytes=config.prefetch_bytes,
-                                   tail_bytes=config.keep_tail_bytes)
+            host = config.host_budget_bytes
+            self._auto = AutoQuota(
+                config.max_slowdown,
+                (lambda nbytes: store.time_io(nbytes, repeats=2)) if spill.files else None,
+                self._stats, window_bytes=config.prefetch_bytes,
+                tail_bytes=config.keep_tail_bytes,
+                copy_probe=None if host is None else
+                (lambda nbytes: store.time_copies(nbytes, repeats=2)),
+                host_bytes=host or 0, sync=store.synchronize_devices)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):

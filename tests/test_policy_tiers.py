@@ -1,0 +1,234 @@
+"""Every policy with every tier layout, over several steps.
+
+The store's tiers (the SSD, the host tier before it, or the host tier alone) and its
+policies were tested one axis at a time; ``policy="auto"`` with a host tier and no
+``spill_dir`` raised ``IndexError`` at its third step (its bandwidth probe wrote to
+"the first spill file", which a host-only store has none of). The sweep below crosses
+the axes: each policy x each tier layout x host and (loopback) device tensors, five
+steps each (past ``auto``'s baseline and first quotas), gradients bitwise those of no
+offloading at every step, the store's invariants after each.
+
+Then the host tier as ``auto`` sees it: its copies are probed (``Store.time_copies``),
+the quota is priced at their bandwidth, and on a device the baseline's forward is timed
+with the device waited for (kernels are asynchronous: the host's clock sees launches).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+import ssdtrain
+from helpers import assert_same, run_step
+from loopback_helpers import LoopbackDevice, attach
+from ssdtrain._auto import BASELINE_STEPS, AutoQuota
+
+MiB = 1 << 20
+TIERS = {"ssd": dict(host_budget_bytes=None),
+         "host+ssd": dict(host_budget_bytes="64KiB"),
+         "host": dict(host_budget_bytes="unlimited", spill_dir=None)}
+STEPS = BASELINE_STEPS + 3
+
+
+class _Tiny(torch.nn.Module):
+    """Five saved activations of 32 KiB each and a LayerNorm: steps of milliseconds."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU(),
+                                       torch.nn.LayerNorm(128), torch.nn.Linear(128, 128),
+                                       torch.nn.GELU(), torch.nn.Linear(128, 1))
+
+    def forward(self, x):
+        return self.net(x).square().mean()
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return _Tiny(), (torch.randn(64, 128),)
+
+
+def _make(make_offloader, policy, tier, device, dev=None):
+    off = make_offloader(**TIERS[tier], policy=policy, min_tensor_bytes=4096,
+                         keep_tail_bytes=0)
+    if device == "loopback":
+        attach(off, dev or LoopbackDevice(claim_host_tensors=True))
+    return off
+
+
+@pytest.mark.parametrize("device", ["cpu", "loopback"])
+@pytest.mark.parametrize("tier", sorted(TIERS))
+@pytest.mark.parametrize("policy", ["static", "auto"])
+def test_every_policy_with_every_tier_is_exact_over_steps(policy, tier, device,
+                                                          make_offloader):
+    model, inputs = _tiny()
+    ref = run_step(model, inputs)
+    off = _make(make_offloader, policy, tier, device)
+    try:
+        for _ in range(STEPS):
+            assert_same(ref, run_step(model, inputs, off))
+            off._store.check_invariants()
+        st = off.stats()
+        if tier == "host":
+            assert st.bytes_written == 0  # no SSD tier: nothing touches a disk
+        if policy == "auto":
+            assert st.offload_quota_reason  # it says why, whatever it chose
+        if policy == "static" and not (tier == "host" and device == "cpu"):
+            assert st.offloaded_bytes > 0
+    finally:
+        off.close()
+
+
+def test_auto_with_the_host_tier_alone_prices_its_copies(make_offloader):
+    """No SSD tier: the quota comes from the copies' probe (fast here), records go to RAM
+    and come back from there; before the fix the probe raised IndexError."""
+    torch.manual_seed(0)
+    model, inputs = models.mlp()
+    ref = run_step(model, inputs)
+    dev = LoopbackDevice(claim_host_tensors=True)
+    off = _make(make_offloader, "auto", "host", "loopback", dev)
+    probed = []
+    real = off._store.time_copies
+
+    def probe(nbytes, repeats):
+        probed.append(nbytes)
+        return real(nbytes, repeats)
+    off._store.time_copies = probe
+    try:
+        for _ in range(BASELINE_STEPS):
+            assert_same(ref, run_step(model, inputs, off))
+        copies = dict(dev.copies)
+        ctl = off._auto
+        ctl._copy_probe = lambda n: (n / 1e12, n / 1e12) if off._store.time_copies(n, 2) \
+            else None  # probed for real, priced as a fast link so the quota is > 0
+        loaded = 0
+        for _ in range(3):
+            before = off.stats()
+            assert_same(ref, run_step(model, inputs, off))
+            loaded += off.stats().host_loaded_bytes - before.host_loaded_bytes
+        st = off.stats()
+        assert probed and ctl.copy_write_bps is not None and ctl.write_bps is None
+        # the probe copied out and back on the device (as many as its repeats, at least)
+        assert dev.copies["d2h"] - copies.get("d2h", 0) >= 2
+        assert "host tier: copies" in st.offload_quota_reason and "SSD" not in \
+            st.offload_quota_reason
+        assert loaded > 0 and st.bytes_written == 0
+    finally:
+        off.close()
+
+
+def test_auto_with_no_tier_for_host_tensors_says_so():
+    """Host tensors and a host tier alone: nothing can be offloaded (the host tier takes
+    device tensors only); the quota is 0 and its reason says why."""
+    torch.manual_seed(0)
+    model, inputs = models.mlp()
+    ref = run_step(model, inputs)
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="auto", spill_dir=None,
+                                                    host_budget_bytes="unlimited",
+                                                    min_tensor_bytes=4096, keep_tail_bytes=0))
+    try:
+        for _ in range(STEPS):
+            assert_same(ref, run_step(model, inputs, off))
+        st = off.stats()
+        assert st.offload_quota_bytes == 0 and st.offloaded_bytes == 0
+        assert "nowhere to offload to" in st.offload_quota_reason
+    finally:
+        off.close()
+
+
+def test_time_copies_goes_out_and_back_on_the_copy_streams(make_offloader):
+    dev = LoopbackDevice(claim_host_tensors=True)
+    off = _make(make_offloader, "static", "host", "loopback", dev)
+    try:
+        assert off._store.time_copies(MiB, 2) is None  # no device tensor seen yet
+        model, inputs = models.mlp()
+        run_step(model, inputs, off)
+        before = dict(dev.copies)
+        out_s, in_s = off._store.time_copies(MiB, 3)
+        assert dev.copies["d2h"] - before.get("d2h", 0) == 3
+        assert dev.copies["h2d"] - before.get("h2d", 0) == 3
+        assert 0 < out_s < float("inf") and 0 < in_s < float("inf")
+        assert not dev.errors
+    finally:
+        off.close()
+    # no host tier: no probe
+    plain = make_offloader(min_tensor_bytes=4096)
+    attach(plain, LoopbackDevice(claim_host_tensors=True))
+    run_step(*models.mlp(), plain)
+    assert plain._store.time_copies(MiB, 2) is None
+
+
+class _Stats:
+    stall_seconds = write_stall_seconds = 0.0
+    unique_bytes = offloaded_bytes = 0
+    offload_quota_bytes = 0
+    offload_quota_reason = ""
+
+
+def test_baseline_forward_is_timed_with_the_device_waited_for():
+    """On a device, forward's end on the host's clock is when its kernels were launched:
+    the baseline steps wait for the device at their begin and at forward's end (and only
+    they: the others keep the host running ahead), and only their forward counts, as a
+    share of the step."""
+    now = [0.0]
+    syncs = []
+    stats = _Stats()
+    ctl = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), stats, clock=lambda: now[0],
+                    sync=lambda: syncs.append(now[0]) or True)
+
+    def step(forward_s, step_s, saved=64 * MiB):
+        ctl.begin_step()
+        now[0] += forward_s
+        stats.unique_bytes += saved
+        ctl.end_forward()
+        now[0] += step_s - forward_s
+
+    step(0.050, 0.200)   # baseline 1 (warm-up)
+    step(0.030, 0.100)   # baseline 2: forward 30% of the step
+    assert len(syncs) == 4
+    step(0.001, 0.100)   # launches only: not counted
+    step(0.001, 0.080)   # a faster step: the share of it
+    assert len(syncs) == 4
+    ctl.begin_step()
+    assert ctl.base_step_s == pytest.approx(0.080)
+    assert ctl.base_forward_s == pytest.approx(0.080 * 0.25)  # least share: 0.05/0.2
+
+    # No device seen (sync says so): forward on the host's clock, every step counts.
+    host = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), _Stats(), clock=lambda: now[0],
+                     sync=lambda: False)
+    for f in (0.05, 0.03, 0.01):
+        host.begin_step()
+        now[0] += f
+        host.end_forward()
+        now[0] += 0.1
+    host.begin_step()
+    assert host.base_forward_s == pytest.approx(0.01)
+
+
+def test_host_tier_bound_is_the_copies_within_ram_plus_the_disk_beyond():
+    """The bound over tiers: copies' bound, but no more than the host budget plus the
+    SSD's bound (what overflows RAM is written on to the disk in the same step)."""
+    now = [0.0]
+    stats = _Stats()
+
+    def run(copy_gbps, disk_gbps, host_bytes, has_disk=True):
+        ctl = AutoQuota(0.0, (lambda n: (n / (disk_gbps * 1e9),) * 2) if has_disk else None,
+                        stats, clock=lambda: now[0],
+                        copy_probe=lambda n: (n / (copy_gbps * 1e9),) * 2,
+                        host_bytes=host_bytes)
+        for _ in range(BASELINE_STEPS):
+            ctl.begin_step()
+            now[0] += 0.1
+            stats.unique_bytes += 1 << 40
+            ctl.end_forward()
+            now[0] += 0.2
+        ctl.begin_step()
+        return ctl.bound
+
+    from ssdtrain._auto import quota_bound
+    copies = quota_bound(1 << 40, 0.1, 0.3, 10e9, 10e9, 0.0)
+    disk = quota_bound(1 << 40, 0.1, 0.3, 1e9, 1e9, 0.0)
+    assert run(10, 1, 1 << 50) == pytest.approx(copies, rel=1e-6)  # RAM holds it all
+    assert run(10, 1, 100 * MiB) == pytest.approx(100 * MiB + disk, rel=1e-6)
+    assert run(10, 1, 100 * MiB, has_disk=False) == 100 * MiB
