@@ -236,6 +236,10 @@ class Offloader:
         self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()
         self._auto = None     # _auto.AutoQuota: the quota of each step (policy "auto")
+        self._stalls = None   # _auto.StallWatch (policy "static")
+        if config.policy == "static":
+            from ._auto import StallWatch
+            self._stalls = StallWatch(log.warning)
         if config.policy == "auto":
             from ._auto import AutoQuota
             store = self._store
@@ -307,6 +311,8 @@ class Offloader:
                                 "(or use policy='static').")
         if self._auto is not None:  # may probe the disk, once: before the pass opens
             self._store.quota = self._auto.begin_step()
+        elif self._stalls is not None:  # static: says once if the SSD is the bottleneck
+            self._stalls.begin_step(self._stats)
         fwd.move(Phase.OPENING)
         fwd.site = site
         self._store.begin_pass()

@@ -11,9 +11,13 @@ offloading at every step, the store's invariants after each.
 Then the host tier as ``auto`` sees it: its copies are probed (``Store.time_copies``),
 the quota is priced at their bandwidth, and on a device the baseline's forward is timed
 with the device waited for (kernels are asynchronous: the host's clock sees launches).
+Last, ``policy="static"`` says (once) when a step spends a quarter of its time waiting on
+the SSD: there offloading everything costs more than it saves, and nothing said so.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ import models
 import ssdtrain
 from helpers import assert_same, run_step
 from loopback_helpers import LoopbackDevice, attach
-from ssdtrain._auto import BASELINE_STEPS, AutoQuota
+from ssdtrain._auto import BASELINE_STEPS, AutoQuota, StallWatch
 
 MiB = 1 << 20
 TIERS = {"ssd": dict(host_budget_bytes=None),
@@ -232,3 +236,53 @@ def test_host_tier_bound_is_the_copies_within_ram_plus_the_disk_beyond():
     assert run(10, 1, 1 << 50) == pytest.approx(copies, rel=1e-6)  # RAM holds it all
     assert run(10, 1, 100 * MiB) == pytest.approx(100 * MiB + disk, rel=1e-6)
     assert run(10, 1, 100 * MiB, has_disk=False) == 100 * MiB
+
+
+# ------------------------------------------------ the static policy says when it loses
+class _Io:
+    stall_seconds = write_stall_seconds = 0.0
+    bytes_written = 0
+
+
+def test_stall_watch_tells_once_when_waiting_on_the_ssd_is_a_quarter_of_a_step():
+    now, told, io = [0.0], [], _Io()
+    watch = StallWatch(told.append, clock=lambda: now[0])
+
+    def step(seconds, reads, writes, written=10**9):
+        watch.begin_step(io)
+        now[0] += seconds
+        io.stall_seconds += reads
+        io.write_stall_seconds += writes
+        io.bytes_written += written
+
+    step(1.0, 0.1, 0.1)          # 20%: not the bottleneck
+    step(1.0, 0.0, 0.0)
+    watch.begin_step(io)
+    assert told == []
+    step(2.0, 0.2, 0.4)          # 30% (the step before was measured from this begin)
+    watch.begin_step(io)
+    assert len(told) == 1 and "0.60 s of its 2.00 s" in told[0]
+    assert "writes 0.40 s" in told[0] and "reads 0.20 s" in told[0]
+    assert "policy='auto'" in told[0] and "host_budget_bytes" in told[0]
+    step(2.0, 1.0, 1.0)          # once per offloader
+    watch.begin_step(io)
+    assert len(told) == 1
+
+
+def test_a_static_offloader_on_a_slow_disk_warns_and_an_auto_one_does_not(make_offloader,
+                                                                            caplog):
+    """Every request completes 50 ms late and ``write_behind_bytes`` is 0, so forward waits
+    on each write: the static policy's step is mostly waiting, and it says so once."""
+    import late_io
+    model, inputs = _tiny()
+    for policy in ("static", "auto"):
+        caplog.clear()
+        off = make_offloader(policy=policy, min_tensor_bytes=4096, keep_tail_bytes=0,
+                             write_behind_bytes=0)
+        off.wrap_engine(lambda engine: late_io.LateEngine(engine, 0.05))
+        with caplog.at_level(logging.WARNING, logger="ssdtrain"):
+            for _ in range(3):
+                run_step(model, inputs, off)
+        said = [r.getMessage() for r in caplog.records if "waiting on the SSD" in r.getMessage()]
+        assert len(said) == (1 if policy == "static" else 0), (policy, said)
+        off.close()
