@@ -12,14 +12,29 @@ step past its quota costs little more than one without ssdtrain). So the earlies
 records are the ones written: backward needs them last, so their reads have the most
 time. Within a step the decision is a pure function of the saves, the configuration
 and the quota; the quota changes only between steps, from what earlier steps measured.
-The store never makes forward wait for a write under ``"auto"`` (the ``write_behind_bytes``
-throttle is off): a write the disk has not finished leaves its record in memory, which
-is what keeping it would have cost, and shows up as a measurement instead.
+Unless memory needs it (step 0 below), the store never makes forward wait for a write
+under ``"auto"`` (the ``write_behind_bytes`` throttle is off): a write the disk has not
+finished leaves its record in memory, which is what keeping it would have cost, and
+shows up as a measurement instead.
 
 How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
 :func:`slowed`, :func:`next_scale`):
 
-1. *Baseline.* The first ``BASELINE_STEPS`` steps offload nothing (quota 0) and
+0. *Fit first.* The first step (``SIZING_STEPS``) has no quota: it offloads every
+   eligible tensor and waits for writes as ``"static"`` does, so a model that fits
+   with ssdtrain fits from its first step. At the end of every forward the memory the
+   saved tensors live in is read (:meth:`Store.headroom`: the device's free memory,
+   the caching allocator's unused blocks included, or the host's available memory):
+   a step that offloaded ``o`` bytes and left ``free`` of ``total`` could have kept
+   ``free - MEMORY_RESERVE * total`` (10%) more, so every later step offloads at least
+   ``o + MEMORY_RESERVE * total - free``: the *memory floor*. It only rises (memory
+   taken later, an optimizer's state at its first step, stays taken). While it is
+   above 0, forward waits for writes past ``write_behind_bytes`` again (the floor's
+   bytes must leave memory, not only be decided: :attr:`AutoQuota.waits_for_writes`),
+   and a quota the bandwidth bound below would put lower is raised to it, the reason
+   saying that the step may then take longer than the margin.
+1. *Baseline.* The next ``BASELINE_STEPS`` steps offload nothing (quota 0, or the
+   floor) and
    measure the forward time ``F``, the step time ``T`` (begin to next begin) and the
    bytes the step saves that could be offloaded (``S``, after dedup). The baseline
    times are the fastest seen since, in every step (one-time costs of the first
@@ -61,10 +76,10 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    less ``keep_tail_bytes``: under a quota the tail window keeps nothing (each record is
    decided as it is saved, ``TailWindow.begin_step``), so the quota keeps the step's end.
 
-The first steps therefore use as much memory as no offloading: ``"auto"`` never makes
-a step slower than ``1 + max_slowdown`` times its time without ssdtrain, but it does not
-make a model fit that does not fit without offloading (``policy="static"`` offloads
-everything eligible; ``policy="adaptive"`` plans for a memory budget). A step whose
+So ``"auto"`` first makes the steps fit (as ``"static"`` would: its first step is
+``"static"``'s), and within that never makes a step slower than ``1 + max_slowdown``
+times its time at the floor (without ssdtrain, where the floor is 0). The sizing step
+costs what a ``"static"`` step costs, once. A step whose
 time varies for reasons of its own (data of varying length) reads as slowed now and
 then, which only lowers the quota. ``Stats.offload_quota_bytes`` and
 ``Stats.offload_quota_reason`` show the quota in force and why.
@@ -76,11 +91,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 __all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "next_scale", "probe_bytes",
-           "BASELINE_STEPS", "SAFETY", "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE",
+           "SIZING_STEPS", "BASELINE_STEPS", "MEMORY_RESERVE", "SAFETY", "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE",
            "RETRY_STEPS"]
 
 MiB = 1 << 20
-BASELINE_STEPS = 2     # steps measured without offloading
+SIZING_STEPS = 1       # steps that first offload every eligible tensor (as "static")
+BASELINE_STEPS = 2     # steps then measured without offloading (or at the memory floor)
+MEMORY_RESERVE = 0.1   # of the memory's total: left free at forward's end by the floor
 SAFETY = 0.8           # of the bandwidth bound
 START_SCALE = 0.5      # the first quota's share of the bound
 STEP_UP = 0.25         # scale added after a step that was not slowed
@@ -99,8 +116,9 @@ class StepSample:
     forward_s: float       #: begin to end of forward (the whole step if it never ended)
     stall_s: float         #: time waiting on I/O: unpack's reads and the write throttle
     saved_bytes: int       #: bytes of new records (what could be offloaded, after dedup)
-    quota: int             #: the quota the step ran with
+    quota: Optional[int]   #: the quota the step ran with (None: the sizing step's, none)
     offloaded_bytes: int = 0  #: bytes the step decided to write
+    room: Optional[Tuple[int, int]] = None  #: (free, total) memory at forward's end
 
 
 def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: float,
@@ -169,6 +187,8 @@ class AutoQuota:
         host_bytes: the host tier's budget (``host_budget_bytes``).
         sync: waits for the devices' queued work; whether there was a device (the
             baseline steps' forward is timed with it, step 1).
+        headroom: ``() -> (free, total)`` bytes of the memory the saved tensors live in
+            (:meth:`Store.headroom`), read at each forward's end: the memory floor.
     """
 
     def __init__(self, max_slowdown: float,
@@ -176,7 +196,8 @@ class AutoQuota:
                  clock: Callable[[], float] = time.perf_counter,
                  window_bytes: Optional[int] = None, tail_bytes: int = 0,
                  copy_probe: Optional[Callable[[int], Optional[Tuple[float, float]]]] = None,
-                 host_bytes: int = 0, sync: Optional[Callable[[], bool]] = None):
+                 host_bytes: int = 0, sync: Optional[Callable[[], bool]] = None,
+                 headroom: Optional[Callable[[], Optional[Tuple[int, int]]]] = None):
         self.max_slowdown = max_slowdown
         self.window_bytes = window_bytes
         self.tail_bytes = tail_bytes
@@ -186,6 +207,10 @@ class AutoQuota:
         self._stats = stats
         self._clock = clock
         self._sync = sync
+        self._headroom = headroom
+        self._room = None                 # headroom at the running step's forward end
+        self.floor = 0                    # the least quota that fits (the memory floor)
+        self._floor_text = ""
         self._synced = False              # the running step's forward end was synchronized
         self._device_timed = False        # some forward was timed on a device: only such count
         self._forward_share = 1.0         # least share of a step its timed forward took
@@ -214,9 +239,11 @@ class AutoQuota:
     def end_forward(self) -> None:
         """Forward of the running step ended (the first end counts)."""
         if self._begin is not None and self._end is None:
-            if self._sync is not None and len(self.samples) < BASELINE_STEPS:
+            if self._sync is not None and self._in_baseline():
                 self._synced = self._sync()   # the kernels' end, not their launch
             self._end = self._clock()
+            if self._headroom is not None:
+                self._room = self._headroom()
 
     def begin_step(self) -> int:
         """A step begins: measure the one before, choose this one's quota and return it."""
@@ -227,21 +254,40 @@ class AutoQuota:
             self._observe(StepSample(step_s=now - self._begin, forward_s=end - self._begin,
                                      stall_s=stall - self._counters[0],
                                      saved_bytes=saved - self._counters[1], quota=self.quota,
-                                     offloaded_bytes=offloaded - self._counters[2]))
+                                     offloaded_bytes=offloaded - self._counters[2],
+                                     room=self._room))
         self.quota, self.reason = self._choose()
         self._stats.offload_quota_bytes = self.quota
         self._stats.offload_quota_reason = self.reason
-        if self._sync is not None and len(self.samples) < BASELINE_STEPS:
+        if self._sync is not None and self._in_baseline():
             self._sync()             # a baseline step begins once the device is idle
         self._begin = self._clock()  # after the probe: it is not the step's time
         self._end = None
         self._synced = False
+        self._room = None
         self._counters = self._read_counters()
         return self.quota
 
+    @property
+    def waits_for_writes(self) -> bool:
+        """Whether the running step must make forward wait for writes past
+        ``write_behind_bytes``, as ``"static"`` does: the sizing step, and every step once
+        memory sets a floor (the floor's bytes must leave memory to fit, not only be
+        decided)."""
+        return self.quota is None or self.floor > 0
+
+    def _in_baseline(self) -> bool:
+        """Whether the running (or beginning) step is a baseline step."""
+        return SIZING_STEPS <= len(self.samples) < SIZING_STEPS + BASELINE_STEPS
+
     def _observe(self, sample: StepSample) -> None:
-        measured = len(self.samples) >= BASELINE_STEPS
+        n = len(self.samples)
+        measured = n >= SIZING_STEPS + BASELINE_STEPS
         self.samples.append(sample)
+        self._raise_floor(sample)
+        if n < SIZING_STEPS:  # it offloaded everything: its times are no baseline
+            self._slowed = None
+            return
         # Only a step that wrote something is judged: one whose records all stayed in
         # memory (the kept tail took them) was not slowed by ssdtrain's I/O.
         if measured and sample.offloaded_bytes > 0:
@@ -264,11 +310,43 @@ class AutoQuota:
         else:
             self.base_forward_s = min(self.base_forward_s, sample.forward_s)
 
+    def _raise_floor(self, sample: StepSample) -> None:
+        """The memory floor (NOTE [ The offload quota ], step 0): a step that offloaded
+        ``o`` bytes and left ``free`` of ``total`` at its forward's end could have kept
+        ``free - MEMORY_RESERVE * total`` more; the next steps offload at least the rest.
+        It only rises (memory taken later, an optimizer's state, stays taken)."""
+        if sample.room is None:
+            return
+        free, total = sample.room
+        need = int(sample.offloaded_bytes + MEMORY_RESERVE * total - free)
+        if need > self.floor:
+            self.floor = need
+            self._floor_text = (
+                f"at least {need / MiB:.1f} MiB, the memory floor: a forward that offloaded "
+                f"{sample.offloaded_bytes / MiB:.1f} MiB left {free / MiB:.1f} MiB of "
+                f"{total / MiB:.1f} MiB free, and keeping more would leave less than "
+                f"{MEMORY_RESERVE:.0%}")
+
     def _choose(self):
         n = len(self.samples)
-        if n < BASELINE_STEPS:
-            return 0, (f"measuring: step {n + 1} of {BASELINE_STEPS} runs without offloading "
+        if n < SIZING_STEPS:
+            return None, ("sizing: the first step offloads every eligible tensor, as "
+                          "policy='static' does, to learn how much must leave memory for the "
+                          "steps to fit (the memory floor)")
+        if n < SIZING_STEPS + BASELINE_STEPS:
+            k = n - SIZING_STEPS + 1
+            if self.floor > 0:
+                return self.floor, (f"measuring: step {k} of {BASELINE_STEPS} of the baseline "
+                                    f"offloads the least that fits: {self._floor_text}")
+            return 0, (f"measuring: step {k} of {BASELINE_STEPS} runs without offloading "
                        f"(the baseline)")
+        quota, why = self._choose_for_time()
+        if self.floor > quota:
+            return self.floor, (f"{self._floor_text}; above what the tiers absorb in time "
+                                f"({why}), so the step may take longer than the margin")
+        return quota, why
+
+    def _choose_for_time(self):
         last = self.samples[-1]
         self._measure(probe_bytes(last.saved_bytes))
         self.bound = self._bound(last.saved_bytes)

@@ -49,6 +49,14 @@ class _Cuda:
         return torch.cuda.stream(stream)
 
     @staticmethod
+    def headroom(device):
+        """``(free, total)`` bytes of the device: what the driver has free plus what the
+        caching allocator holds unused (it hands that out first)."""
+        free, total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), \
+            total
+
+    @staticmethod
     def synchronize(device):
         """Wait for the device's queued work, every stream's."""
         torch.cuda.synchronize(device)

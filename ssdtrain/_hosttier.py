@@ -87,8 +87,8 @@ from ._spill import BLOCK
 from ._events import _without_frames
 from ._writeback import _WRITTEN, _owning, failed_future
 
-__all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit", "budget_bytes",
-           "has_ssd_tier"]
+__all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit", "memory_available",
+           "budget_bytes", "has_ssd_tier"]
 
 _UNLIMITED_CGROUP = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded LONG_MAX
 
@@ -108,6 +108,37 @@ def memory_limit(cgroup_root: str = "/sys/fs/cgroup") -> int:
             return min(ram, int(text))
         break  # "max", or v1's "unlimited": the first file found speaks for the cgroup
     return ram
+
+
+def memory_available(cgroup_root: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo"):
+    """``(available, limit)``: the bytes this process could still allocate (the cgroup's
+    limit less its usage where it has one, and never more than the kernel's
+    ``MemAvailable``) and :func:`memory_limit`. The memory a host tensor's activations
+    take, for ``policy="auto"``'s memory floor (NOTE [ The offload quota ])."""
+    limit = memory_limit(cgroup_root)
+    available = limit
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = min(available, int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for cap, used in (("memory.max", "memory.current"),
+                      (os.path.join("memory", "memory.limit_in_bytes"),
+                       os.path.join("memory", "memory.usage_in_bytes"))):
+        try:
+            with open(os.path.join(cgroup_root, cap)) as f:
+                text = f.read().strip()
+            with open(os.path.join(cgroup_root, used)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if text.isdigit() and int(text) < _UNLIMITED_CGROUP:
+            available = min(available, max(0, int(text) - usage))
+        break
+    return available, limit
 
 
 def default_host_budget(pins: bool, cgroup_root: str = "/sys/fs/cgroup", memlock=None) -> int:

@@ -277,6 +277,12 @@ class LoopbackDevice:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.empty(n * itemsize).view(dtype).view(tuple(shape))
 
+    def headroom(self, device=None):
+        """``(free, total)``: its capacity less what is allocated, and its capacity."""
+        with self._lock:
+            self._collect_locked()
+            return self.capacity - self.allocated, self.capacity
+
     def synchronize(self, device=None) -> None:
         """Wait for the work queued so far on every stream of this device (``device``:
         the leaf interface's argument, this device)."""

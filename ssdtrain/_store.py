@@ -1128,6 +1128,18 @@ class Store:
             dev = None if seen is None else self._guarded_locked(self._transfers, *seen)
         return None if dev is None else dev.time_copies(nbytes, repeats)
 
+    def headroom(self):
+        """``(free, total)`` bytes where this store's saved tensors live, for
+        ``policy="auto"``'s memory floor (NOTE [ The offload quota ] in _auto.py): the
+        device with the least free of those it has seen a saved tensor of, else host
+        memory (``_hosttier.memory_available``)."""
+        with self._lock:
+            seen = list(self._devices) or ([self._seen_device] if self._seen_device else [])
+        if seen:
+            return min((leaf.headroom(device) for leaf, device in seen), key=lambda r: r[0])
+        from ._hosttier import memory_available
+        return memory_available()
+
     def synchronize_devices(self) -> bool:
         """Wait for the work queued on every device this store has seen a saved tensor
         of; whether there was one. ``policy="auto"`` times its baseline steps' forward

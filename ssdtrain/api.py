@@ -251,7 +251,8 @@ class Offloader:
                 tail_bytes=config.keep_tail_bytes,
                 copy_probe=None if host is None else
                 (lambda nbytes: store.time_copies(nbytes, repeats=2)),
-                host_bytes=host or 0, sync=store.synchronize_devices)
+                host_bytes=host or 0, sync=store.synchronize_devices,
+                headroom=store.headroom)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
@@ -310,7 +311,12 @@ class Offloader:
                                 "layers: call offloader.track(model) before the first forward "
                                 "(or use policy='static').")
         if self._auto is not None:  # may probe the disk, once: before the pass opens
-            self._store.quota = self._auto.begin_step()
+            quota = self._auto.begin_step()
+            # The sizing step (no quota), and every step under a memory floor, wait for
+            # writes past write_behind_bytes as "static" does (NOTE [ The offload quota ]).
+            self._store.limit_write_behind(self.config.write_behind_bytes
+                                           if self._auto.waits_for_writes else None)
+            self._store.quota = quota
         elif self._stalls is not None:  # static: says once if the SSD is the bottleneck
             self._stalls.begin_step(self._stats)
         fwd.move(Phase.OPENING)

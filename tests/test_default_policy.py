@@ -20,12 +20,13 @@ import models
 import ssdtrain
 from helpers import assert_grads_equal, grads
 from ssdtrain import estimate as E
-from ssdtrain._auto import (BASELINE_STEPS, AutoQuota, StepSample, next_scale, probe_bytes,
+from ssdtrain._auto import (BASELINE_STEPS, SIZING_STEPS, AutoQuota, StepSample, next_scale, probe_bytes,
                             quota_bound, slowed)
 from ssdtrain._policy import KEEP_QUOTA, TailWindow
 from ssdtrain._records import State
 
 KiB = 1 << 10
+WARMUP = SIZING_STEPS + BASELINE_STEPS  # steps before the first quota chosen for time
 MiB = 1 << 20
 SMALL = dict(min_tensor_bytes="8KiB", keep_tail_bytes=0, policy="auto")
 
@@ -103,7 +104,7 @@ def _step(ctl, clock, stats, forward_s, rest_s, saved, stall=0.0):
     q = ctl.begin_step()
     clock.now += forward_s
     stats.unique_bytes += saved
-    stats.offloaded_bytes += min(q, saved)
+    stats.offloaded_bytes += saved if q is None else min(q, saved)
     ctl.end_forward()
     clock.now += rest_s
     stats.stall_seconds += stall
@@ -119,8 +120,9 @@ def test_controller_measures_then_probes_once_then_follows_stalls():
 
     ctl = AutoQuota(0.03, probe, stats, clock=clock)
     saved = 400 * MiB
-    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(BASELINE_STEPS)]
-    assert quotas == [0] * BASELINE_STEPS and not probes
+    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(WARMUP)]
+    assert quotas == [None] * SIZING_STEPS + [0] * BASELINE_STEPS and not probes
+    quotas = quotas[SIZING_STEPS:]
     assert "measuring" in stats.offload_quota_reason
     first = _step(ctl, clock, stats, 0.1, 0.2, saved)
     assert probes == [probe_bytes(saved)]
@@ -142,9 +144,9 @@ def test_controller_leaves_the_last_keep_tail_bytes_of_a_step():
     clock, stats = _Clock(), ssdtrain.Stats()
     saved, tail = 64 * MiB, 24 * MiB
     ctl = AutoQuota(0.03, lambda n: (n / 1e15, n / 1e15), stats, clock=clock, tail_bytes=tail)
-    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(BASELINE_STEPS + 4)]
+    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(WARMUP + 4)]
     assert quotas[-1] == saved - tail
-    assert all(q <= saved - tail for q in quotas)
+    assert all(q <= saved - tail for q in quotas[SIZING_STEPS:])
 
 
 def test_controller_gives_up_below_a_sixteenth_and_tries_again_later():
@@ -158,7 +160,7 @@ def test_controller_gives_up_below_a_sixteenth_and_tries_again_later():
     clock, stats = _Clock(), ssdtrain.Stats()
     w = 1.5 * floor / 0.8 / 0.1
     ctl = AutoQuota(0.03, lambda n: (n / w, n / 1e15), stats, clock=clock)
-    for _ in range(BASELINE_STEPS):
+    for _ in range(WARMUP):
         _step(ctl, clock, stats, 0.1, 0.2, saved)
     assert _step(ctl, clock, stats, 0.1, 0.2, saved, stall=0.05) == floor   # slowed
     assert _step(ctl, clock, stats, 0.1, 0.2, saved) == 0                   # given up
@@ -169,15 +171,15 @@ def test_controller_gives_up_below_a_sixteenth_and_tries_again_later():
     clock, stats = _Clock(), ssdtrain.Stats()
     w = 0.5 * floor / 0.8 / 0.1
     ctl = AutoQuota(0.03, lambda n: (n / w, n / 1e15), stats, clock=clock)
-    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(BASELINE_STEPS + 5)]
-    assert quotas == [0] * len(quotas)
+    quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(WARMUP + 5)]
+    assert quotas[SIZING_STEPS:] == [0] * (len(quotas) - SIZING_STEPS)
     assert "1/16" in stats.offload_quota_reason
 
 
 def test_controller_does_not_judge_a_step_that_wrote_nothing():
     clock, stats = _Clock(), ssdtrain.Stats()
     ctl = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), stats, clock=clock)
-    for _ in range(BASELINE_STEPS + 1):
+    for _ in range(WARMUP + 1):
         _step(ctl, clock, stats, 0.1, 0.2, 64 * MiB)
     q = ctl.begin_step()            # stats.offloaded_bytes stays: nothing written
     scale = ctl.scale
@@ -277,8 +279,9 @@ def test_default_policy_is_static_and_max_slowdown_is_validated():
 
 
 def test_default_gradients_are_exact_across_steps(spill_dir):
-    """Baseline steps (nothing offloaded), then a quota: every step's gradients equal a
-    run without ssdtrain, and some step really wrote part of its records."""
+    """The sizing step (everything eligible offloaded), baseline steps (nothing), then a
+    quota: every step's gradients equal a run without ssdtrain, and some step really
+    wrote part of its records."""
     model, inputs = models.gpt()
     ref_model, _ = models.gpt()
     ref_model.load_state_dict(model.state_dict())
@@ -286,7 +289,7 @@ def test_default_gradients_are_exact_across_steps(spill_dir):
     off._auto._probe = lambda n: (n / 1e12, n / 1e12)   # a fast disk: a quota > 0
     per_step = []
     try:
-        for step in range(BASELINE_STEPS + 3):
+        for step in range(WARMUP + 3):
             for m in (model, ref_model):
                 m.zero_grad(set_to_none=True)
             before = off.stats()
@@ -301,11 +304,13 @@ def test_default_gradients_are_exact_across_steps(spill_dir):
                              after.unique_bytes - before.unique_bytes))
     finally:
         off.close()
-    assert [q for q, _, _ in per_step[:BASELINE_STEPS]] == [0] * BASELINE_STEPS
-    assert all(w == 0 for _, w, _ in per_step[:BASELINE_STEPS])
-    q, written, unique = per_step[BASELINE_STEPS]
+    sizing, baseline = per_step[:SIZING_STEPS], per_step[SIZING_STEPS:WARMUP]
+    assert all(q is None and 0 < w for q, w, _ in sizing)
+    assert [q for q, _, _ in baseline] == [0] * BASELINE_STEPS
+    assert all(w == 0 for _, w, _ in baseline)
+    q, written, unique = per_step[WARMUP]
     assert 0 < written <= q < unique          # part of the step, within its quota
-    assert all(w <= q for q, w, _ in per_step)
+    assert all(w <= q for q, w, _ in per_step[SIZING_STEPS:])
 
 
 def test_forward_never_waits_on_the_disk_in_the_default(spill_dir):
@@ -319,6 +324,7 @@ def test_forward_never_waits_on_the_disk_in_the_default(spill_dir):
                              io_timeout_s=30, **SMALL)
     engine = manual_engine.install(off)
     try:
+        _fixed_quota(off, 0)                 # (no sizing step: its writes would wait)
         with off:
             model(*inputs).backward()
         _fixed_quota(off, 1 << 40)           # offload everything eligible
@@ -341,7 +347,7 @@ def test_estimate_replays_a_step_quota(spill_dir):
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
     off._auto._probe = lambda n: (n / 1e12, n / 1e12)
     try:
-        for _ in range(BASELINE_STEPS + 1):
+        for _ in range(WARMUP + 1):
             model, inputs = make()
             before = off.stats()
             with off:

@@ -25,14 +25,16 @@ import torch
 import models
 import ssdtrain
 from helpers import assert_same, run_step
-from loopback_helpers import LoopbackDevice, attach
-from ssdtrain._auto import BASELINE_STEPS, AutoQuota, StallWatch
+from loopback_helpers import LoopbackDevice, SaveForBackward, attach
+from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS, AutoQuota, StallWatch
 
+KiB = 1 << 10
 MiB = 1 << 20
 TIERS = {"ssd": dict(host_budget_bytes=None),
          "host+ssd": dict(host_budget_bytes="64KiB"),
          "host": dict(host_budget_bytes="unlimited", spill_dir=None)}
-STEPS = BASELINE_STEPS + 3
+WARMUP = SIZING_STEPS + BASELINE_STEPS  # steps before the first quota chosen for time
+STEPS = WARMUP + 2
 
 
 class _Tiny(torch.nn.Module):
@@ -100,7 +102,7 @@ def test_auto_with_the_host_tier_alone_prices_its_copies(make_offloader):
         return real(nbytes, repeats)
     off._store.time_copies = probe
     try:
-        for _ in range(BASELINE_STEPS):
+        for _ in range(WARMUP):
             assert_same(ref, run_step(model, inputs, off))
         copies = dict(dev.copies)
         ctl = off._auto
@@ -188,6 +190,8 @@ def test_baseline_forward_is_timed_with_the_device_waited_for():
         ctl.end_forward()
         now[0] += step_s - forward_s
 
+    step(0.500, 1.000)   # the sizing step (offloads everything): no baseline
+    assert syncs == []
     step(0.050, 0.200)   # baseline 1 (warm-up)
     step(0.030, 0.100)   # baseline 2: forward 30% of the step
     assert len(syncs) == 4
@@ -201,7 +205,7 @@ def test_baseline_forward_is_timed_with_the_device_waited_for():
     # No device seen (sync says so): forward on the host's clock, every step counts.
     host = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), _Stats(), clock=lambda: now[0],
                      sync=lambda: False)
-    for f in (0.05, 0.03, 0.01):
+    for f in (0.001, 0.05, 0.03, 0.01):  # (the sizing step's forward does not count)
         host.begin_step()
         now[0] += f
         host.end_forward()
@@ -221,7 +225,7 @@ def test_host_tier_bound_is_the_copies_within_ram_plus_the_disk_beyond():
                         stats, clock=lambda: now[0],
                         copy_probe=lambda n: (n / (copy_gbps * 1e9),) * 2,
                         host_bytes=host_bytes)
-        for _ in range(BASELINE_STEPS):
+        for _ in range(WARMUP):
             ctl.begin_step()
             now[0] += 0.1
             stats.unique_bytes += 1 << 40
@@ -286,3 +290,69 @@ def test_a_static_offloader_on_a_slow_disk_warns_and_an_auto_one_does_not(make_o
         said = [r.getMessage() for r in caplog.records if "waiting on the SSD" in r.getMessage()]
         assert len(said) == (1 if policy == "static" else 0), (policy, said)
         off.close()
+
+
+# ------------------------------------------------ the memory floor: fit first, then time
+def _device_chain(off, dev, k, n):
+    """Save ``k`` device tensors of ``n`` bytes, each in its own node, as a forward whose
+    activations live in the device's memory; backward checks each came back."""
+    sink = []
+    anchor = torch.zeros((), requires_grad=True)
+    with off:
+        out = anchor
+        for i in range(k):
+            d = dev.alloc((n // 4,))
+            d.copy_(torch.full((n // 4,), float(i)))
+            out = SaveForBackward.apply(out, sink, d)
+            del d
+    out.backward()
+    assert [float(s[0][0]) for s in sink] == [float(i) for i in reversed(range(k))]
+
+
+def test_auto_offloads_at_least_what_must_leave_memory_to_fit(make_offloader):
+    """A device of 10 N bytes, a forward that saves 16 tensors of N bytes. Without the
+    floor the baseline steps (quota 0) keep all 16 N and the device runs out of memory
+    (``torch.OutOfMemoryError`` from its allocator); with it, the sizing step offloads
+    everything, learns how much must leave (16 N + 10% of 10 N - the free memory at its
+    forward's end) and every later step offloads at least that much, waiting for the
+    writes as "static" does, within the device's capacity."""
+    n, k = 64 * KiB, 16
+    dev = LoopbackDevice(capacity=10 * n)
+    off = make_offloader(policy="auto", min_tensor_bytes=4096, keep_tail_bytes=0,
+                         write_behind_bytes=2 * n, prefetch_bytes=2 * n)
+    attach(off, dev)
+    quotas = []
+    for _ in range(WARMUP + 3):
+        _device_chain(off, dev, k, n)
+        off._store.check_invariants()
+        quotas.append(off.stats().offload_quota_bytes)
+    ctl = off._auto
+    assert quotas[0] is None and 0 < ctl.floor < k * n
+    assert all(q >= ctl.floor for q in quotas[SIZING_STEPS:])
+    assert "memory floor" in off.stats().offload_quota_reason
+    assert dev.peak_allocated <= dev.capacity and not dev.errors
+
+
+def test_memory_floor_rises_with_the_memory_taken_and_never_falls():
+    """(free, total) at each forward's end, total 1000 and a 10% reserve: the sizing step
+    offloaded 400 and left 900 free, the baseline steps keep everything (500 free: fits);
+    then something else takes memory (an optimizer's state at its first step: 50 free)
+    and the floor rises to what must leave (100 - 50); memory freed later does not lower
+    it."""
+    now, stats = [0.0], _Stats()
+    rooms = iter([(900, 1000), (500, 1000), (50, 1000), (950, 1000), (950, 1000)])
+    ctl = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), stats, clock=lambda: now[0],
+                    headroom=lambda: next(rooms))
+    floors, quotas = [], []
+    for _ in range(5):
+        q = ctl.begin_step()
+        quotas.append(q)
+        stats.unique_bytes += 400
+        stats.offloaded_bytes += 400 if q is None else min(q, 400)
+        ctl.end_forward()
+        now[0] += 0.1
+        floors.append(ctl.floor)
+    ctl.begin_step()
+    assert floors == [0, 0, 0, 50, 50]  # (each step observed at the next begin)
+    assert quotas[:3] == [None, 0, 0] and quotas[3] >= 50 and ctl.quota >= 50
+    assert ctl.floor == 50 and ctl.waits_for_writes
