@@ -356,3 +356,22 @@ def test_memory_floor_rises_with_the_memory_taken_and_never_falls():
     assert floors == [0, 0, 0, 50, 50]  # (each step observed at the next begin)
     assert quotas[:3] == [None, 0, 0] and quotas[3] >= 50 and ctl.quota >= 50
     assert ctl.floor == 50 and ctl.waits_for_writes
+
+
+def test_gpu_smoke_auto_mode_is_auto_with_both_tiers_and_run_only_when_named(spill_dir):
+    """benchmarks/gpu_smoke.py's ``ssdtrain-auto``: policy "auto", the host tier's default
+    budget and the SSD beyond; not among the default modes (its quota needs warm-up)."""
+    import os
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    import gpu_smoke
+    assert "ssdtrain-auto" in gpu_smoke.MODES and "ssdtrain-auto" not in gpu_smoke.DEFAULT_MODES
+    cfg = {"offload": {}, "spill_dir": str(spill_dir), "cpu_dry_run": False}
+    off = gpu_smoke._offloader(ssdtrain, "ssdtrain-auto", cfg, None)
+    try:
+        c = off.config
+        assert c.policy == "auto" and c.spill_dir == [str(spill_dir)]
+        assert c.host_budget_bytes is not None and c.host_budget_bytes > 0
+    finally:
+        off.close()
