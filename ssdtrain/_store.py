@@ -177,7 +177,7 @@ from ._iothread import IOThread
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
 from ._events import Events, _copy, _needed_by, _without_frames
-from ._writeback import _READ, _WRITTEN, WritePath, _owning, failed_future
+from ._writeback import _READ, _WRITTEN, WritePath, _owning, failed_future, free_slot
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -189,12 +189,6 @@ _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
 _SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request left
 
-
-def _free_slot(rec):
-    """Give back the disk slot a request of ``rec`` that never reached the engine took."""
-    slot, rec.slot = rec.slot, None
-    if slot is not None:
-        slot.file.free(slot)
 
 class Store:
     """The records of one offloader, and every transition between their states."""
@@ -908,11 +902,11 @@ class Store:
             rec.host = None
             self._move_locked(rec, State.KEPT)
         elif rec.state is State.SPILLING:
-            _free_slot(rec)
+            free_slot(rec)
             rec.evict = True
             self._move_locked(rec, State.HOSTED)
         elif rec.state is State.WRITING:
-            _free_slot(rec)
+            free_slot(rec)
             rec.staging = None
             self._window.release(rec)
             self._move_locked(rec, State.KEPT)

@@ -215,9 +215,7 @@ class WritePath:
                     and not rec.storage_changed():
                 # An interrupt while the request completed inline (its CRC on this thread):
                 # the bytes are still in memory, so keep them; no error to report.
-                slot, rec.slot = rec.slot, None
-                if slot is not None:
-                    slot.file.free(slot)
+                free_slot(rec)
                 self._table.move(rec, State.KEPT)
             elif exc is not None:
                 if not self._keep_after_failed_write_locked(rec, exc):
@@ -325,9 +323,7 @@ class WritePath:
         if self.cfg.on_spill_error != "keep" or not isinstance(exc, SpillIOError) \
                 or rec.storage is None or rec.storage_changed():
             return False
-        slot, rec.slot = rec.slot, None
-        if slot is not None:
-            slot.file.free(slot)
+        free_slot(rec)
         self._table.move(rec, State.KEPT)
         self.stats.spill_errors += 1
         self.stats.kept_bytes += rec.nbytes
@@ -368,6 +364,14 @@ class WritePath:
 
 _WRITTEN = "written"
 _READ = "read"
+
+
+def free_slot(rec):
+    """Give back the disk slot of ``rec``'s write that ended without its bytes on disk
+    (failed, cut short, or never submitted): the record no longer refers to it."""
+    slot, rec.slot = rec.slot, None
+    if slot is not None:
+        slot.file.free(slot)
 
 
 def failed_future(exc):
