@@ -385,7 +385,7 @@ class _Replay:
                             "report this bug.")
 
     def _decide(self):
-        """Store._decide_locked: the window's oldest records leave it, decided."""
+        """WritePath.decide_locked: the window's oldest records leave it, decided."""
         m = self.m
         host = self.host
         for rec, reason in self.window.overflow():
@@ -409,7 +409,7 @@ class _Replay:
                 lb.offloadable_bytes += rec.nbytes
 
     def _admit(self, rec):
-        """Store._decide_locked with a host tier: whether ``rec`` leaves memory (to RAM
+        """WritePath.decide_locked with a host tier: whether ``rec`` leaves memory (to RAM
         or to the SSD); what is kept beyond the budget is counted here."""
         host, m = self.host, self.m
         if not rec.device:  # host memory: written with an SSD tier, else kept

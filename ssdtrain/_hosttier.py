@@ -85,7 +85,7 @@ from ._errors import SpillIOError
 from ._records import State
 from ._spill import BLOCK
 from ._events import _without_frames
-from ._writeback import _WRITTEN, _owning, failed_future
+from ._writeback import _WRITTEN, _owning, failed_future, free_slot
 
 __all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit", "memory_available",
            "budget_bytes", "has_ssd_tier"]
@@ -405,9 +405,7 @@ class HostTier:
             # An interrupt while it completed inline, or on_spill_error="keep": the bytes
             # are still in RAM. An interrupted one is evicted again; a failed one stays
             # in RAM, beyond the budget, as a failed write stays in memory.
-            slot, rec.slot = rec.slot, None
-            if slot is not None:
-                slot.file.free(slot)
+            free_slot(rec)
             again = not isinstance(exc, Exception)
             if not again:
                 self.stats.spill_errors += 1

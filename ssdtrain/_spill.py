@@ -282,6 +282,15 @@ class SpillSet:
     def used_bytes(self) -> int:
         return sum(f.allocator.used for f in self.files) * BLOCK
 
+    def problems(self, slots, kept=()):
+        """Whether the allocators' blocks in use are those of ``slots`` (the records'
+        slots) and ``kept`` (quarantined slots): a list of messages, empty when they
+        agree (``Store.check_invariants``)."""
+        used = sum(slot.nblocks for slot in slots)
+        more = sum(slot.nblocks for slot in kept)
+        alloc = sum(f.allocator.used for f in self.files)
+        return [] if alloc == used + more else [f"spill blocks {alloc} != {used} + {more}"]
+
     def close(self):
         for f in self.files:
             f.close()

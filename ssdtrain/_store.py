@@ -10,35 +10,39 @@ files) in ``_iothread.py`` (``IOThread``), what a round of it does here
 the end of a record (``RecordTable.free``) is the table's too, so every path frees a
 record without reaching the store; failure events and once-only warnings in
 ``_events.py`` (``Events``, ``Store._events``: NOTE [ One event, one error ]); the
-write path (starting and completing writes, budget, failure policy) in ``_writeback.py``,
+write path (the pack decision's verdicts, starting and completing writes, budget,
+failure policy, the write-behind throttle) in ``_writeback.py``,
 the read path (prefetch and reads) in ``_prefetch.py``, the host tier in ``_hosttier.py``
 (NOTE [ The store's paths ]); read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
 
 NOTE [ The store's paths ]
 
-What happens to a record after the pack decision is done by three objects the store
-composes, each given what it uses in its constructor (none holds the store, and they
-hold one another without a cycle, so a store nobody references is collected at once
-with its records, and its I/O thread ends):
-``WritePath`` (``Store._writes``, _writeback.py: the due writes, their completion,
-the spill budget's verdicts, keeping and failing a record), ``ReadPath``
-(``Store._reads``, _prefetch.py: the pass queues, prefetch, reads, dropping read
-copies) and ``HostTier`` (``Store._tier``, _hosttier.py: admission, copies to RAM and
-back, evictions to the SSD). The write path and the tier call each other (an eviction
-is a write; a copy to RAM is started and completed where writes are): the store sets
-``WritePath.tier`` once both exist, to a weak proxy of the tier (a strong one would make
-a cycle holding the record table, and the records' memory would wait for the garbage
-collector). The store keeps what takes or spans the lock: the
-hooks, the inbox and its drain, the passes' boundaries, the throttle's wait, flush,
-close, fork and repair; every path method ending in ``_locked`` runs under it.
+The pack decision's verdicts, and what happens to a record after them, are carried
+out by three objects the store composes, each given what it uses in its constructor
+(none holds the store, and they hold one another without a cycle, so a store nobody
+references is collected at once with its records, and its I/O thread ends):
+``WritePath`` (``Store._writes``, _writeback.py: the verdicts on the records leaving
+the tail window, ``decide_locked``; the due writes, their completion, the spill
+budget's verdicts, keeping and failing a record; the write-behind limit and the
+throttle), ``ReadPath`` (``Store._reads``, _prefetch.py: the pass queues, prefetch,
+reads, dropping read copies) and ``HostTier`` (``Store._tier``, _hosttier.py:
+admission, copies to RAM and back, evictions to the SSD). The write path and the tier
+call each other (an eviction is a write; a copy to RAM is started and completed where
+writes are): the store sets ``WritePath.tier`` once both exist, to a weak proxy of the
+tier (a strong one would make a cycle holding the record table, and the records'
+memory would wait for the garbage collector). The store keeps what takes or spans the
+lock: the hooks, the inbox and its drain, the passes' boundaries, flush, close, fork
+and repair; every path method ending in ``_locked`` runs under it. A path that waits
+outside the lock and takes it between waits (the throttle, ``WritePath.throttle``) is
+handed the store's ``_locked`` for that call and keeps nothing of it.
 Completions reach the store through ``callback`` (``_completions``: a weak reference
 to the store); the engine through ``engine``, which ``Store.engine``'s setter keeps
 equal to the store's (``replace_engine``). The hints the hooks read without the lock
-(``WritePath.overdue``, ``ReadPath.due``) and what unpack calls for every record it
-serves (``ReadPath.promote_locked``, ``pump_low_locked``) are bound once as store
-attributes of the same names as before (``_write_overdue``, ``_read_due``,
-``_promote_locked``, ``_pump_low_locked``): the per-tensor path looks up no more
-attributes than the mixins did.
+(``WritePath.overdue``, ``over_write_behind``, ``ReadPath.due``) and what unpack calls
+for every record it serves (``ReadPath.promote_locked``, ``pump_low_locked``) are bound
+once as store attributes of the same names as before (``_write_overdue``,
+``_over_write_behind``, ``_read_due``, ``_promote_locked``, ``_pump_low_locked``): the
+per-tensor path looks up no more attributes than the mixins did.
 
 NOTE [ Store lock discipline ]
 
@@ -163,7 +167,7 @@ from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
 from ._device import leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._config import MAX_BYTES
-from ._policy import KEEP_CAPTURE, KEEP_QUOTA, TRACKER, PassedRanges, TailWindow, keep_reason
+from ._policy import KEEP_CAPTURE, TRACKER, PassedRanges, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._table import PassedRef, RecordTable
 from ._prefetch import ReadPath, _Pass
@@ -173,7 +177,7 @@ from ._iothread import IOThread
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
 from ._events import Events, _copy, _needed_by, _without_frames
-from ._writeback import _READ, _WRITTEN, WritePath, _owning, failed_future
+from ._writeback import _READ, _WRITTEN, WritePath, _owning, failed_future, free_slot
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
@@ -185,12 +189,6 @@ _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
 _SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request left
 
-
-def _free_slot(rec):
-    """Give back the disk slot a request of ``rec`` that never reached the engine took."""
-    slot, rec.slot = rec.slot, None
-    if slot is not None:
-        slot.file.free(slot)
 
 class Store:
     """The records of one offloader, and every transition between their states."""
@@ -244,6 +242,7 @@ class Store:
         # What the hooks call on every pack and unpack: bound once (the per-tensor path
         # looks up no more than it did when the paths were mixins).
         self._write_overdue = self._writes.overdue
+        self._over_write_behind = self._writes.over_write_behind
         self._read_due = self._reads.due
         self._promote_locked = self._reads.promote_locked
         self._pump_low_locked = self._reads.pump_low_locked
@@ -257,8 +256,7 @@ class Store:
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
         self.quota = None                      # each pass's offload quota (policy "auto",
                                                # NOTE [ The offload quota ] in _auto.py)
-        self.write_behind = None               # in force; see limit_write_behind
-        self.limit_write_behind(None)
+        self.limit_write_behind(None)          # the write path's limit in force
         self.closed = False
         self._paused = False                   # wrap_engine(): the thread starts nothing
         _fork.register(self, Store._after_fork_in_child)
@@ -307,7 +305,12 @@ class Store:
         config ])."""
         if nbytes is None:
             nbytes = MAX_BYTES if self.cfg.policy == "auto" else self.cfg.write_behind_bytes
-        self.write_behind = nbytes
+        self._writes.write_behind = nbytes
+
+    @property
+    def write_behind(self):
+        """The write-behind limit in force (:meth:`limit_write_behind`), in bytes."""
+        return self._writes.write_behind
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
@@ -373,6 +376,12 @@ class Store:
             with self._lock:
                 self._guarded_locked(self._end_pass_locked)
             self._settle()
+
+    def _locked(self, fn, *args):
+        """``fn(*args)`` in a locked region of its own (:meth:`_guarded_locked`): for a
+        path that waits outside the lock and takes it between waits (the throttle)."""
+        with self._lock:
+            return self._guarded_locked(fn, *args)
 
     def _guarded_locked(self, fn, *args):
         """``fn(*args)`` after draining the inbox; any exception out of it (an interrupt
@@ -469,8 +478,9 @@ class Store:
             else:
                 window = self._window
                 window.add(rec)
-                if window.nbytes > window.keep_bytes:
-                    self._decide_locked()
+                if window.nbytes > window.keep_bytes:  # decided now (NOTE [ The pack decision ])
+                    self._writes.decide_locked(
+                        0 if window.limit is None else self._outside_spill_bytes())
         else:
             self.stats.deduplicated_bytes += nbytes
             rec.seq = self._seq
@@ -483,43 +493,10 @@ class Store:
         rec.tokens.add(handle.token); rec.unseen.add(handle.token)  # noqa: E702 (NOTE [ Store lock discipline ])
         return handle  # records due to be written: written by the I/O thread
 
-    def _decide_locked(self):
-        """The tail window holds more than ``keep_tail_bytes``: its oldest records are
-        decided now, in pack, never later (NOTE [ The pack decision ] in _policy.py)."""
-        outside = 0 if self.cfg.max_spill_bytes is None else self._outside_spill_bytes()
-        host, writes = self._host, self._writes
-        for rec, reason in self._window.overflow(outside):
-            if reason is KEEP_QUOTA:
-                writes.keep_locked(rec)
-                self.stats.quota_kept_bytes += rec.nbytes
-                # Backward uses it before any record the step wrote (those are older):
-                # like the kept tail it fills the prefetch window, so reads start as
-                # backward consumes it and kept + read-back bytes stay within
-                # prefetch_bytes; else the reads would bring the written bytes back
-                # while the kept ones are still held, and the step's peak would be no
-                # lower (NOTE [ The offload quota ] in _auto.py).
-                self._table.count_ahead(rec)
-                continue
-            if reason is None and host is not None:  # NOTE [ Host tier ] in _hosttier.py
-                if rec.device is None:
-                    if not host.evicts:  # in host memory already, and no SSD tier
-                        self._tier.keep_host_record_locked(rec)
-                        continue
-                elif not self._tier.admit_locked(rec):
-                    continue  # beyond the budget, no SSD tier: kept on the device
-            if reason is None:
-                self._table.make_due(rec)
-                # Counted as decided, not as the write ends: how the write fares (done,
-                # skipped because the record died first, failed) depends on timing.
-                self.stats.offloaded_bytes += rec.nbytes
-            else:
-                writes.over_budget_locked(rec)
-
     def _outside_spill_bytes(self):
         """Spill bytes in use that belong to no record: the bandwidth probe's slot and
         quarantined slots (they count against ``max_spill_bytes`` too)."""
-        slots = list(self._extra_slots) + [q[3] for q in _QUARANTINE if q[3] is not None
-                                           and q[3].file in self.spill.files]
+        slots = list(self._extra_slots) + self._quarantined_slots()
         return sum(slot.nblocks for slot in slots) * BLOCK
 
     def _transfers(self, leaf, device):
@@ -537,59 +514,14 @@ class Store:
         return dev
 
     # ----------------------------------------------------------------- throttle
-    def _over_write_behind(self):
-        """Whether more than the write-behind limit in force is written or due to be
-        (writes in flight plus due writes the I/O thread has not started yet). Read
-        without the lock: :meth:`_throttle` looks again."""
-        table = self._table
-        return table.writing_bytes + table.due_bytes > self.write_behind
-
     def _throttle(self):
-        """Wait until the writes in flight fit in ``write_behind_bytes``: start every write
-        that is due (this thread waits anyway), then wait for the oldest write's future,
-        never under the lock; ``io_timeout_s`` for each write."""
-        t0 = time.perf_counter()
-        table = self._table
-        span = _trace.span(_trace.WAIT_WRITE, table.writing_bytes + table.due_bytes)
+        """pack's wait for the write-behind limit (``WritePath.throttle``: it waits
+        outside the lock and takes it through :meth:`_locked`)."""
         try:
-            while True:
-                with self._lock:
-                    done, oldest, fut = self._guarded_locked(self._throttled_locked)
-                if done:
-                    return
-                if oldest is None:
-                    continue
-                if fut is None:
-                    raise SSDTrainError(f"ssdtrain: record {oldest!r} is being written with no "
-                                        f"request; please report this bug.")
-                try:
-                    fut.exception(timeout=self.cfg.io_timeout_s)
-                except FutureTimeout:
-                    raise SpillIOError(
-                        f"ssdtrain: writing record {oldest!r} to {oldest.slot.file.name} did not "
-                        f"finish within io_timeout_s={self.cfg.io_timeout_s} s; the device may be "
-                        f"hung or overloaded.", filename=oldest.slot.file.directory) from None
+            self._writes.throttle(self._locked, self._raise_event_locked)
         finally:
-            span.__exit__(None, None, None)
-            self.stats.write_stall_seconds += time.perf_counter() - t0
             if self._graveyard:  # writes it completed dropped memory
                 self._kick()
-
-    def _throttled_locked(self):
-        """``(done, oldest WRITING record, its future)`` for the throttle; completes the
-        oldest write if it is done (its callback may still be queued): then ``oldest`` is
-        None and the throttle looks again."""
-        self._raise_event_locked()
-        if not self.closed:
-            self._writes.start_due_locked()
-        if self._table.writing_bytes <= self.write_behind or self.closed:
-            return True, None, None
-        oldest = next(iter(self._table.writing))
-        fut = oldest.future
-        if fut is not None and fut.done():
-            self._writes.write_done_locked(oldest, fut)
-            return False, None, None
-        return False, oldest, fut
 
     # ----------------------------------------------------------------- backward
     def unpack(self, handle):
@@ -973,11 +905,11 @@ class Store:
             rec.host = None
             self._move_locked(rec, State.KEPT)
         elif rec.state is State.SPILLING:
-            _free_slot(rec)
+            free_slot(rec)
             rec.evict = True
             self._move_locked(rec, State.HOSTED)
         elif rec.state is State.WRITING:
-            _free_slot(rec)
+            free_slot(rec)
             rec.staging = None
             self._window.release(rec)
             self._move_locked(rec, State.KEPT)
@@ -1030,37 +962,25 @@ class Store:
         recs = self._table.records()
         self._table.recount(recs)
         slots = [r.slot for r in recs if r.slot is not None] + list(self._extra_slots)
-        slots += [q[3] for q in _QUARANTINE if q[3] is not None and q[3].file in self.spill.files]
-        self.spill.rebuild(slots)
+        self.spill.rebuild(slots + self._quarantined_slots())
+
+    def _quarantined_slots(self):
+        """The slots of this store's spill files kept by quarantined requests (they may
+        still be in flight: never reused)."""
+        files = self.spill.files
+        return [q[3] for q in _QUARANTINE if q[3] is not None and q[3].file in files]
 
     def check_invariants(self):
-        """Raise ``AssertionError`` if an aggregate disagrees with the records (tests)."""
+        """Raise ``AssertionError`` if an aggregate disagrees with the records (tests): the
+        record table's (``RecordTable.problems``) and the spill allocators'
+        (``SpillSet.problems``: the records' slots and the quarantined ones)."""
         with self._lock:
             self._drain_locked()
             self._sweep_locked()
             recs = self._table.records()
             bad = self._table.problems(recs)  # NOTE [ Record table ] in _table.py
-
-            def check(ok, what):
-                if not ok:
-                    bad.append(what)
-            for r in recs:
-                check(r.unseen <= r.tokens, f"{r!r}: unseen handles that are not live")
-                check((r.future is not None) == (r.state in OUTBOUND or r.state is State.LOADING)
-                      or (r.future is not None and not r.tokens),
-                      f"{r!r}: future {r.future!r} in state {r.state.value}")
-                check(r.tokens or r.future is not None, f"{r!r}: no handle and no I/O")
-                in_ram = r.state in (State.HOSTING, State.HOSTED) or (
-                    r.state is State.LOADED and r.host is not None)
-                check(r.slot is not None or in_ram or
-                      r.state in (State.PENDING, State.KEPT, State.FAILED), f"{r!r}: no slot")
-                check((r.host is not None) == (in_ram or r.state is State.SPILLING),
-                      f"{r!r}: host copy {r.host!r} in state {r.state.value}")
-            used = sum(r.slot.nblocks for r in recs if r.slot is not None)
-            quarantined = sum(q[3].nblocks for q in _QUARANTINE
-                              if q[3] is not None and q[3].file in self.spill.files)
-            alloc = sum(f.allocator.used for f in self.spill.files)
-            check(alloc == used + quarantined, f"spill blocks {alloc} != {used} + {quarantined}")
+            bad += self.spill.problems([r.slot for r in recs if r.slot is not None],
+                                       self._quarantined_slots())
         self._settle()
         if bad:
             raise AssertionError("ssdtrain store invariants broken: " + "; ".join(bad))

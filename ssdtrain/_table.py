@@ -36,7 +36,8 @@ unregister (``free`` unregisters last); :meth:`make_due`, :meth:`queue_spill`, :
 :meth:`uncount_ahead` are the other writers of the counts. After an exception cut a
 locked region short, :meth:`recount` recomputes all of them from the records (NOTE [
 Store lock discipline ] in _store.py), and :meth:`problems` lists those that disagree
-with the records (``Store.check_invariants``).
+with the records, and what a record holds that its state may not
+(``Store.check_invariants``).
 
 Every method runs under the store lock. The hooks read ``due_bytes``,
 ``writing_bytes``, ``spill_due`` and ``ahead`` without it, as hints for waking the
@@ -262,7 +263,8 @@ class RecordTable:
 
     def problems(self, recs):
         """What disagrees between the aggregates and ``recs`` (every registered
-        record): a list of messages, empty when all agree."""
+        record), and what a record holds that its state may not (a request, a slot, a
+        host copy, handles): a list of messages, empty when all agree."""
         bad = []
 
         def check(ok, what):
@@ -302,4 +304,16 @@ class RecordTable:
         check(set(map(id, self.spill_due)) ==
               {id(r) for r in recs if r.evict and r.state is State.HOSTED},
               "evictions due != evicted HOSTED records")
+        for r in recs:  # each record on its own (NOTE [ Record state machine ])
+            check(r.unseen <= r.tokens, f"{r!r}: unseen handles that are not live")
+            check((r.future is not None) == (r.state in OUTBOUND or r.state is State.LOADING)
+                  or (r.future is not None and not r.tokens),
+                  f"{r!r}: future {r.future!r} in state {r.state.value}")
+            check(r.tokens or r.future is not None, f"{r!r}: no handle and no I/O")
+            in_ram = r.state in (State.HOSTING, State.HOSTED) or (
+                r.state is State.LOADED and r.host is not None)
+            check(r.slot is not None or in_ram or
+                  r.state in (State.PENDING, State.KEPT, State.FAILED), f"{r!r}: no slot")
+            check((r.host is not None) == (in_ram or r.state is State.SPILLING),
+                  f"{r!r}: host copy {r.host!r} in state {r.state.value}")
         return bad

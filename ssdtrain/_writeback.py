@@ -1,5 +1,7 @@
-"""The write path: starting the writes the pack decision made (NOTE [ The pack decision ]
-in _policy.py), their completion, the spill budget's verdicts and the failure policy.
+"""The write path: carrying out the pack decision's verdicts on the records that leave
+the tail window (NOTE [ The pack decision ] in _policy.py), starting the writes it
+made, their completion, the spill budget's verdicts, the failure policy and the
+write-behind throttle.
 :class:`WritePath` is an object the store composes (``Store._writes``), given its
 collaborators when made; methods whose name ends in ``_locked`` run with the store lock
 held (NOTE [ Store lock discipline ] in _store.py). The failure policy reports to the
@@ -8,12 +10,14 @@ store's :class:`~ssdtrain._events.Events` (NOTE [ One event, one error ] in _eve
 
 import errno as _errno
 import functools
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from . import _checksum, _trace
-from ._errors import SpillIOError
+from ._errors import SSDTrainError, SpillIOError
 from ._events import _without_frames
-from ._policy import slot_bound
+from ._policy import KEEP_QUOTA, slot_bound
 from ._records import State, inplace_error, swapped_error
 from ._spill import BLOCK
 from .io.base import then
@@ -23,9 +27,12 @@ class WritePath:
     """Everything between a record's pack decision and the end of its write: starting
     the due writes, their completion, the spill budget's verdicts and the failure
     policy. The store holds one (``Store._writes``) and calls it under its lock
-    (methods ending in ``_locked``); it owns nothing but its collaborators: the records
-    and their counts are the table's, the slots the spill set's. The throttle's wait,
-    which takes the lock, is the store's (``Store._throttle``).
+    (methods ending in ``_locked``); it owns nothing but its collaborators and the
+    write-behind limit in force (``write_behind``): the records and their counts are
+    the table's, the slots the spill set's. The pack decision's verdicts on the records
+    that leave the tail window are carried out here (:meth:`decide_locked`), and so is
+    the throttle (:meth:`throttle`), which waits outside the lock and takes it through
+    the store (``Store._locked``, given at each call: the write path holds no store).
 
     A device record admitted to the host tier is copied to RAM instead of written, and
     an evicted one is written from its pinned copy: ``tier`` (the store's
@@ -55,6 +62,42 @@ class WritePath:
         self._events = events
         self._callback = callback
         self.tier = None
+        self.write_behind = None   # the limit in force (Store.limit_write_behind)
+
+    # ------------------------------------------------------ the pack decision
+    def decide_locked(self, outside):
+        """The tail window holds more than ``keep_tail_bytes``: its oldest records are
+        decided now, in pack, never later (NOTE [ The pack decision ] in _policy.py).
+        ``outside``: spill bytes in use that belong to no record (``TailWindow.overflow``;
+        0 without ``max_spill_bytes``)."""
+        table = self._table
+        host, stats = table.host, self.stats
+        for rec, reason in self._window.overflow(outside):
+            if reason is KEEP_QUOTA:
+                self.keep_locked(rec)
+                stats.quota_kept_bytes += rec.nbytes
+                # Backward uses it before any record the step wrote (those are older):
+                # like the kept tail it fills the prefetch window, so reads start as
+                # backward consumes it and kept + read-back bytes stay within
+                # prefetch_bytes; else the reads would bring the written bytes back
+                # while the kept ones are still held, and the step's peak would be no
+                # lower (NOTE [ The offload quota ] in _auto.py).
+                table.count_ahead(rec)
+                continue
+            if reason is None and host is not None:  # NOTE [ Host tier ] in _hosttier.py
+                if rec.device is None:
+                    if not host.evicts:  # in host memory already, and no SSD tier
+                        self.tier.keep_host_record_locked(rec)
+                        continue
+                elif not self.tier.admit_locked(rec):
+                    continue  # beyond the budget, no SSD tier: kept on the device
+            if reason is None:
+                table.make_due(rec)
+                # Counted as decided, not as the write ends: how the write fares (done,
+                # skipped because the record died first, failed) depends on timing.
+                stats.offloaded_bytes += rec.nbytes
+            else:
+                self.over_budget_locked(rec)
 
     def start_due_locked(self, limit=None):
         """Start the writes pack decided (``RecordTable.due``), oldest first, at most ``limit``
@@ -172,9 +215,7 @@ class WritePath:
                     and not rec.storage_changed():
                 # An interrupt while the request completed inline (its CRC on this thread):
                 # the bytes are still in memory, so keep them; no error to report.
-                slot, rec.slot = rec.slot, None
-                if slot is not None:
-                    slot.file.free(slot)
+                free_slot(rec)
                 self._table.move(rec, State.KEPT)
             elif exc is not None:
                 if not self._keep_after_failed_write_locked(rec, exc):
@@ -215,15 +256,74 @@ class WritePath:
         self._table.drop_memory(rec)
         rec.storage = rec.source = rec.staging = rec.produced = rec.host = None
 
+    # ----------------------------------------------------------- the throttle
+    def over_write_behind(self):
+        """Whether more than the write-behind limit in force is written or due to be
+        (writes in flight plus due writes the I/O thread has not started yet). Read
+        without the lock (pack's hint, ``Store._over_write_behind``): :meth:`throttle`
+        looks again."""
+        table = self._table
+        return table.writing_bytes + table.due_bytes > self.write_behind
+
+    def throttle(self, locked, raise_event_locked):
+        """Wait until the writes in flight fit in the write-behind limit: start every
+        write that is due (this thread waits anyway), then wait for the oldest write's
+        future, never under the lock; ``io_timeout_s`` for each write.
+
+        Args:
+            locked: ``locked(fn, *args)`` runs ``fn(*args)`` in a locked region of the
+                store (``Store._locked``: repaired if cut short).
+            raise_event_locked: the store's ``_raise_event_locked`` (the pending failure
+                event, raised for the pass it belongs to).
+        """
+        t0 = time.perf_counter()
+        table = self._table
+        span = _trace.span(_trace.WAIT_WRITE, table.writing_bytes + table.due_bytes)
+        try:
+            while True:
+                done, oldest, fut = locked(self._throttled_locked, raise_event_locked)
+                if done:
+                    return
+                if oldest is None:
+                    continue
+                if fut is None:
+                    raise SSDTrainError(f"ssdtrain: record {oldest!r} is being written with no "
+                                        f"request; please report this bug.")
+                try:
+                    fut.exception(timeout=self.cfg.io_timeout_s)
+                except FutureTimeout:
+                    raise SpillIOError(
+                        f"ssdtrain: writing record {oldest!r} to {oldest.slot.file.name} did not "
+                        f"finish within io_timeout_s={self.cfg.io_timeout_s} s; the device may be "
+                        f"hung or overloaded.", filename=oldest.slot.file.directory) from None
+        finally:
+            span.__exit__(None, None, None)
+            self.stats.write_stall_seconds += time.perf_counter() - t0
+
+    def _throttled_locked(self, raise_event_locked):
+        """``(done, oldest WRITING record, its future)`` for the throttle; completes the
+        oldest write if it is done (its callback may still be queued): then ``oldest`` is
+        None and the throttle looks again. ``RecordTable.closed`` is the store's."""
+        raise_event_locked()
+        closed = self._table.closed
+        if not closed:
+            self.start_due_locked()
+        if self._table.writing_bytes <= self.write_behind or closed:
+            return True, None, None
+        oldest = next(iter(self._table.writing))
+        fut = oldest.future
+        if fut is not None and fut.done():
+            self.write_done_locked(oldest, fut)
+            return False, None, None
+        return False, oldest, fut
+
     # ------------------------------------------------ spill errors and budget
     def _keep_after_failed_write_locked(self, rec, exc):
         """``on_spill_error="keep"``: a record whose write failed stays in memory."""
         if self.cfg.on_spill_error != "keep" or not isinstance(exc, SpillIOError) \
                 or rec.storage is None or rec.storage_changed():
             return False
-        slot, rec.slot = rec.slot, None
-        if slot is not None:
-            slot.file.free(slot)
+        free_slot(rec)
         self._table.move(rec, State.KEPT)
         self.stats.spill_errors += 1
         self.stats.kept_bytes += rec.nbytes
@@ -264,6 +364,14 @@ class WritePath:
 
 _WRITTEN = "written"
 _READ = "read"
+
+
+def free_slot(rec):
+    """Give back the disk slot of ``rec``'s write that ended without its bytes on disk
+    (failed, cut short, or never submitted): the record no longer refers to it."""
+    slot, rec.slot = rec.slot, None
+    if slot is not None:
+        slot.file.free(slot)
 
 
 def failed_future(exc):
