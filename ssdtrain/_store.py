@@ -973,14 +973,16 @@ class Store:
     def check_invariants(self):
         """Raise ``AssertionError`` if an aggregate disagrees with the records (tests): the
         record table's (``RecordTable.problems``) and the spill allocators'
-        (``SpillSet.problems``: the records' slots and the quarantined ones)."""
+        (``SpillSet.problems``: the records' slots, the quarantined ones and a bandwidth
+        probe's while its requests run)."""
         with self._lock:
             self._drain_locked()
             self._sweep_locked()
             recs = self._table.records()
             bad = self._table.problems(recs)  # NOTE [ Record table ] in _table.py
             bad += self.spill.problems([r.slot for r in recs if r.slot is not None],
-                                       self._quarantined_slots())
+                                       list(self._quarantined_slots()) +
+                                       list(self._extra_slots))  # the probe's, in flight
         self._settle()
         if bad:
             raise AssertionError("ssdtrain store invariants broken: " + "; ".join(bad))

@@ -375,3 +375,32 @@ def test_gpu_smoke_auto_mode_is_auto_with_both_tiers_and_run_only_when_named(spi
         assert c.host_budget_bytes is not None and c.host_budget_bytes > 0
     finally:
         off.close()
+
+
+def test_invariants_hold_while_a_bandwidth_probe_is_in_flight(make_offloader):
+    """``policy="auto"`` and the adaptive profile probe the SSD through a slot of their
+    own; ``check_invariants`` counted only records' and quarantined slots, so a check
+    while the probe's request ran reported a spill block mismatch."""
+    import threading
+
+    import manual_engine
+    off = make_offloader(engine="posix", io_timeout_s=30)
+    engine = manual_engine.install(off)
+    done = []
+    t = threading.Thread(target=lambda: done.append(off._store.time_io(MiB, repeats=1)))
+    t.start()
+    try:
+        for _ in range(500):
+            if engine.pending():
+                break
+            t.join(0.01)
+        assert engine.pending()
+        off._store.check_invariants()
+    finally:
+        for _ in range(3000):  # the write, then the read it submits
+            engine.complete_all()
+            t.join(0.01)
+            if not t.is_alive():
+                break
+    assert done and not t.is_alive()
+    off._store.check_invariants()
