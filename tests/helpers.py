@@ -157,11 +157,13 @@ def variant(inputs, i):
 # tests/test_interrupts.py, test_loopback_sweeps.py, test_hosttier.py) and the
 # estimate's check of every generated architecture (tests/test_decision.py) take too
 # long to run whole in every `make test` (the suite's time on CI's two cores). Each is
-# split into ``count`` parts (shards) by a fixed rule (a sweep: target i of its
-# deterministic target list is in shard i % count), and a default run runs the part of
-# this ISO week: the week number modulo ``count``. Over ``count`` consecutive weeks CI
-# runs every part. A part that runs fires every target it selects, with the checks of
-# the whole sweep, so a line that breaks fails in the week its part runs.
+# split into ``count`` parts (shards) by a fixed rule (a sweep: the j-th target of each
+# file in its deterministic target list is in part j % count, tests/inject.py shard_of;
+# the architectures: the i-th of the list in part i % count), and a default run runs
+# the part of this ISO week: the week number modulo ``count``. Over ``count``
+# consecutive weeks CI runs every part. A part that runs runs every target it selects,
+# with the checks of the whole sweep, so a line that breaks fails in the week its part
+# runs (at the latest ``count`` weeks after the change; each sweep's count is beside it).
 # SSDTRAIN_TEST_ALL_SHARDS=1 (or SSDTRAIN_TEST_INTERRUPT_FULL=1, which also runs the full
 # sweeps) runs every part of every such test: what a default run covered before the split.
 ALL_SHARDS_ENV = "SSDTRAIN_TEST_ALL_SHARDS"
@@ -189,11 +191,6 @@ class WeeklyShard:
         which = "" if part is None else f" (part {part + 1} of {self.count})"
         return (f"{what}{which}: not this ISO week's part; week {self.week} runs part "
                 f"{self.index + 1} of {self.count}, in turn; {self.switch} runs every part")
-
-    def label(self) -> str:
-        """``part 2 of 3 (ISO week 23)`` or ``every part``, for a summary line."""
-        return "every part" if self.index is None else \
-            f"part {self.index + 1} of {self.count} (ISO week {self.week})"
 
 
 def part_id(part: int, count: int) -> str:
