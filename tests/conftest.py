@@ -76,12 +76,14 @@ def _settle_background_release():
 # take the next tests in collection order as they finish (--dist load --maxschedchunk
 # 2): a long test collected last would leave one worker running it alone at the end.
 # Outside xdist the order does not matter; no test depends on which ran before it.
-LONGEST_FIRST = ("test_interrupts.py", "test_loopback_sweeps.py", "test_experiments.py",
-                 "test_many_records.py", "test_hosttier.py", "test_io_benchmarks.py",
-                 "test_benchmarks.py", "test_estimate.py", "test_pipeline_sweep.py",
-                 "test_gc_injection.py", "test_timeouts.py", "test_multirank.py",
-                 "test_megatron_pipeline.py", "test_megatron.py", "test_store_model.py",
-                 "test_accel_emulator.py", "test_fork.py", "test_lifecycle.py")
+# (The line sweeps run one part a week: NOTE [ Sweeps take turns by week ] in helpers.py.)
+LONGEST_FIRST = ("test_interrupts.py", "test_experiments.py", "test_io_benchmarks.py",
+                 "test_pipeline_sweep.py", "test_benchmarks.py", "test_store_model.py",
+                 "test_soak.py", "test_gc_injection.py", "test_estimate.py",
+                 "test_accel_emulator.py", "test_multirank.py", "test_megatron_pipeline.py",
+                 "test_timeouts.py", "test_many_records.py", "test_hosttier.py",
+                 "test_loopback_sweeps.py", "test_megatron.py", "test_fsdp2.py",
+                 "test_hook_cost.py", "test_deepspeed.py", "test_fork.py", "test_lifecycle.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

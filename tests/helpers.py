@@ -7,11 +7,15 @@ directory on ``sys.path``.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
 import threading
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["run_step", "assert_same", "SaveForBackward", "save_and_unpack", "EngineCalls"]
+__all__ = ["run_step", "assert_same", "SaveForBackward", "save_and_unpack", "EngineCalls",
+           "WeeklyShard", "weekly_shard", "part_id", "ALL_SHARDS_ENV"]
 
 
 def run_step(model, inputs, offloader=None, *, settle=False, backward_inside=False):
@@ -145,3 +149,64 @@ def variant(inputs, i):
     """Micro-batch ``i``: floating inputs scaled, integer ones (tokens, labels) rolled."""
     return tuple(t * (1 + i / 8) if t.is_floating_point() else torch.roll(t, i, dims=-1)
                  for t in inputs)
+
+
+# NOTE [ Sweeps take turns by week ]
+#
+# The sweeps that search every line (KeyboardInterrupt at each line a scenario runs:
+# tests/test_interrupts.py, test_loopback_sweeps.py, test_hosttier.py) and the
+# estimate's check of every generated architecture (tests/test_decision.py) take too
+# long to run whole in every `make test` (the suite's time on CI's two cores). Each is
+# split into ``count`` parts (shards) by a fixed rule (a sweep: the j-th target of each
+# file in its deterministic target list is in part j % count, tests/inject.py shard_of;
+# the architectures: the i-th of the list in part i % count), and a default run runs
+# the part of this ISO week: the week number modulo ``count``. Over ``count``
+# consecutive weeks CI runs every part. A part that runs runs every target it selects,
+# with the checks of the whole sweep, so a line that breaks fails in the week its part
+# runs (at the latest ``count`` weeks after the change; each sweep's count is beside it).
+# SSDTRAIN_TEST_ALL_SHARDS=1 (or SSDTRAIN_TEST_INTERRUPT_FULL=1, which also runs the full
+# sweeps) runs every part of every such test: what a default run covered before the split.
+ALL_SHARDS_ENV = "SSDTRAIN_TEST_ALL_SHARDS"
+_ALL_SHARDS_ALSO = ("SSDTRAIN_TEST_INTERRUPT_FULL",)
+
+
+@dataclass(frozen=True)
+class WeeklyShard:
+    """Which of ``count`` parts of a split test this run runs (NOTE [ Sweeps take turns by
+    week ]): ``index`` (this ISO week's ``week % count``), or every part when ``index`` is
+    None."""
+
+    count: int
+    index: int | None
+    week: int
+    switch: str = f"{ALL_SHARDS_ENV}=1"
+
+    def runs(self, part: int) -> bool:
+        """Whether part ``part`` (0-based) runs in this run."""
+        return self.index is None or part == self.index
+
+    def skip_reason(self, what: str, part: int | None = None) -> str:
+        """Why ``what`` (part ``part`` of it, given) does not run: whose turn it is and how
+        to run every part."""
+        which = "" if part is None else f" (part {part + 1} of {self.count})"
+        return (f"{what}{which}: not this ISO week's part; week {self.week} runs part "
+                f"{self.index + 1} of {self.count}, in turn; {self.switch} runs every part")
+
+
+def part_id(part: int, count: int) -> str:
+    """``part2of3``: the test id of part ``part`` (0-based) of ``count``."""
+    return f"part{part + 1}of{count}"
+
+
+def weekly_shard(count: int, *switches: str, today: datetime.date | None = None) -> WeeklyShard:
+    """This run's part of a test split into ``count`` parts that take turns by ISO week
+    (NOTE [ Sweeps take turns by week ]). Every part when ``SSDTRAIN_TEST_ALL_SHARDS=1``,
+    ``SSDTRAIN_TEST_INTERRUPT_FULL=1``, or one of ``switches`` (a test's own variables,
+    e.g. ``SSDTRAIN_TEST_ALL_ARCHS``) is ``1``. ``today`` defaults to today's date."""
+    if count < 1:
+        raise ValueError(f"weekly_shard: count must be at least 1, got {count}")
+    week = (today or datetime.date.today()).isocalendar()[1]
+    names = (ALL_SHARDS_ENV, *_ALL_SHARDS_ALSO, *switches)
+    every = any(os.environ.get(name) == "1" for name in names)
+    switch = " or ".join(f"{name}=1" for name in dict.fromkeys((*switches, ALL_SHARDS_ENV)))
+    return WeeklyShard(count, None if every else week % count, week, switch)

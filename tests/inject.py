@@ -78,6 +78,8 @@ LOOPBACK_ENV = "SSDTRAIN_TEST_INJECT_LOOPBACK"
 # that host tier (NOTE [ Host tier ] in _hosttier.py), so records go to RAM, the
 # earliest on to the SSD.
 HOST_BUDGET_ENV = "SSDTRAIN_TEST_INJECT_HOST_BUDGET"
+# How long a loopback stream's thread lives without work in these processes (maybe_loopback).
+LOOPBACK_IDLE_S = 0.02
 
 
 def host_budget():
@@ -481,8 +483,14 @@ def maybe_loopback(off):
     """``off``, with a loopback device attached when ``SSDTRAIN_TEST_INJECT_LOOPBACK=1``: every
     CPU tensor it saves takes the device path, its copies a little late."""
     if os.environ.get(LOOPBACK_ENV) == "1":
-        from ssdtrain._loopback import LoopbackDevice, attach
-        attach(off, LoopbackDevice(claim_host_tensors=True, d2h_delay=0.001, h2d_delay=0.001))
+        from ssdtrain import _loopback
+        # A loopback stream's thread ends after _IDLE_S (0.5 s) without work, and every
+        # case waits until the threads are back to what the process held before its
+        # offloader (check_released): half a second a case, most of a device-path
+        # sweep's time. Here they end 20 ms after their last work, and must still end.
+        _loopback._IDLE_S = min(_loopback._IDLE_S, LOOPBACK_IDLE_S)
+        _loopback.attach(off, _loopback.LoopbackDevice(claim_host_tensors=True,
+                                                       d2h_delay=0.001, h2d_delay=0.001))
     return off
 
 
@@ -977,10 +985,13 @@ def _describe(target):
 
 
 def sweep_in_children(engine, select, spill_dir, *, budget_s, max_failing=10,
-                      case_timeout_s=60.0, extra=()):
+                      case_timeout_s=60.0, extra=(), shard=None):
     """:func:`sweep` at the targets ``select`` picks (``first``, ``last`` or ``full``: see
-    :func:`targets`), in child processes. Returns ``(Sweep, baseline)``: ``baseline`` is
-    the first child's report (``lines`` traced, ``targets``, ``files``), or ``None``.
+    :func:`targets`), in child processes; with ``shard=(index, count)`` only that part of
+    them (:func:`shard_of`; NOTE [ Sweeps take turns by week ] in tests/helpers.py).
+    Returns ``(Sweep, baseline)``: ``baseline`` is the first child's report (``lines``
+    traced, ``targets`` run, ``all_targets`` before the shard was taken, ``files``), or
+    ``None``.
 
     A child runs the targets in order until the end, or until a case that may have left
     a thread stuck (:func:`poisoned`): the next child resumes after it, on the same
@@ -990,6 +1001,8 @@ def sweep_in_children(engine, select, spill_dir, *, budget_s, max_failing=10,
     ``max_failing`` failing targets or ``budget_s`` seconds, saying so in ``stopped``.
     """
     result, base = Sweep(engine), None
+    if shard is not None:
+        extra = (*extra, "--shard", f"{shard[0]}/{shard[1]}")
     deadline = time.monotonic() + budget_s
     with tempfile.TemporaryDirectory(prefix="ssdtrain-sweep-") as tmp:
         tfile, start = os.path.join(tmp, "targets.json"), 0
@@ -1039,6 +1052,27 @@ def sweep_in_children(engine, select, spill_dir, *, budget_s, max_failing=10,
     return result, base
 
 
+def shard_of(tgts, index, count):
+    """Part ``index`` of ``count`` of the target list ``tgts`` (in its order): the ``j``-th
+    target of each file when ``j % count == index``. So every part takes about a
+    ``count``-th of each file's lines (every module is visited by every part that has
+    any of its lines), and the parts together are ``tgts``."""
+    if not 0 <= index < count:
+        raise ValueError(f"shard {index}/{count}: the part must be in 0..{count - 1}")
+    seen = collections.Counter()
+    out = []
+    for t in tgts:
+        if seen[t[0]] % count == index:
+            out.append(t)
+        seen[t[0]] += 1
+    return out
+
+
+def _shard_arg(text):
+    index, _, count = text.partition("/")
+    return int(index), int(count)
+
+
 def _function_lines(name):
     """``(path, lines)`` of ``module:qualified.name`` (a function or method)."""
     import functools as _ft
@@ -1053,8 +1087,9 @@ def _function_lines(name):
 
 def _main(argv=None):
     """``sweep --engine E --select first|last|full --spill DIR --out F --targets-file T
-    [--start I] [--max-failing N]`` or ``sigint --engine E --seconds S --seed N --spill DIR
-    --out F``: the child processes of :func:`sweep_in_children` and of the SIGINT test."""
+    [--start I] [--max-failing N] [--shard I/N]`` or ``sigint --engine E --seconds S
+    --seed N --spill DIR --out F``: the child processes of :func:`sweep_in_children` and of
+    the SIGINT test."""
     import argparse
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
@@ -1075,6 +1110,9 @@ def _main(argv=None):
     parser.add_argument("--only", default="",
                         help="comma-separated file names: interrupt only lines of these (the "
                              "baseline still traces every file of --files)")
+    parser.add_argument("--shard", type=_shard_arg, default=None, metavar="I/N",
+                        help="run only part I (0-based) of N of the selected targets: target "
+                             "j when j %% N == I (the sweeps' weekly turns)")
     parser.add_argument("--spill", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--targets-file", default=None,
@@ -1135,11 +1173,14 @@ def _main(argv=None):
                 tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]
             if args.only:
                 tgts = [t for t in tgts if os.path.basename(t[0]) in args.only.split(",")]
+            every = len(tgts)
+            if args.shard:  # NOTE [ Sweeps take turns by week ] (tests/helpers.py)
+                tgts = shard_of(tgts, *args.shard)
             if tfile:
                 with open(tfile + ".tmp", "w") as f:
                     json.dump(dict(digest=_digest(files), targets=tgts), f)
                 os.replace(tfile + ".tmp", tfile)
-            write("baseline", lines=len(counts), targets=len(tgts),
+            write("baseline", lines=len(counts), targets=len(tgts), all_targets=every,
                   files=sorted({short(f) for f, _ in counts}))
         failing, stopped = 0, ""
         # What this process holds with no offloader open (after the baseline's, or one

@@ -16,7 +16,6 @@ estimate`` call the same three, so:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import sys
@@ -28,6 +27,7 @@ import torch
 
 import hf_tiny
 import ssdtrain
+from helpers import weekly_shard
 from ssdtrain import estimate as E
 from ssdtrain._estimate import EstimateError, measure
 from ssdtrain._policy import (KEEP_BUDGET, KEEP_KIND, KEEP_LEAF, KEEP_SMALL, KEEP_STATE,
@@ -288,10 +288,10 @@ def _architectures():
 
 ARCHS = _architectures()
 # The suite's time: a default run checks every third architecture of the generated list,
-# a different third each ISO week (so three weeks of CI cover them all); set
-# SSDTRAIN_TEST_ALL_ARCHS=1 to check every one (about 2 minutes here).
-ALL_ARCHS = os.environ.get("SSDTRAIN_TEST_ALL_ARCHS") == "1"
-ARCH_STRIDE, ARCH_PHASE = 3, datetime.date.today().isocalendar()[1] % 3
+# a different third each ISO week (so three weeks of CI cover them all; NOTE [ Sweeps
+# take turns by week ] in tests/helpers.py); set SSDTRAIN_TEST_ALL_ARCHS=1 (or
+# SSDTRAIN_TEST_ALL_SHARDS=1) to check every one (about 2 minutes here).
+ARCH_SHARD = weekly_shard(3, "SSDTRAIN_TEST_ALL_ARCHS")
 HF_SETTINGS = dict(min_tensor_bytes="1KiB", keep_tail_bytes="8KiB")
 SHAPE = dict(batch=1, seq=8, dtype=torch.float32)
 MAX_PARAMS = 4_000_000
@@ -322,9 +322,9 @@ def test_estimate_is_exact_on_every_text_architecture(model_type, class_name,
     the reason: an architecture that is not text, one whose config refuses the tiny sizes
     or whose model does not run at them on this CPU, and one the estimate refuses
     (data-dependent shapes, docs/estimate.md)."""
-    if not ALL_ARCHS and ARCHS.index((model_type, class_name)) % ARCH_STRIDE != ARCH_PHASE:
-        pytest.skip("another third of the architectures this week (SSDTRAIN_TEST_ALL_ARCHS=1 "
-                    "checks every one)")
+    part = ARCHS.index((model_type, class_name)) % ARCH_SHARD.count
+    if not ARCH_SHARD.runs(part):
+        pytest.skip(ARCH_SHARD.skip_reason("every third architecture", part))
     try:
         cfg = hf_tiny.tiny_config(model_type, class_name)
     except hf_tiny.NotText as e:

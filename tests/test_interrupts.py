@@ -21,8 +21,11 @@ the step level; then:
 3. ``check_invariants()`` passes (where the store has it);
 4. ``close()`` returns within ``io_timeout_s`` + 5 s (``io_timeout_s=5``).
 
-The default run covers every line once per engine (posix: first run of each line;
-native: last run); ``SSDTRAIN_TEST_INTERRUPT_FULL=1`` runs the first, middle and last run of
+The default sweep covers every line once per engine (posix: first run of each line;
+native: last run), in parts that take turns by ISO week (NOTE [ Sweeps take turns by
+week ] in tests/helpers.py): one engine's half of its targets a week, all four parts
+in four weeks, every part at once with ``SSDTRAIN_TEST_ALL_SHARDS=1``.
+``SSDTRAIN_TEST_INTERRUPT_FULL=1`` runs every part and the first, middle and last run of
 every line on both engines (slow). A failure names the file:line, the occurrence and
 the check. Only the training thread is traced: engine completions run on engine
 threads, which a SIGINT never interrupts.
@@ -36,12 +39,12 @@ still run.
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import pytest
 
 import inject
+from helpers import part_id, weekly_shard
 
 FULL = os.environ.get("SSDTRAIN_TEST_INTERRUPT_FULL") == "1"
 ENGINES = ("posix", "native")
@@ -53,8 +56,9 @@ SWEEP_BUDGET_S = 240    # a healthy default sweep takes ~20 s; a broken store co
 FULL_BUDGET_S = 3600
 
 
-def _sweep(spill_dir, engine, select, budget_s):
-    result, base = inject.sweep_in_children(engine, select, spill_dir, budget_s=budget_s)
+def _sweep(spill_dir, engine, select, budget_s, shard=None):
+    result, base = inject.sweep_in_children(engine, select, spill_dir, budget_s=budget_s,
+                                            shard=shard)
     print(result.summary())
     if base is None:
         pytest.fail(f"[{engine}] the sweep reported no baseline: {result.stopped}",
@@ -67,6 +71,35 @@ def _sweep(spill_dir, engine, select, budget_s):
     # Not vacuous: most targets are reached again in the replay (the rest depend on
     # when engine threads complete requests).
     assert fired >= 0.5 * len(result.outcomes), result.summary()
+
+
+def test_weekly_parts_take_turns_and_cover_every_target(monkeypatch):
+    """The parts of a split sweep (NOTE [ Sweeps take turns by week ] in tests/helpers.py)
+    are disjoint and together every target, each visits every file, one runs per ISO
+    week and ``count`` consecutive weeks run them all; SSDTRAIN_TEST_ALL_SHARDS=1 (or
+    SSDTRAIN_TEST_INTERRUPT_FULL=1, or a test's own switch) runs every part."""
+    import datetime
+
+    tgts = inject.targets({(f, line): 2 for f in ("a.py", "b.py", "c.py") for line in range(7)})
+    tgts += [("d.py", 1, 1, 1)]  # a file with one target: in the first part only
+    for count in (1, 2, 3, 4):
+        parts = [inject.shard_of(tgts, i, count) for i in range(count)]
+        assert sorted(t for part in parts for t in part) == sorted(tgts)
+        assert sum(map(len, parts)) == len(tgts)
+        assert all({f for f, *_ in part} >= {"a.py", "b.py", "c.py"} for part in parts)
+        assert parts[0] == [t for t in tgts if t in parts[0]]  # the sweep's order
+    for name in ("SSDTRAIN_TEST_ALL_SHARDS", "SSDTRAIN_TEST_INTERRUPT_FULL", "MY_SWITCH"):
+        monkeypatch.delenv(name, raising=False)
+    for count in (1, 3, 4):
+        weeks = [weekly_shard(count, today=datetime.date.fromisocalendar(2027, w, 3))
+                 for w in range(10, 10 + count)]
+        assert sorted(s.index for s in weeks) == list(range(count))
+        assert all(sum(map(s.runs, range(count))) == 1 for s in weeks)
+    assert "SSDTRAIN_TEST_ALL_SHARDS=1" in weekly_shard(3).skip_reason("x", 0)
+    for name in ("SSDTRAIN_TEST_ALL_SHARDS", "SSDTRAIN_TEST_INTERRUPT_FULL", "MY_SWITCH"):
+        monkeypatch.setenv(name, "1")
+        assert all(map(weekly_shard(3, "MY_SWITCH").runs, range(3)))
+        monkeypatch.delenv(name)
 
 
 def test_scenario_exercises_the_store(spill_dir):
@@ -82,20 +115,24 @@ def test_scenario_exercises_the_store(spill_dir):
     assert stats.deduplicated_bytes > 0
 
 
-# One engine's sweep a week, in turn (the suite's time): both with SSDTRAIN_TEST_INTERRUPT_FULL=1
-# or SSDTRAIN_TEST_BOTH_ENGINES=1.
-THIS_WEEKS_ENGINE = ENGINES[datetime.date.today().isocalendar()[1] % len(ENGINES)]
+# The store sweep in four parts that take turns by ISO week (the suite's time; NOTE
+# [ Sweeps take turns by week ] in tests/helpers.py): each engine's targets in halves,
+# posix's first half, native's first, posix's second, native's second. Every part with
+# SSDTRAIN_TEST_ALL_SHARDS=1 or SSDTRAIN_TEST_INTERRUPT_FULL=1.
+STORE_HALVES = 2
+STORE_SHARD = weekly_shard(len(ENGINES) * STORE_HALVES)
 
 
+@pytest.mark.parametrize("half", range(STORE_HALVES),
+                         ids=lambda h: part_id(h, STORE_HALVES))
 @pytest.mark.parametrize("engine", ENGINES)
-def test_interrupt_at_each_store_line(spill_dir, engine):
+def test_interrupt_at_each_store_line(spill_dir, engine, half):
     """KeyboardInterrupt at every store line the scenario runs on the training thread
-    (posix: the first run of each line; native: the last)."""
-    if engine != THIS_WEEKS_ENGINE and not FULL \
-            and os.environ.get("SSDTRAIN_TEST_BOTH_ENGINES") != "1":
-        pytest.skip(f"this ISO week's store sweep is {THIS_WEEKS_ENGINE}'s (the engines take "
-                    f"turns; SSDTRAIN_TEST_BOTH_ENGINES=1 runs both)")
-    _sweep(spill_dir, engine, SELECT[engine], SWEEP_BUDGET_S)
+    (posix: the first run of each line; native: the last), half of them per part."""
+    part = ENGINES.index(engine) + len(ENGINES) * half
+    if not STORE_SHARD.runs(part):
+        pytest.skip(STORE_SHARD.skip_reason(f"store sweep, {engine} half {half + 1}", part))
+    _sweep(spill_dir, engine, SELECT[engine], SWEEP_BUDGET_S, shard=(half, STORE_HALVES))
 
 
 @pytest.mark.slow
@@ -130,22 +167,30 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # bookkeeping (_profile.measure_bandwidth, its slot is not yet interrupt-safe) are in
 # the full sweep only (SSDTRAIN_TEST_INTERRUPT_FULL=1: every mode, every step module, the
 # first, middle and last run of every line, both engines).
+#
+# The suite's time: a mode's targets are split into ``parts`` that take turns by ISO
+# week (NOTE [ Sweeps take turns by week ] in tests/helpers.py); every part with
+# SSDTRAIN_TEST_ALL_SHARDS=1.
 STEP_SWEEPS = {
-    "with": dict(engine="posix", select="first", only="api.py,_forward.py,_policy.py"),
-    "attach": dict(engine="native", select="last", only="_attach.py"),
+    "with": dict(engine="posix", select="first", only="api.py,_forward.py,_policy.py",
+                 parts=2),
+    "attach": dict(engine="native", select="last", only="_attach.py", parts=2),
     "adaptive": dict(engine="posix", select="first", only="_adaptive.py",
-                     skip="ssdtrain._profile:measure_bandwidth"),
-    "deepspeed": dict(engine="posix", select="first", only="deepspeed.py"),
+                     skip="ssdtrain._profile:measure_bandwidth", parts=3),
+    "deepspeed": dict(engine="posix", select="first", only="deepspeed.py", parts=1),
 }
+STEP_PARTS = [(mode, part) for mode in sorted(STEP_SWEEPS)
+              for part in range(STEP_SWEEPS[mode]["parts"])]
 STEP_BUDGET_S = 600
 
 
-def _step_sweep(spill_dir, mode, engine, select, only, skip="", budget_s=STEP_BUDGET_S):
+def _step_sweep(spill_dir, mode, engine, select, only, skip="", budget_s=STEP_BUDGET_S,
+                shard=None):
     if mode == "deepspeed":
         pytest.importorskip("deepspeed")
     extra = ("--scenario", mode, "--files", "step", "--only", only, "--skip-function", skip)
     result, base = inject.sweep_in_children(engine, select, spill_dir, budget_s=budget_s,
-                                            extra=extra)
+                                            extra=extra, shard=shard)
     print(result.summary())
     if base is None:
         pytest.fail(f"[{mode}/{engine}] the sweep reported no baseline: {result.stopped}",
@@ -158,14 +203,21 @@ def _step_sweep(spill_dir, mode, engine, select, only, skip="", budget_s=STEP_BU
     return base
 
 
-@pytest.mark.parametrize("mode", sorted(STEP_SWEEPS))
-def test_interrupt_at_each_step_line(spill_dir, mode):
+@pytest.mark.parametrize("mode,part", STEP_PARTS, ids=[
+    mode if STEP_SWEEPS[mode]["parts"] == 1 else f"{mode}-{part_id(p, STEP_SWEEPS[mode]['parts'])}"
+    for mode, p in STEP_PARTS])
+def test_interrupt_at_each_step_line(spill_dir, mode, part):
     """KeyboardInterrupt at each line a step runs above the store, for each way a step
-    enters the offloader (NOTE [ Sweeping the step above the store ]); after it the
-    same Offloader's next steps are exact and nothing is left behind."""
+    enters the offloader (NOTE [ Sweeping the step above the store ]), a mode's lines in
+    parts that take turns by week; after it the same Offloader's next steps are exact
+    and nothing is left behind."""
     cfg = STEP_SWEEPS[mode]
+    shard = weekly_shard(cfg["parts"])
+    if not shard.runs(part):
+        pytest.skip(shard.skip_reason(f"step sweep, mode {mode}", part))
     base = _step_sweep(spill_dir, mode, cfg["engine"], cfg["select"], cfg["only"],
-                       cfg.get("skip", ""))
+                       cfg.get("skip", ""),
+                       shard=(part, cfg["parts"]) if cfg["parts"] > 1 else None)
     want = set(cfg["only"].split(",")) if cfg["only"] else set()
     assert {f.split("/")[1] for f in base["files"]} >= want, base["files"]
 
@@ -191,22 +243,33 @@ PASS_THROUGH = ",".join((
     "ssdtrain._store:Store._end_pass_locked"))
 
 
+# Four parts that take turns by ISO week (NOTE [ Sweeps take turns by week ] in
+# tests/helpers.py): the first run of each line in halves, the last run in halves.
+PASS_THROUGH_HALVES = 2
+PASS_THROUGH_SHARD = weekly_shard(2 * PASS_THROUGH_HALVES)
+
+
+@pytest.mark.parametrize("half", range(PASS_THROUGH_HALVES),
+                         ids=lambda h: part_id(h, PASS_THROUGH_HALVES))
 @pytest.mark.parametrize("select", ["first", "last"])
-def test_interrupt_at_each_pass_through_line(spill_dir, select):
+def test_interrupt_at_each_pass_through_line(spill_dir, select, half):
     """KeyboardInterrupt at each line of the quota's pass-through (policy="auto", half a
     step's records written, the rest kept without records); after it the same
-    Offloader's next steps are exact and nothing is left behind. The last run of each
-    line only in the full sweep (the suite's time)."""
-    if select == "last" and not FULL:
-        pytest.skip("the last run of each line: SSDTRAIN_TEST_INTERRUPT_FULL=1")
+    Offloader's next steps are exact and nothing is left behind. The first and the last
+    run of each line, half the lines a part, the parts in turn by week."""
+    part = ("first", "last").index(select) + 2 * half
+    if not PASS_THROUGH_SHARD.runs(part):
+        pytest.skip(PASS_THROUGH_SHARD.skip_reason(f"pass-through sweep, {select} run, half "
+                                                   f"{half + 1}", part))
     extra = ("--scenario", "auto", "--files", "store", "--only-function", PASS_THROUGH)
     result, base = inject.sweep_in_children("posix", select, spill_dir, budget_s=STEP_BUDGET_S,
-                                            extra=extra)
+                                            extra=extra, shard=(half, PASS_THROUGH_HALVES))
     print(result.summary())
     assert base is not None, result.stopped
     if result.failing or result.stopped:
         pytest.fail(result.message(), pytrace=False)
-    assert base["targets"] > 20 and len(result.outcomes) == base["targets"], result.summary()
+    assert base["all_targets"] > 20, base  # the whole sweep, both halves
+    assert base["targets"] > 0 and len(result.outcomes) == base["targets"], result.summary()
     assert sum(o.fired for o in result.outcomes) >= 0.5 * len(result.outcomes), result.summary()
 
 
