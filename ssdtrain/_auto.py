@@ -245,8 +245,9 @@ class AutoQuota:
             if self._headroom is not None:
                 self._room = self._headroom()
 
-    def begin_step(self) -> int:
-        """A step begins: measure the one before, choose this one's quota and return it."""
+    def begin_step(self) -> Optional[int]:
+        """A step begins: measure the one before, choose this one's quota and return it
+        (None: the sizing step's, no quota)."""
         now = self._clock()
         if self._begin is not None:
             stall, saved, offloaded = self._read_counters()
