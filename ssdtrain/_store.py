@@ -44,10 +44,14 @@ Completions reach the store through ``callback`` (``_completions``: a weak refer
 to the store); the engine through ``engine``, which ``Store.engine``'s setter keeps
 equal to the store's (``replace_engine``). The hints the hooks read without the lock
 (``WritePath.overdue``, ``over_write_behind``, ``ReadPath.due``) and what unpack calls
-for every record it serves (``ReadPath.promote_locked``, ``pump_low_locked``) are bound
-once as store attributes of the same names as before (``_write_overdue``,
-``_over_write_behind``, ``_read_due``, ``_promote_locked``, ``_pump_low_locked``): the
-per-tensor path looks up no more attributes than the mixins did.
+for every record it serves (``ReadPath.use_locked``: the view, the window's slide) are
+bound once as store attributes of the same names as before (``_write_overdue``,
+``_over_write_behind``, ``_read_due``, ``_use_locked``): the per-tensor path looks up
+no more attributes than the mixins did. Unpack checks the record (closed, failed,
+changed in place) and serves one in memory itself; one that is not is the read path's
+(``ReadPath.fetch_locked``: a read, a wait for one, a copy from RAM; ``ReadPath.wait``).
+A second round after the wait (``Store._loaded_locked``) stays in the store: it
+completes an eviction's write (the write path's) and raises the record's event.
 
 NOTE [ Store lock discipline ]
 
@@ -156,7 +160,6 @@ import logging
 import threading
 import time
 import weakref
-from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as _wait_futures
 
 import torch
@@ -177,7 +180,7 @@ from ._iothread import IOThread
 from ._probe import SLOT_FREE, Probe
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
-from ._events import Events, _needed_by, _without_frames
+from ._events import Events, _without_frames, timeout_error
 from ._writeback import _READ, _WRITTEN, WritePath, free_slot
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
@@ -249,8 +252,7 @@ class Store:
         self._write_overdue = self._writes.overdue
         self._over_write_behind = self._writes.over_write_behind
         self._read_due = self._reads.due
-        self._promote_locked = self._reads.promote_locked
-        self._pump_low_locked = self._reads.pump_low_locked
+        self._use_locked = self._reads.use_locked
         # The measurements policy "auto" and the adaptive profile make (_probe.py).
         self.probe = Probe(spill, self._devices, self._host is not None, engine, config,
                            _weakly(self._locked), _weakly(self._settle), self._callback)
@@ -564,7 +566,7 @@ class Store:
             # tier ]): once its write ends, it is loaded from RAM (claimed), or, should the
             # write have failed or been cut short, looked at again (a second round).
             while view is None:
-                self._wait(rec, fut)
+                self._reads.wait(rec, fut)
                 with self._lock:
                     view, fut = self._guarded_locked(self._loaded_locked, rec, handle, fut)
                 self._after_hook(self._read_due())
@@ -605,7 +607,8 @@ class Store:
 
     def _unpack_locked(self, rec, handle, counted=False):
         """``(view, None)`` if the bytes are in memory, else ``(None, the future to wait
-        for)``. ``counted``: this unpack's hit or miss was counted already."""
+        for)`` (``ReadPath.fetch_locked``). ``counted``: this unpack's hit or miss was
+        counted already."""
         if self.closed:
             raise OffloaderClosedError(
                 "ssdtrain: backward needs a tensor saved under an Offloader that has been "
@@ -631,63 +634,7 @@ class Store:
             # Used now, under the lock: once it is released, a write that ends
             # drops the bytes from memory (State.ON_DISK).
             return self._use_locked(rec, handle), None
-        if rec.state is State.HOSTED:  # NOTE [ Host tier ]: a copy from RAM, queued now
-            self.stats.prefetch_misses += not counted
-            self._tier.load_locked(rec)
-            return self._use_locked(rec, handle), None
-        if rec.state is State.LOADING:
-            self.stats.prefetch_hits += first
-        elif rec.state is State.SPILLING:  # NOTE [ Host tier ]: loaded from RAM once written
-            if not counted:
-                if first and rec.prefetched:  # prefetch claimed it
-                    self.stats.prefetch_hits += 1
-                else:
-                    self.stats.prefetch_misses += 1
-            rec.claimed = True
-        elif rec.state is State.ON_DISK:
-            self.stats.prefetch_misses += 1
-            self._reads.start_read_locked(rec)
-        else:
-            raise SSDTrainError(f"ssdtrain: unpacking a record in state {rec.state.value}; "
-                                f"please report this bug.")
-        return None, rec.future
-
-    def _use_locked(self, rec, handle):
-        """The unpacked view of a resident record."""
-        storage, base = rec.storage, rec.base
-        if rec.device is not None:  # a load's copy, or (in memory) the producer: rule 7
-            rec.device.consume(storage, rec.produced if rec.ready is None else rec.ready)
-        if handle.token in rec.unseen:
-            rec.unseen.discard(handle.token)
-            if rec.prefetched:
-                self._table.uncount_ahead(rec)
-        self._promote_locked(rec)
-        itemsize = handle.dtype.itemsize
-        offset, odd = divmod(base + handle.rel, itemsize)
-        if odd:
-            raise SSDTrainError(f"ssdtrain: a view of {rec!r} at byte {handle.rel} does not fall "
-                                f"on a {handle.dtype} element (base {base}); please report this "
-                                f"bug.")
-        view = torch.empty((0,), dtype=handle.dtype, device=storage.device).set_(
-            storage, offset, handle.size, handle.stride)
-        if not rec.unseen and rec.state is State.LOADED:
-            self._reads.evict_locked(rec)
-        self._pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
-        return view
-
-    def _wait(self, rec, fut):
-        t0 = time.perf_counter()
-        try:
-            # exception(), not result(): raising the request's error here would give it a
-            # traceback whose frames hold this handle (see _without_frames).
-            with _trace.span(_trace.WAIT_READ, rec.nbytes, rec.seq):
-                fut.exception(timeout=self.cfg.io_timeout_s)
-        except FutureTimeout:
-            raise self._timeout_error(rec, "reading", f"{_needed_by()}; the device may be hung "
-                                      f"or overloaded. Check the device (dmesg), or raise "
-                                      f"io_timeout_s if it is only slow.") from None
-        finally:
-            self.stats.stall_seconds += time.perf_counter() - t0
+        return self._reads.fetch_locked(rec, handle, first, counted)
 
     # ----------------------------------------------------------------- events
     def _settle(self):
@@ -1042,17 +989,9 @@ class Store:
             _, not_done = _wait_futures([f for _, f in pending], timeout=max(0.0, left))
             if not_done:
                 rec = next(r for r, f in pending if f in not_done)
-                raise self._timeout_error(rec, "I/O of", f" while waiting for I/O in flight "
-                                          f"(wait() or close()); {len(not_done)} request(s) still "
-                                          f"in flight. The device may be hung or overloaded.")
-
-    def _timeout_error(self, rec, what, tail):
-        """The ``SpillIOError`` for a request of ``rec`` past ``io_timeout_s``."""
-        slot = rec.slot
-        where = "?" if slot is None else f"{slot.file.name} at offset {slot.offset}"
-        return SpillIOError(f"ssdtrain: {what} record {rec!r} ({where}) did not finish within "
-                            f"io_timeout_s={self.cfg.io_timeout_s} s{tail}",
-                            filename=None if slot is None else slot.file.directory)
+                raise timeout_error(rec, "I/O of", f" while waiting for I/O in flight (wait() or "
+                                    f"close()); {len(not_done)} request(s) still in flight. The "
+                                    f"device may be hung or overloaded.", self.cfg.io_timeout_s)
 
     def _in_flight_locked(self, start=True):
         """``[(record, future)]`` of the requests not done; completes the done ones (their
