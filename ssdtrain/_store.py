@@ -26,8 +26,8 @@ out by three objects the store composes, each given what it uses in its construc
 references is collected at once with its records, and its I/O thread ends):
 ``WritePath`` (``Store._writes``, _writeback.py: the verdicts on the records leaving
 the tail window, ``decide_locked``; the due writes, their completion, the spill
-budget's verdicts, keeping and failing a record; the write-behind limit and the
-throttle), ``ReadPath`` (``Store._reads``, _prefetch.py: the pass queues, prefetch,
+budget's verdicts and its wait at a pass's start, keeping and failing a record; the
+write-behind limit and the throttle), ``ReadPath`` (``Store._reads``, _prefetch.py: the pass queues, prefetch,
 reads, dropping read copies) and ``HostTier`` (``Store._tier``, _hosttier.py:
 admission, copies to RAM and back, evictions to the SSD). The write path and the tier
 call each other (an eviction is a write; a copy to RAM is started and completed where
@@ -36,8 +36,9 @@ tier (a strong one would make a cycle holding the record table, and the records'
 memory would wait for the garbage collector). The store keeps what takes or spans the
 lock: the hooks, the inbox and its drain, the passes' boundaries, flush, close, fork
 and repair; every path method ending in ``_locked`` runs under it. A path that waits
-outside the lock and takes it between waits (the throttle, ``WritePath.throttle``) is
-handed the store's ``_locked`` for that call and keeps nothing of it; the probe
+outside the lock and takes it between waits (the throttle, ``WritePath.throttle``;
+``WritePath.await_retiring``) is handed the store's ``_locked`` (and ``_settle``) for
+that call and keeps nothing of it; the probe
 (``Store.probe``), which takes the lock from callers outside the store, holds ``_locked``
 and ``_settle`` through weak references (``_weakly``).
 Completions reach the store through ``callback`` (``_completions``: a weak reference
@@ -156,7 +157,6 @@ records, follow the same rule (``Probe.time_io`` in _probe.py).
 """
 
 import collections
-import logging
 import threading
 import time
 import weakref
@@ -184,8 +184,6 @@ from ._events import Events, _without_frames, timeout_error
 from ._writeback import _READ, _WRITTEN, WritePath, free_slot
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
-
-log = logging.getLogger("ssdtrain")
 
 _IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
@@ -323,32 +321,11 @@ class Store:
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
-        if self._window.limit is not None:
-            self._await_retiring()
+        if self._window.limit is not None:  # the spill budget: WritePath.await_retiring
+            self._writes.await_retiring(self._locked, self._settle)
         with self._lock:
             self._guarded_locked(self._begin_pass_locked)
         self._settle()
-
-    def _await_retiring(self):
-        """``max_spill_bytes``: a record whose graph is gone keeps its slot reservation
-        until its write lands. A pass that began while a slow disk still had the last
-        step's writes in flight would decide at pack (INV-DECIDED) against reservations
-        about to go: it would keep (or, with ``on_spill_full="raise"``, fail) records a
-        prompt disk writes. Wait for those writes first (the limit is a hard bound on the
-        spill files, so their slots cannot be counted free before they are), so what a
-        step decides does not depend on I/O timing. Costs a scan of the records at a
-        step's start (as the sweep does), and a wait only when the disk lags a step."""
-        with self._lock:
-            futs = [r.future for group in self._table.registry.values() for r in group
-                    if r.reserved and not r.tokens and r.future is not None]
-        if futs:
-            _, not_done = _wait_futures(futs, timeout=self.cfg.io_timeout_s)
-            self._settle()  # their completions free them, and their reservations
-            if not_done:
-                log.warning("ssdtrain: %d write(s) of freed records were still in flight after "
-                            "io_timeout_s=%s s at the start of a forward pass; this pass's "
-                            "max_spill_bytes decisions count their slots as used.",
-                            len(not_done), self.cfg.io_timeout_s)
 
     def _begin_pass_locked(self):
         self._check_open()
