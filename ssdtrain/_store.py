@@ -27,10 +27,10 @@ references is collected at once with its records, and its I/O thread ends):
 ``WritePath`` (``Store._writes``, _writeback.py: the verdicts on the records leaving
 the tail window, ``decide_locked``; the due writes, their completion, the spill
 budget's verdicts and its wait at a pass's start, keeping and failing a record; the
-write-behind limit and the throttle), ``ReadPath`` (``Store._reads``, _prefetch.py: the pass queues, prefetch,
-reads, dropping read copies) and ``HostTier`` (``Store._tier``, _hosttier.py:
-admission, copies to RAM and back, evictions to the SSD). The write path and the tier
-call each other (an eviction is a write; a copy to RAM is started and completed where
+write-behind limit and the throttle), ``ReadPath`` (``Store._reads``, _prefetch.py: the
+pass queues, prefetch, reads, dropping read copies, unpack of a record not in memory)
+and ``HostTier`` (``Store._tier``, _hosttier.py: admission, copies to RAM and back,
+evictions to the SSD). The write path and the tier call each other (an eviction is a write; a copy to RAM is started and completed where
 writes are): the store sets ``WritePath.tier`` once both exist, to a weak proxy of the
 tier (a strong one would make a cycle holding the record table, and the records'
 memory would wait for the garbage collector). The store keeps what takes or spans the
@@ -38,9 +38,10 @@ lock: the hooks, the inbox and its drain, the passes' boundaries, flush, close, 
 and repair; every path method ending in ``_locked`` runs under it. A path that waits
 outside the lock and takes it between waits (the throttle, ``WritePath.throttle``;
 ``WritePath.await_retiring``) is handed the store's ``_locked`` (and ``_settle``) for
-that call and keeps nothing of it; the probe
-(``Store.probe``), which takes the lock from callers outside the store, holds ``_locked``
-and ``_settle`` through weak references (``_weakly``).
+that call and keeps nothing of it; the probe (``Store.probe``, _probe.py), which takes
+the lock for callers outside the store, holds ``_locked`` and ``_settle`` through weak
+references (``_weakly``). The devices' transfers and staging are a ``DeviceMap``
+(``Store._devices``, _device.py) the store, its I/O thread and the probe share.
 Completions reach the store through ``callback`` (``_completions``: a weak reference
 to the store); the engine through ``engine``, which ``Store.engine``'s setter keeps
 equal to the store's (``replace_engine``). The hints the hooks read without the lock
