@@ -23,8 +23,8 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
 0. *Fit first.* The first step (``SIZING_STEPS``) has no quota: it offloads every
    eligible tensor and waits for writes as ``"static"`` does, so a model that fits
    with ssdtrain fits from its first step. At the end of every forward the memory the
-   saved tensors live in is read (:meth:`Store.headroom`: the device's free memory,
-   the caching allocator's unused blocks included, or the host's available memory):
+   saved tensors live in is read (:meth:`Probe.headroom` in _probe.py: the device's free
+   memory, the caching allocator's unused blocks included, or the host's available memory):
    a step that offloaded ``o`` bytes and left ``free`` of ``total`` could have kept
    ``free - MEMORY_RESERVE * total`` (10%) more, so every later step offloads at least
    ``o + MEMORY_RESERVE * total - free``: the *memory floor*. It only rises (memory
@@ -40,14 +40,14 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    times are the fastest seen since, in every step (one-time costs of the first
    steps do not count). On a device (kernels are asynchronous: the host's clock sees
    their launches) the baseline steps begin and end their forward with a wait for the
-   device (:meth:`Store.synchronize_devices`): ``F`` is the least share of a step
+   device (:meth:`Probe.synchronize_devices`): ``F`` is the least share of a step
    such a forward took, times ``T`` (the step time, begin to next begin, is the
    device's in a steady state; a forward not waited for measured kernel launches).
-2. *Tiers.* Once, after the baseline, :meth:`Store.time_io` writes and reads a probe of
+2. *Tiers.* Once, after the baseline, :meth:`Probe.time_io` writes and reads a probe of
    ``S / 8`` bytes (between 8 and 64 MiB), best of two: write bandwidth ``W``, read
    bandwidth ``R`` (one request at a time: a low estimate). This happens in the
    offloader's ``__enter__``, before the step's clock starts. With a host tier
-   (``host_budget_bytes``), :meth:`Store.time_copies` times as many bytes copied device
+   (``host_budget_bytes``), :meth:`Probe.time_copies` times as many bytes copied device
    -> pinned and back on the copy streams, once a device tensor has been saved (host
    records never enter the host tier); without a ``spill_dir`` it is the only tier.
 3. *Bound.* Writes of the quota must end within forward (else their memory is not
@@ -183,12 +183,13 @@ class AutoQuota:
         window_bytes: the prefetch window (``prefetch_bytes``), see :func:`quota_bound`.
         tail_bytes: ``keep_tail_bytes``: the quota never takes a step's last ones.
         copy_probe: ``nbytes -> (d2h_s, h2d_s)`` or None (no device seen yet), the host
-            tier's probe (:meth:`Store.time_copies`); None: no host tier.
+            tier's probe (:meth:`Probe.time_copies`); None: no host tier.
         host_bytes: the host tier's budget (``host_budget_bytes``).
         sync: waits for the devices' queued work; whether there was a device (the
             baseline steps' forward is timed with it, step 1).
         headroom: ``() -> (free, total)`` bytes of the memory the saved tensors live in
-            (:meth:`Store.headroom`), read at each forward's end: the memory floor.
+            (:meth:`Probe.headroom` in _probe.py), read at each forward's end: the memory
+            floor.
     """
 
     def __init__(self, max_slowdown: float,

@@ -486,6 +486,57 @@ class DeviceTransfers:
         self.pool.release()
 
 
+# ------------------------------------------------------------------ the device map
+class DeviceMap:
+    """A store's devices: the :class:`DeviceTransfers` of each ``(leaf, device)`` its
+    saved tensors came from, made at the first record of each, and their staging pools,
+    one per leaf. The store makes records' transfers here (under its lock), the I/O
+    thread reserves staging and, when the store ends, closes them (``close()``), and
+    the store's probe (``_probe.py``) copies through them and asks the devices for
+    their free memory.
+
+    Args:
+        stats: the store's ``Stats`` (the pools count their pinned bytes there).
+        idle_bytes: the idle staging a pool keeps for reuse: what may be in flight at
+            once, and the host tier's records (NOTE [ Host tier ] in _hosttier.py).
+        engine: the engine requests go to; its ``capabilities.device_memory`` says
+            whether transfers need staging. ``Store.engine``'s setter sets it.
+    """
+
+    def __init__(self, stats, idle_bytes: int, engine):
+        self.transfers = {}   # (leaf, device) -> DeviceTransfers
+        self.staging = {}     # leaf -> StagingPool (NOTE [ Device records ])
+        # (leaf, device) of the first device tensor passed through without a record
+        # (the quota spent: NOTE [ The pack decision ] in _policy.py): a list that pack
+        # appends to once, so its check costs what an attribute's did.
+        self.passed = []
+        self.engine = engine
+        self._stats = stats
+        self._idle_bytes = idle_bytes
+
+    def get(self, leaf, device) -> DeviceTransfers:
+        """The transfers of ``device`` (made at its first record)."""
+        dev = self.transfers.get((leaf, device))
+        if dev is None:
+            pool = self.staging.get(leaf)
+            if pool is None:
+                pool = self.staging[leaf] = StagingPool(leaf, self._stats, self._idle_bytes)
+            dev = self.transfers[(leaf, device)] = DeviceTransfers(
+                leaf, device, self.engine.capabilities.device_memory, pool)
+        return dev
+
+    def seen(self) -> list:
+        """The ``(leaf, device)`` pairs the store has seen a saved tensor of: those with
+        records, else the one passed through without a record, else none."""
+        return list(self.transfers) or list(self.passed[:1])
+
+    def close(self) -> None:
+        """Close every device's transfers (writes waiting for a device copy are
+        submitted first) and release their staging."""
+        for dev in list(self.transfers.values()):
+            dev.close()
+
+
 def __getattr__(name):
     # The GPUDirect Storage probe's device memory lives in the CUDA leaf; api.py and
     # _config.py import it from here.

@@ -137,6 +137,16 @@ def _needed_by():
     return "" if node is None else f" (needed by {node.name()} in backward)"
 
 
+def timeout_error(rec, what, tail, timeout_s):
+    """The ``SpillIOError`` for a request of ``rec`` past ``io_timeout_s``
+    (``timeout_s``): ``"ssdtrain: {what} record ... did not finish within ...{tail}"``."""
+    slot = rec.slot
+    where = "?" if slot is None else f"{slot.file.name} at offset {slot.offset}"
+    return SpillIOError(f"ssdtrain: {what} record {rec!r} ({where}) did not finish within "
+                        f"io_timeout_s={timeout_s} s{tail}",
+                        filename=None if slot is None else slot.file.directory)
+
+
 def _in_context(err, rec, note=""):
     """``err`` again, its message naming the record and the backward op that needed it."""
     return _copy(err, f" [record {rec!r}{_needed_by()}]{note}")

@@ -44,7 +44,8 @@ class IOThread:
     Args:
         store: the store (held weakly).
         engine, spill, devices: what is released when the store is collected without
-            ``close()`` (the finalizer's arguments: they must not hold the store).
+            ``close()`` (the finalizer's arguments: they must not hold the store);
+            ``devices`` is the store's :class:`~ssdtrain._device.DeviceMap`.
     """
 
     def __init__(self, store, engine, spill, devices):
@@ -197,8 +198,7 @@ def _stop(kicks, worker):
 def _release_resources(engine, spill, devices, kicks, worker):
     try:
         _stop(kicks, worker)
-        for dev in list(devices.values()):
-            dev.close()  # writes waiting for a device copy are submitted first
+        devices.close()  # writes waiting for a device copy are submitted first
         engine.shutdown()  # waits for requests still queued: they use the files
     finally:
         spill.close()

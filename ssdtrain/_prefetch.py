@@ -16,14 +16,18 @@ again until a new pack uses it (``Record.used``).
 
 import collections
 import functools
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
 
 from . import _checksum, _trace
 from ._device import device_misalign
-from ._errors import resource_error
+from ._errors import SSDTrainError, resource_error
 from ._records import GEOMETRY_ALIGN, State
 from ._spill import BLOCK
 from .io.base import then
-from ._events import _without_frames
+from ._events import _needed_by, _without_frames, timeout_error
 from ._writeback import _READ, _owning, failed_future
 
 
@@ -164,6 +168,79 @@ class ReadPath:
             return queue[0] if queue else None
         except (IndexError, AttributeError, RuntimeError):  # changed meanwhile
             return None
+
+    # ------------------------------------------------------------------- unpack
+    def use_locked(self, rec, handle):
+        """The unpacked view of a resident record (``Store.unpack``: its bytes are in
+        memory, under the lock: once it is released, a write that ends drops them). The
+        handle is seen in this generation; a LOADED record whose live handles are all
+        seen drops its copy; the window slides, and reads start if backward is near."""
+        storage, base = rec.storage, rec.base
+        if rec.device is not None:  # a load's copy, or (in memory) the producer: rule 7
+            rec.device.consume(storage, rec.produced if rec.ready is None else rec.ready)
+        if handle.token in rec.unseen:
+            rec.unseen.discard(handle.token)
+            if rec.prefetched:
+                self._table.uncount_ahead(rec)
+        self.promote_locked(rec)
+        itemsize = handle.dtype.itemsize
+        offset, odd = divmod(base + handle.rel, itemsize)
+        if odd:
+            raise SSDTrainError(f"ssdtrain: a view of {rec!r} at byte {handle.rel} does not fall "
+                                f"on a {handle.dtype} element (base {base}); please report this "
+                                f"bug.")
+        view = torch.empty((0,), dtype=handle.dtype, device=storage.device).set_(
+            storage, offset, handle.size, handle.stride)
+        if not rec.unseen and rec.state is State.LOADED:
+            self.evict_locked(rec)
+        self.pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
+        return view
+
+    def fetch_locked(self, rec, handle, first, counted):
+        """``Store.unpack`` of ``rec``, not in memory (not ``SERVABLE``): ``(view, None)``
+        for a HOSTED record (its copy from RAM queued now), else ``(None, the future to
+        wait for)``: its read in flight (a prefetch hit if ``first``: this handle's first
+        unpack in this generation), its eviction's write (loaded from RAM once written),
+        or a read started now (a miss). ``counted``: this unpack's hit or miss was counted
+        already (a second round, ``Store._loaded_locked``)."""
+        stats = self.stats
+        if rec.state is State.HOSTED:  # NOTE [ Host tier ]: a copy from RAM, queued now
+            stats.prefetch_misses += not counted
+            self._load_host(rec)
+            return self.use_locked(rec, handle), None
+        if rec.state is State.LOADING:
+            stats.prefetch_hits += first
+        elif rec.state is State.SPILLING:  # NOTE [ Host tier ]: loaded from RAM once written
+            if not counted:
+                if first and rec.prefetched:  # prefetch claimed it
+                    stats.prefetch_hits += 1
+                else:
+                    stats.prefetch_misses += 1
+            rec.claimed = True
+        elif rec.state is State.ON_DISK:
+            stats.prefetch_misses += 1
+            self.start_read_locked(rec)
+        else:
+            raise SSDTrainError(f"ssdtrain: unpacking a record in state {rec.state.value}; "
+                                f"please report this bug.")
+        return None, rec.future
+
+    def wait(self, rec, fut):
+        """Wait, outside the lock, for the request ``fut`` of ``rec`` that unpack needs
+        (``io_timeout_s`` at most; ``Stats.stall_seconds``). Raises nothing of the
+        request's own: the store looks at its outcome under the lock."""
+        t0 = time.perf_counter()
+        try:
+            # exception(), not result(): raising the request's error here would give it a
+            # traceback whose frames hold this handle (see _without_frames).
+            with _trace.span(_trace.WAIT_READ, rec.nbytes, rec.seq):
+                fut.exception(timeout=self.cfg.io_timeout_s)
+        except FutureTimeout:
+            raise timeout_error(rec, "reading", f"{_needed_by()}; the device may be hung or "
+                                f"overloaded. Check the device (dmesg), or raise io_timeout_s "
+                                f"if it is only slow.", self.cfg.io_timeout_s) from None
+        finally:
+            self.stats.stall_seconds += time.perf_counter() - t0
 
     def promote_locked(self, rec):
         """Backward of another pass began (e.g. 1F1B): prefetch for it now."""

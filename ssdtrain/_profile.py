@@ -676,7 +676,7 @@ def measure_bandwidth(store, nbytes=64 << 20, repeats=2):
 
     One slot of the first spill file, written from and read into a page-aligned
     buffer, ``repeats`` times; the best of each is kept (the others met noise). The
-    store makes the requests (``Store.time_io``): they own their buffer and slot, so a
+    store's probe makes the requests (``Probe.time_io`` in _probe.py): they own their buffer and slot, so a
     request still running after ``io_timeout_s`` never writes into freed memory or a
     reused slot (NOTE [ Memory owned by requests ] in _store.py).
 
@@ -686,7 +686,7 @@ def measure_bandwidth(store, nbytes=64 << 20, repeats=2):
     Raises:
         SpillIOError: a request failed or did not end within ``io_timeout_s``.
     """
-    write_s, read_s = store.time_io(nbytes, repeats)
+    write_s, read_s = store.probe.time_io(nbytes, repeats)
     return nbytes / max(write_s, 1e-9), nbytes / max(read_s, 1e-9)
 
 

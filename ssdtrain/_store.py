@@ -13,7 +13,10 @@ record without reaching the store; failure events and once-only warnings in
 write path (the pack decision's verdicts, starting and completing writes, budget,
 failure policy, the write-behind throttle) in ``_writeback.py``,
 the read path (prefetch and reads) in ``_prefetch.py``, the host tier in ``_hosttier.py``
-(NOTE [ The store's paths ]); read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
+(NOTE [ The store's paths ]); the devices' transfers and staging in ``_device.py``
+(``DeviceMap``); what ``policy="auto"`` measures through the store (the bandwidth probe,
+the copies' probe, the devices' headroom) in ``_probe.py`` (``Probe``, ``Store.probe``);
+read buffers in ``_readbuf.py``; spill files in ``_spill.py``.
 
 NOTE [ The store's paths ]
 
@@ -23,26 +26,34 @@ out by three objects the store composes, each given what it uses in its construc
 references is collected at once with its records, and its I/O thread ends):
 ``WritePath`` (``Store._writes``, _writeback.py: the verdicts on the records leaving
 the tail window, ``decide_locked``; the due writes, their completion, the spill
-budget's verdicts, keeping and failing a record; the write-behind limit and the
-throttle), ``ReadPath`` (``Store._reads``, _prefetch.py: the pass queues, prefetch,
-reads, dropping read copies) and ``HostTier`` (``Store._tier``, _hosttier.py:
-admission, copies to RAM and back, evictions to the SSD). The write path and the tier
-call each other (an eviction is a write; a copy to RAM is started and completed where
+budget's verdicts and its wait at a pass's start, keeping and failing a record; the
+write-behind limit and the throttle), ``ReadPath`` (``Store._reads``, _prefetch.py: the
+pass queues, prefetch, reads, dropping read copies, unpack of a record not in memory)
+and ``HostTier`` (``Store._tier``, _hosttier.py: admission, copies to RAM and back,
+evictions to the SSD). The write path and the tier call each other (an eviction is a write; a copy to RAM is started and completed where
 writes are): the store sets ``WritePath.tier`` once both exist, to a weak proxy of the
 tier (a strong one would make a cycle holding the record table, and the records'
 memory would wait for the garbage collector). The store keeps what takes or spans the
 lock: the hooks, the inbox and its drain, the passes' boundaries, flush, close, fork
 and repair; every path method ending in ``_locked`` runs under it. A path that waits
-outside the lock and takes it between waits (the throttle, ``WritePath.throttle``) is
-handed the store's ``_locked`` for that call and keeps nothing of it.
+outside the lock and takes it between waits (the throttle, ``WritePath.throttle``;
+``WritePath.await_retiring``) is handed the store's ``_locked`` (and ``_settle``) for
+that call and keeps nothing of it; the probe (``Store.probe``, _probe.py), which takes
+the lock for callers outside the store, holds ``_locked`` and ``_settle`` through weak
+references (``_weakly``). The devices' transfers and staging are a ``DeviceMap``
+(``Store._devices``, _device.py) the store, its I/O thread and the probe share.
 Completions reach the store through ``callback`` (``_completions``: a weak reference
 to the store); the engine through ``engine``, which ``Store.engine``'s setter keeps
 equal to the store's (``replace_engine``). The hints the hooks read without the lock
 (``WritePath.overdue``, ``over_write_behind``, ``ReadPath.due``) and what unpack calls
-for every record it serves (``ReadPath.promote_locked``, ``pump_low_locked``) are bound
-once as store attributes of the same names as before (``_write_overdue``,
-``_over_write_behind``, ``_read_due``, ``_promote_locked``, ``_pump_low_locked``): the
-per-tensor path looks up no more attributes than the mixins did.
+for every record it serves (``ReadPath.use_locked``: the view, the window's slide) are
+bound once as store attributes of the same names as before (``_write_overdue``,
+``_over_write_behind``, ``_read_due``, ``_use_locked``): the per-tensor path looks up
+no more attributes than the mixins did. Unpack checks the record (closed, failed,
+changed in place) and serves one in memory itself; one that is not is the read path's
+(``ReadPath.fetch_locked``: a read, a wait for one, a copy from RAM; ``ReadPath.wait``).
+A second round after the wait (``Store._loaded_locked``) stays in the store: it
+completes an eviction's write (the write path's) and raises the record's event.
 
 NOTE [ Store lock discipline ]
 
@@ -142,21 +153,14 @@ staging) is referenced by the request's future (``_owning``) and the engine hold
 future until the request completes. A timeout, ``close()`` or a repair may drop the
 record's references; the memory then lives until the request ends, never less. A
 request whose future was lost (submission interrupted) keeps its memory forever, with
-a warning (``Stats.quarantined_bytes``).
-
-Requests outside records (the adaptive policy's bandwidth probe, :meth:`Store.time_io`)
-follow the same rule through the store: their buffer is owned by the request, and their
-slot (``_extra_slots``) is freed by the store when the last of them has ended (a
-``_SLOT_FREE`` event), never by a caller that stopped waiting.
+a warning (``Stats.quarantined_bytes``). The bandwidth probe's requests, outside
+records, follow the same rule (``Probe.time_io`` in _probe.py).
 """
 
 import collections
-import logging
-import mmap
 import threading
 import time
 import weakref
-from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as _wait_futures
 
 import torch
@@ -164,7 +168,7 @@ import torch
 from . import _fork, _trace
 from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
-from ._device import leaf_of
+from ._device import DeviceMap, leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._config import MAX_BYTES
 from ._policy import KEEP_CAPTURE, TRACKER, PassedRanges, TailWindow, keep_reason
@@ -174,20 +178,18 @@ from ._prefetch import ReadPath, _Pass
 from ._readbuf import ReadBuffers
 from ._hosttier import HostBudget, HostTier
 from ._iothread import IOThread
+from ._probe import SLOT_FREE, Probe
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
-from ._events import Events, _copy, _needed_by, _without_frames
-from ._writeback import _READ, _WRITTEN, WritePath, _owning, failed_future, free_slot
+from ._events import Events, _without_frames, timeout_error
+from ._writeback import _READ, _WRITTEN, WritePath, free_slot
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
-
-log = logging.getLogger("ssdtrain")
 
 _IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
 _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in _trace.py
 _QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
-_SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request left
 
 
 class Store:
@@ -214,8 +216,13 @@ class Store:
         self._seq = 0
         self._events = Events()                # NOTE [ One event, one error ] in _events.py
         self._ended = None                     # the pass whose forward ended last
-        self._devices = {}                     # (leaf, device) -> DeviceTransfers
-        self._seen_device = None               # (leaf, device) of a device tensor passed
+        # NOTE [ Device records ] in _device.py: each device's transfers, and their staging
+        # (idle staging kept for reuse: what may be in flight at once, and the host tier's).
+        self._devices = DeviceMap(stats, config.write_behind_bytes + config.prefetch_bytes +
+                                  (config.host_budget_bytes or 0), engine)
+        self._transfers = self._devices.get    # bound once: pack calls it per device record
+        self._staging = self._devices.staging  # leaf -> StagingPool
+        self._passed_device = self._devices.passed
         # The I/O thread (_iothread.py) and the memory it releases outside the lock (NOTE
         # [ The store's I/O thread ]); kick and bury are bound once: the hooks call them.
         self._io = IOThread(self, engine, spill, self._devices)
@@ -244,14 +251,14 @@ class Store:
         self._write_overdue = self._writes.overdue
         self._over_write_behind = self._writes.over_write_behind
         self._read_due = self._reads.due
-        self._promote_locked = self._reads.promote_locked
-        self._pump_low_locked = self._reads.pump_low_locked
-        self._staging = {}                     # leaf -> StagingPool (NOTE [ Device records ])
+        self._use_locked = self._reads.use_locked
+        # The measurements policy "auto" and the adaptive profile make (_probe.py).
+        self.probe = Probe(spill, self._devices, self._host is not None, engine, config,
+                           _weakly(self._locked), _weakly(self._settle), self._callback)
         self._staging_failed = False           # the last _reserve_staging could not allocate
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
         self._forked = False
-        self._extra_slots = set()              # slots allocated outside records (bandwidth probe)
         self._task = -1                        # the graph task whose end drains (unpack)
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
         self.quota = None                      # each pass's offload quota (policy "auto",
@@ -276,6 +283,7 @@ class Store:
         """``replace_engine``, and tests that put a wrapper in place: the paths submit to
         the new engine from their next request on."""
         self._engine = self._reads.engine = self._writes.engine = engine
+        self._devices.engine = self.probe.engine = engine
 
     def replace_engine(self, fn):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
@@ -314,32 +322,11 @@ class Store:
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):
-        if self._window.limit is not None:
-            self._await_retiring()
+        if self._window.limit is not None:  # the spill budget: WritePath.await_retiring
+            self._writes.await_retiring(self._locked, self._settle)
         with self._lock:
             self._guarded_locked(self._begin_pass_locked)
         self._settle()
-
-    def _await_retiring(self):
-        """``max_spill_bytes``: a record whose graph is gone keeps its slot reservation
-        until its write lands. A pass that began while a slow disk still had the last
-        step's writes in flight would decide at pack (INV-DECIDED) against reservations
-        about to go: it would keep (or, with ``on_spill_full="raise"``, fail) records a
-        prompt disk writes. Wait for those writes first (the limit is a hard bound on the
-        spill files, so their slots cannot be counted free before they are), so what a
-        step decides does not depend on I/O timing. Costs a scan of the records at a
-        step's start (as the sweep does), and a wait only when the disk lags a step."""
-        with self._lock:
-            futs = [r.future for group in self._table.registry.values() for r in group
-                    if r.reserved and not r.tokens and r.future is not None]
-        if futs:
-            _, not_done = _wait_futures(futs, timeout=self.cfg.io_timeout_s)
-            self._settle()  # their completions free them, and their reservations
-            if not_done:
-                log.warning("ssdtrain: %d write(s) of freed records were still in flight after "
-                            "io_timeout_s=%s s at the start of a forward pass; this pass's "
-                            "max_spill_bytes decisions count their slots as used.",
-                            len(not_done), self.cfg.io_timeout_s)
 
     def _begin_pass_locked(self):
         self._check_open()
@@ -419,8 +406,8 @@ class Store:
                     and self._events.failure is None:  # (else pack raises it, as always)
                 cur = self._current  # the quota is spent: kept without a record
                 if cur is not None:  # (NOTE [ The pack decision ] in _policy.py)
-                    if leaf is not None and self._seen_device is None:
-                        self._seen_device = (leaf, leaf.device(t))  # for time_copies
+                    if leaf is not None and not self._passed_device:  # for the probe
+                        self._passed_device.append((leaf, leaf.device(t)))
                     return self._pass_spent(t, cur, key, version, extent, storage, nbytes)
             layers = self.layers
             choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
@@ -496,22 +483,8 @@ class Store:
     def _outside_spill_bytes(self):
         """Spill bytes in use that belong to no record: the bandwidth probe's slot and
         quarantined slots (they count against ``max_spill_bytes`` too)."""
-        slots = list(self._extra_slots) + self._quarantined_slots()
+        slots = list(self.probe.slots) + self._quarantined_slots()
         return sum(slot.nblocks for slot in slots) * BLOCK
-
-    def _transfers(self, leaf, device):
-        dev = self._devices.get((leaf, device))
-        if dev is None:
-            from ._device import DeviceTransfers, StagingPool
-            pool = self._staging.get(leaf)
-            if pool is None:  # idle staging kept for reuse: what may be in flight at once,
-                # and the host tier's records (NOTE [ Host tier ] in _hosttier.py)
-                pool = self._staging[leaf] = StagingPool(
-                    leaf, self.stats, self.cfg.write_behind_bytes + self.cfg.prefetch_bytes +
-                    (self.cfg.host_budget_bytes or 0))
-            dev = self._devices[(leaf, device)] = DeviceTransfers(
-                leaf, device, self.engine.capabilities.device_memory, pool)
-        return dev
 
     # ----------------------------------------------------------------- throttle
     def _throttle(self):
@@ -571,7 +544,7 @@ class Store:
             # tier ]): once its write ends, it is loaded from RAM (claimed), or, should the
             # write have failed or been cut short, looked at again (a second round).
             while view is None:
-                self._wait(rec, fut)
+                self._reads.wait(rec, fut)
                 with self._lock:
                     view, fut = self._guarded_locked(self._loaded_locked, rec, handle, fut)
                 self._after_hook(self._read_due())
@@ -612,7 +585,8 @@ class Store:
 
     def _unpack_locked(self, rec, handle, counted=False):
         """``(view, None)`` if the bytes are in memory, else ``(None, the future to wait
-        for)``. ``counted``: this unpack's hit or miss was counted already."""
+        for)`` (``ReadPath.fetch_locked``). ``counted``: this unpack's hit or miss was
+        counted already."""
         if self.closed:
             raise OffloaderClosedError(
                 "ssdtrain: backward needs a tensor saved under an Offloader that has been "
@@ -638,63 +612,7 @@ class Store:
             # Used now, under the lock: once it is released, a write that ends
             # drops the bytes from memory (State.ON_DISK).
             return self._use_locked(rec, handle), None
-        if rec.state is State.HOSTED:  # NOTE [ Host tier ]: a copy from RAM, queued now
-            self.stats.prefetch_misses += not counted
-            self._tier.load_locked(rec)
-            return self._use_locked(rec, handle), None
-        if rec.state is State.LOADING:
-            self.stats.prefetch_hits += first
-        elif rec.state is State.SPILLING:  # NOTE [ Host tier ]: loaded from RAM once written
-            if not counted:
-                if first and rec.prefetched:  # prefetch claimed it
-                    self.stats.prefetch_hits += 1
-                else:
-                    self.stats.prefetch_misses += 1
-            rec.claimed = True
-        elif rec.state is State.ON_DISK:
-            self.stats.prefetch_misses += 1
-            self._reads.start_read_locked(rec)
-        else:
-            raise SSDTrainError(f"ssdtrain: unpacking a record in state {rec.state.value}; "
-                                f"please report this bug.")
-        return None, rec.future
-
-    def _use_locked(self, rec, handle):
-        """The unpacked view of a resident record."""
-        storage, base = rec.storage, rec.base
-        if rec.device is not None:  # a load's copy, or (in memory) the producer: rule 7
-            rec.device.consume(storage, rec.produced if rec.ready is None else rec.ready)
-        if handle.token in rec.unseen:
-            rec.unseen.discard(handle.token)
-            if rec.prefetched:
-                self._table.uncount_ahead(rec)
-        self._promote_locked(rec)
-        itemsize = handle.dtype.itemsize
-        offset, odd = divmod(base + handle.rel, itemsize)
-        if odd:
-            raise SSDTrainError(f"ssdtrain: a view of {rec!r} at byte {handle.rel} does not fall "
-                                f"on a {handle.dtype} element (base {base}); please report this "
-                                f"bug.")
-        view = torch.empty((0,), dtype=handle.dtype, device=storage.device).set_(
-            storage, offset, handle.size, handle.stride)
-        if not rec.unseen and rec.state is State.LOADED:
-            self._reads.evict_locked(rec)
-        self._pump_low_locked(rec)  # the window slid: the I/O thread starts the next reads
-        return view
-
-    def _wait(self, rec, fut):
-        t0 = time.perf_counter()
-        try:
-            # exception(), not result(): raising the request's error here would give it a
-            # traceback whose frames hold this handle (see _without_frames).
-            with _trace.span(_trace.WAIT_READ, rec.nbytes, rec.seq):
-                fut.exception(timeout=self.cfg.io_timeout_s)
-        except FutureTimeout:
-            raise self._timeout_error(rec, "reading", f"{_needed_by()}; the device may be hung "
-                                      f"or overloaded. Check the device (dmesg), or raise "
-                                      f"io_timeout_s if it is only slow.") from None
-        finally:
-            self.stats.stall_seconds += time.perf_counter() - t0
+        return self._reads.fetch_locked(rec, handle, first, counted)
 
     # ----------------------------------------------------------------- events
     def _settle(self):
@@ -834,8 +752,8 @@ class Store:
                     self._table.uncount_passed(ev)
                 elif ev[0] is _WRITTEN:
                     self._writes.write_done_locked(ev[1], ev[2])
-                elif ev[0] is _SLOT_FREE:
-                    self._free_extra_slot_locked(ev[1])
+                elif ev[0] is SLOT_FREE:
+                    self.probe.free_slot_locked(ev[1])
                 else:
                     self._reads.read_done_locked(ev[1], ev[2])
             except Exception:
@@ -961,7 +879,7 @@ class Store:
         allocator's."""
         recs = self._table.records()
         self._table.recount(recs)
-        slots = [r.slot for r in recs if r.slot is not None] + list(self._extra_slots)
+        slots = [r.slot for r in recs if r.slot is not None] + list(self.probe.slots)
         self.spill.rebuild(slots + self._quarantined_slots())
 
     def _quarantined_slots(self):
@@ -982,142 +900,10 @@ class Store:
             bad = self._table.problems(recs)  # NOTE [ Record table ] in _table.py
             bad += self.spill.problems([r.slot for r in recs if r.slot is not None],
                                        list(self._quarantined_slots()) +
-                                       list(self._extra_slots))  # the probe's, in flight
+                                       list(self.probe.slots))  # the probe's, in flight
         self._settle()
         if bad:
             raise AssertionError("ssdtrain store invariants broken: " + "; ".join(bad))
-
-    # ------------------------------------------------------- the bandwidth probe
-    def time_io(self, nbytes, repeats):
-        """The best of ``repeats`` times, in seconds, to write and to read ``nbytes``
-        through the engine and one slot of the first spill file: ``(write_s, read_s)``
-        (the adaptive policy's bandwidth probe, ``_profile.measure_bandwidth``).
-
-        The requests own their buffer, and the slot is freed when the last of them has
-        ended (NOTE [ Memory owned by requests ]): a request past ``io_timeout_s`` keeps
-        both however long it runs.
-
-        Raises:
-            SpillIOError: a request failed, or did not end within ``io_timeout_s``.
-        """
-        buf = mmap.mmap(-1, nbytes)
-        view = torch.frombuffer(buf, dtype=torch.uint8)
-        view.fill_(0x5A)  # touch every page so the write measures the disk, not faults
-        owners = (view, buf)
-        with self._lock:
-            slot = self._guarded_locked(self._extra_slot_locked, nbytes)
-        futures = []
-        best = {"write": float("inf"), "read": float("inf")}
-        try:
-            for _ in range(repeats):
-                for op in ("write", "read"):
-                    t0 = time.perf_counter()
-                    fut = self._submit_probe(op, slot, view.data_ptr(), nbytes, owners)
-                    futures.append(fut)
-                    try:
-                        exc = fut.exception(timeout=self.cfg.io_timeout_s)
-                    except FutureTimeout:
-                        raise SpillIOError(
-                            f"ssdtrain: the bandwidth probe's {op} of {nbytes} bytes at offset "
-                            f"{slot.offset} of {slot.file.name} did not finish within "
-                            f"io_timeout_s={self.cfg.io_timeout_s} s; the device may be hung "
-                            f"or overloaded. Check the device (dmesg), or raise io_timeout_s "
-                            f"if it is only slow.", filename=slot.file.directory) from None
-                    if exc is not None:
-                        raise _copy(_without_frames(exc))
-                    best[op] = min(best[op], time.perf_counter() - t0)
-        finally:
-            view = None
-            self._free_extra_slot_after(slot, futures)
-            if all(f.done() for f in futures):
-                owners = None
-                try:
-                    buf.close()  # at once; a request in flight keeps it (its owners)
-                except BufferError:  # exported still: released with its last reference
-                    pass
-        return best["write"], best["read"]
-
-    def time_copies(self, nbytes, repeats):
-        """The host tier's probe (``policy="auto"``, NOTE [ The offload quota ] in
-        _auto.py): the best of ``repeats`` times to copy ``nbytes`` device -> pinned and
-        back on a device this store has seen a saved tensor of (``(d2h_s, h2d_s)``,
-        :meth:`DeviceTransfers.time_copies`), or None: no host tier, or no device tensor
-        seen yet (host records never enter the host tier)."""
-        if self._host is None:
-            return None
-        with self._lock:
-            seen = next(iter(self._devices), None) or self._seen_device
-            dev = None if seen is None else self._guarded_locked(self._transfers, *seen)
-        return None if dev is None else dev.time_copies(nbytes, repeats)
-
-    def headroom(self):
-        """``(free, total)`` bytes where this store's saved tensors live, for
-        ``policy="auto"``'s memory floor (NOTE [ The offload quota ] in _auto.py): the
-        device with the least free of those it has seen a saved tensor of, else host
-        memory (``_hosttier.memory_available``)."""
-        with self._lock:
-            seen = list(self._devices) or ([self._seen_device] if self._seen_device else [])
-        if seen:
-            return min((leaf.headroom(device) for leaf, device in seen), key=lambda r: r[0])
-        from ._hosttier import memory_available
-        return memory_available()
-
-    def synchronize_devices(self) -> bool:
-        """Wait for the work queued on every device this store has seen a saved tensor
-        of; whether there was one. ``policy="auto"`` times its baseline steps' forward
-        with it (kernels are asynchronous: the host's clock alone sees their launches)."""
-        with self._lock:
-            seen = list(self._devices) or ([self._seen_device] if self._seen_device else [])
-        for leaf, device in seen:
-            leaf.synchronize(device)
-        return bool(seen)
-
-    def _extra_slot_locked(self, nbytes):
-        slot = self.spill.files[0].alloc(nbytes, 0)
-        self._extra_slots.add(slot)  # a repair meanwhile keeps it (_recount_locked)
-        return slot
-
-    def _submit_probe(self, op, slot, address, nbytes, owners):
-        """The probe's engine call; the request owns ``owners`` (its buffer) until it
-        ends."""
-        engine = self.engine
-        do = engine.write if op == "write" else engine.read
-        try:
-            fut = do(slot.file, slot.offset, address, nbytes)
-        except Exception as e:  # noqa: BLE001 - refused: nothing in flight
-            fut = failed_future(e)
-        return _owning(fut, owners)
-
-    def _free_extra_slot_after(self, slot, futures):
-        """Free ``slot`` (outside records) once every request in ``futures`` has ended:
-        now, or from the last one's completion through the inbox (a ``_SLOT_FREE``)."""
-        left = [f for f in futures if not f.done()]
-        if not left:
-            with self._lock:
-                self._guarded_locked(self._free_extra_slot_locked, slot)
-            self._settle()
-            return
-        count = [len(left)]
-        ref = weakref.ref(self)
-        mutex = threading.Lock()
-
-        def ended(_):
-            with mutex:
-                count[0] -= 1
-                last = count[0] == 0
-            s = ref()
-            if last and s is not None and not s._forked:
-                s._inbox.append((_SLOT_FREE, slot, None))
-                if threading.get_ident() != threading.main_thread().ident:
-                    s._settle_nowait()
-        for f in left:
-            f.add_done_callback(ended)
-
-    def _free_extra_slot_locked(self, slot):
-        """Idempotent: the slot goes back to its file once."""
-        if slot in self._extra_slots:
-            self._extra_slots.discard(slot)
-            slot.file.free(slot)  # bookkeeping only: also after close(), which kept it
 
     # -------------------------------------------------------------------- misc
     def records(self):
@@ -1181,17 +967,9 @@ class Store:
             _, not_done = _wait_futures([f for _, f in pending], timeout=max(0.0, left))
             if not_done:
                 rec = next(r for r, f in pending if f in not_done)
-                raise self._timeout_error(rec, "I/O of", f" while waiting for I/O in flight "
-                                          f"(wait() or close()); {len(not_done)} request(s) still "
-                                          f"in flight. The device may be hung or overloaded.")
-
-    def _timeout_error(self, rec, what, tail):
-        """The ``SpillIOError`` for a request of ``rec`` past ``io_timeout_s``."""
-        slot = rec.slot
-        where = "?" if slot is None else f"{slot.file.name} at offset {slot.offset}"
-        return SpillIOError(f"ssdtrain: {what} record {rec!r} ({where}) did not finish within "
-                            f"io_timeout_s={self.cfg.io_timeout_s} s{tail}",
-                            filename=None if slot is None else slot.file.directory)
+                raise timeout_error(rec, "I/O of", f" while waiting for I/O in flight (wait() or "
+                                    f"close()); {len(not_done)} request(s) still in flight. The "
+                                    f"device may be hung or overloaded.", self.cfg.io_timeout_s)
 
     def _in_flight_locked(self, start=True):
         """``[(record, future)]`` of the requests not done; completes the done ones (their
@@ -1266,6 +1044,13 @@ class Store:
 
 def _nothing():
     pass
+
+
+def _weakly(method):
+    """``method`` (a bound method of the store) called through a weak reference: what a
+    collaborator is given so that it keeps no store alive (NOTE [ The store's paths ])."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 def _completions(ref):

@@ -10,9 +10,11 @@ store's :class:`~ssdtrain._events.Events` (NOTE [ One event, one error ] in _eve
 
 import errno as _errno
 import functools
+import logging
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as _wait_futures
 
 from . import _checksum, _trace
 from ._errors import SSDTrainError, SpillIOError
@@ -21,6 +23,8 @@ from ._policy import KEEP_QUOTA, slot_bound
 from ._records import State, inplace_error, swapped_error
 from ._spill import BLOCK
 from .io.base import then
+
+log = logging.getLogger("ssdtrain")
 
 
 class WritePath:
@@ -299,6 +303,36 @@ class WritePath:
         finally:
             span.__exit__(None, None, None)
             self.stats.write_stall_seconds += time.perf_counter() - t0
+
+    def await_retiring(self, locked, settle):
+        """``max_spill_bytes``: a record whose graph is gone keeps its slot reservation
+        until its write lands. A pass that began while a slow disk still had the last
+        step's writes in flight would decide at pack (INV-DECIDED) against reservations
+        about to go: it would keep (or, with ``on_spill_full="raise"``, fail) records a
+        prompt disk writes. Wait for those writes first (the limit is a hard bound on the
+        spill files, so their slots cannot be counted free before they are), so what a
+        step decides does not depend on I/O timing. Costs a scan of the records at a
+        step's start (as the sweep does), and a wait only when the disk lags a step.
+
+        ``Store.begin_pass`` calls it, before the pass's locked region, with the store's
+        ``_locked`` (as :meth:`throttle`) and ``_settle`` (the completions of those
+        writes free their records, and the reservations with them).
+        """
+        futs = locked(self._retiring_locked)
+        if futs:
+            _, not_done = _wait_futures(futs, timeout=self.cfg.io_timeout_s)
+            settle()
+            if not_done:
+                log.warning("ssdtrain: %d write(s) of freed records were still in flight after "
+                            "io_timeout_s=%s s at the start of a forward pass; this pass's "
+                            "max_spill_bytes decisions count their slots as used.",
+                            len(not_done), self.cfg.io_timeout_s)
+
+    def _retiring_locked(self):
+        """The futures of the writes of records whose handles are all gone and that hold
+        a slot reservation (``await_retiring``)."""
+        return [r.future for group in self._table.registry.values() for r in group
+                if r.reserved and not r.tokens and r.future is not None]
 
     def _throttled_locked(self, raise_event_locked):
         """``(done, oldest WRITING record, its future)`` for the throttle; completes the

@@ -246,13 +246,13 @@ class Offloader:
             host = config.host_budget_bytes
             self._auto = AutoQuota(
                 config.max_slowdown,
-                (lambda nbytes: store.time_io(nbytes, repeats=2)) if spill.files else None,
+                (lambda nbytes: store.probe.time_io(nbytes, repeats=2)) if spill.files else None,
                 self._stats, window_bytes=config.prefetch_bytes,
                 tail_bytes=config.keep_tail_bytes,
                 copy_probe=None if host is None else
-                (lambda nbytes: store.time_copies(nbytes, repeats=2)),
-                host_bytes=host or 0, sync=store.synchronize_devices,
-                headroom=store.headroom)
+                (lambda nbytes: store.probe.time_copies(nbytes, repeats=2)),
+                host_bytes=host or 0, sync=store.probe.synchronize_devices,
+                headroom=store.probe.headroom)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):

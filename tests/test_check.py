@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ssdtrain
-from ssdtrain import _store
+from ssdtrain._prefetch import ReadPath
 from ssdtrain.check import EXIT_MISMATCH, EXIT_UNDECIDED, check_model
 from ssdtrain.io import faulty
 
@@ -69,7 +69,7 @@ def test_catches_a_view_at_the_wrong_offset(spill_dir, monkeypatch):
     """A store that rebuilds an unpacked view one element off (the class of bug that
     views over a shared storage invite) is caught."""
     model, inputs = _mlp()
-    real = _store.Store._use_locked
+    real = ReadPath.use_locked
 
     def shifted(self, rec, handle):
         view = real(self, rec, handle)
@@ -83,7 +83,7 @@ def test_catches_a_view_at_the_wrong_offset(spill_dir, monkeypatch):
                                                          view.shape, view.stride())
         # The view covers its storage: the same wrong bytes, each element its neighbour's.
         return view.flatten().roll(-1).view(view.shape)
-    monkeypatch.setattr(_store.Store, "_use_locked", shifted)
+    monkeypatch.setattr(ReadPath, "use_locked", shifted)
     result = check_model(model, inputs, spill_dir=str(spill_dir))
     assert not result.exact and result.exit_status == EXIT_MISMATCH, result.report()
     assert result.mismatches

@@ -286,7 +286,7 @@ def test_fault_injection_takes_the_production_crc_path(make_offloader, monkeypat
 
 # ------------------------------------------------ NOTE [ Memory owned by requests ]
 def test_the_bandwidth_probe_keeps_its_buffer_and_slot_past_a_timeout(make_offloader):
-    """The adaptive policy's bandwidth probe goes through the store (``Store.time_io``):
+    """The adaptive policy's bandwidth probe goes through the store's probe (``Probe.time_io``):
     a write past ``io_timeout_s`` raises an ssdtrain error, keeps its buffer (owned by
     the request) and its disk slot until it really ends; then the slot is freed."""
     import ssdtrain
@@ -316,7 +316,7 @@ def test_engine_requests_are_made_only_where_they_own_their_memory():
     only, each of which hands the request the memory it uses (``_owning``)."""
     allowed = {("ssdtrain/_writeback.py", "WritePath.submit_write"),
                ("ssdtrain/_prefetch.py", "ReadPath.submit_read"),
-               ("ssdtrain/_store.py", "Store._submit_probe")}
+               ("ssdtrain/_probe.py", "Probe.submit")}
     found = set()
     for path in SOURCES:
         rel = str(path.relative_to(ROOT))

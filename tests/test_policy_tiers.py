@@ -8,7 +8,7 @@ the axes: each policy x each tier layout x host and (loopback) device tensors, f
 steps each (past ``auto``'s baseline and first quotas), gradients bitwise those of no
 offloading at every step, the store's invariants after each.
 
-Then the host tier as ``auto`` sees it: its copies are probed (``Store.time_copies``),
+Then the host tier as ``auto`` sees it: its copies are probed (``Probe.time_copies``),
 the quota is priced at their bandwidth, and on a device the baseline's forward is timed
 with the device waited for (kernels are asynchronous: the host's clock sees launches).
 Last, ``policy="static"`` says (once) when a step spends a quarter of its time waiting on
@@ -95,18 +95,18 @@ def test_auto_with_the_host_tier_alone_prices_its_copies(make_offloader):
     dev = LoopbackDevice(claim_host_tensors=True)
     off = _make(make_offloader, "auto", "host", "loopback", dev)
     probed = []
-    real = off._store.time_copies
+    real = off._store.probe.time_copies
 
     def probe(nbytes, repeats):
         probed.append(nbytes)
         return real(nbytes, repeats)
-    off._store.time_copies = probe
+    off._store.probe.time_copies = probe
     try:
         for _ in range(WARMUP):
             assert_same(ref, run_step(model, inputs, off))
         copies = dict(dev.copies)
         ctl = off._auto
-        ctl._copy_probe = lambda n: (n / 1e12, n / 1e12) if off._store.time_copies(n, 2) \
+        ctl._copy_probe = lambda n: (n / 1e12, n / 1e12) if off._store.probe.time_copies(n, 2) \
             else None  # probed for real, priced as a fast link so the quota is > 0
         loaded = 0
         for _ in range(3):
@@ -147,11 +147,11 @@ def test_time_copies_goes_out_and_back_on_the_copy_streams(make_offloader):
     dev = LoopbackDevice(claim_host_tensors=True)
     off = _make(make_offloader, "static", "host", "loopback", dev)
     try:
-        assert off._store.time_copies(MiB, 2) is None  # no device tensor seen yet
+        assert off._store.probe.time_copies(MiB, 2) is None  # no device tensor seen yet
         model, inputs = models.mlp()
         run_step(model, inputs, off)
         before = dict(dev.copies)
-        out_s, in_s = off._store.time_copies(MiB, 3)
+        out_s, in_s = off._store.probe.time_copies(MiB, 3)
         assert dev.copies["d2h"] - before.get("d2h", 0) == 3
         assert dev.copies["h2d"] - before.get("h2d", 0) == 3
         assert 0 < out_s < float("inf") and 0 < in_s < float("inf")
@@ -162,7 +162,7 @@ def test_time_copies_goes_out_and_back_on_the_copy_streams(make_offloader):
     plain = make_offloader(min_tensor_bytes=4096)
     attach(plain, LoopbackDevice(claim_host_tensors=True))
     run_step(*models.mlp(), plain)
-    assert plain._store.time_copies(MiB, 2) is None
+    assert plain._store.probe.time_copies(MiB, 2) is None
 
 
 class _Stats:
@@ -387,7 +387,7 @@ def test_invariants_hold_while_a_bandwidth_probe_is_in_flight(make_offloader):
     off = make_offloader(engine="posix", io_timeout_s=30)
     engine = manual_engine.install(off)
     done = []
-    t = threading.Thread(target=lambda: done.append(off._store.time_io(MiB, repeats=1)))
+    t = threading.Thread(target=lambda: done.append(off._store.probe.time_io(MiB, repeats=1)))
     t.start()
     try:
         for _ in range(500):
