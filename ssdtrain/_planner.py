@@ -121,7 +121,10 @@ gradient temporaries, they are memory of the step, not saved activations
 (``examples/step_worker.py`` measures them in what the process holds besides
 the activations). The window may overshoot ``prefetch_bytes`` by less than one
 record, and the throttle may let one record more be in flight: both are left to
-the caller's reserve. The previous model counted the head's records and two
+the caller's reserve; so are forward's writes a disk slower than the profile measured
+has not finished when backward begins (the timeline has no latency: they overlap the
+head's backward window; ``test_offload_plan_predicts_at_least_what_it_holds`` lets
+them end first). The previous model counted the head's records and two
 prefetch windows (in use and idle) at every moment, so at micro-batch 16 of
 ``examples/microbatch_sweep.py`` it predicted 81 MiB for its least-memory plan
 while static ssdtrain, which offloads everything, held about 41.
