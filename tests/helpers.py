@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import random
+import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -210,3 +213,53 @@ def weekly_shard(count: int, *switches: str, today: datetime.date | None = None)
     every = any(os.environ.get(name) == "1" for name in names)
     switch = " or ".join(f"{name}=1" for name in dict.fromkeys((*switches, ALL_SHARDS_ENV)))
     return WeeklyShard(count, None if every else week % count, week, switch)
+
+
+# ------------------------------------------------------ process groups in the tests
+def free_port() -> int:
+    """A TCP port for a process group's rendezvous, chosen below the kernel's ephemeral
+    range: a port bound to 0, closed, then bound again by a rank can meanwhile be taken
+    as the source port of any outgoing connection (gloo's ranks, another xdist
+    worker's), which failed CI with EADDRINUSE; below the range only another listener
+    can take it."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randrange(max(1024, low - 12000), max(1025, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn, args, nprocs, timeout_s, what="ranks", attempts=3) -> None:
+    """``fn(rank, port, *args)`` on ``nprocs`` spawned processes, joined within
+    ``timeout_s``; a rendezvous whose port another listener took first (EADDRINUSE) is
+    run again on a new port, up to ``attempts`` times. Any other failure raises."""
+    import torch.multiprocessing as mp
+    for attempt in range(attempts):
+        ctx = mp.start_processes(fn, args=(free_port(), *args), nprocs=nprocs, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{what} still running after {timeout_s} s")
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == attempts - 1:
+                raise
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()

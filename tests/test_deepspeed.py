@@ -39,6 +39,7 @@ from torch import nn  # noqa: E402
 deepspeed = pytest.importorskip("deepspeed")
 
 import ssdtrain  # noqa: E402
+from helpers import free_port  # noqa: E402
 from ssdtrain.integrations import deepspeed as ssd_deepspeed  # noqa: E402
 from ssdtrain.integrations.distributed import rank_subdir_name  # noqa: E402
 
@@ -80,12 +81,6 @@ def deepspeed_cpu():
             yield
         finally:
             torch.nn.functional.linear = linear
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from helpers import spawn_ranks
 
 pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed: pip install megatron-core==0.16.1")
@@ -192,28 +192,12 @@ def _pipeline_rank(rank, port, out_dir, spill_base, prefetch_bytes):
 
 # ------------------------------------------------------------------ the test process
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(tmp_path, prefetch_bytes, timeout_s=300):
     out_dir, spill_base = tmp_path / "out", tmp_path / "spill"
     out_dir.mkdir()
     spill_base.mkdir()
-    ctx = mp.start_processes(_pipeline_rank, args=(_free_port(), str(out_dir), str(spill_base),
-                                                   prefetch_bytes),
-                             nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"pipeline ranks still running after {timeout_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_pipeline_rank, (str(out_dir), str(spill_base), prefetch_bytes), WORLD,
+                timeout_s, what="pipeline ranks")
     return [torch.load(out_dir / f"{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

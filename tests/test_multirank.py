@@ -16,13 +16,12 @@ import dataclasses
 import os
 import socket
 import stat
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ssdtrain
+from helpers import spawn_ranks
 from ssdtrain.integrations.distributed import (rank_identity, rank_spill_dir, rank_subdir_name,
                                                summarize)
 
@@ -161,29 +160,13 @@ def _deepspeed_rank(rank, port, out_dir, spill_base):
     torch.distributed.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(fn, tmp_path, timeout_s=300):
     """Run ``fn(rank, port, out_dir, spill_base)`` on WORLD spawned processes, each saving
     its results to ``out_dir/<rank>.pt``; returns them and ``spill_base``."""
     out_dir, spill_base = tmp_path / "out", tmp_path / "spill"
     out_dir.mkdir()
     spill_base.mkdir()
-    ctx = mp.start_processes(fn, args=(_free_port(), str(out_dir), str(spill_base)),
-                             nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"ranks still running after {timeout_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(fn, (str(out_dir), str(spill_base)), WORLD, timeout_s)
     results = [torch.load(out_dir / f"{r}.pt", weights_only=False) for r in range(WORLD)]
     return results, spill_base
 
