@@ -23,11 +23,15 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
 0. *Fit first.* The first step (``SIZING_STEPS``) has no quota: it offloads every
    eligible tensor and waits for writes as ``"static"`` does, so a model that fits
    with ssdtrain fits from its first step. At the end of every forward the memory the
-   saved tensors live in is read (:meth:`Probe.headroom` in _probe.py: the device's free
-   memory, the caching allocator's unused blocks included, or the host's available memory):
-   a step that offloaded ``o`` bytes and left ``free`` of ``total`` could have kept
+   saved tensors live in is read (:meth:`Store.headroom`: the device's free memory,
+   the caching allocator's unused blocks included, or the host's available memory,
+   plus the bytes whose write or copy out is decided but not ended, which leave
+   memory without the floor's help; :meth:`Probe.headroom` in _probe.py): a step
+   that offloaded ``o`` bytes and left ``free`` of ``total`` could have kept
    ``free - MEMORY_RESERVE * total`` (10%) more, so every later step offloads at least
-   ``o + MEMORY_RESERVE * total - free``: the *memory floor*. It only rises (memory
+   ``o + MEMORY_RESERVE * total - free``, and where that is above 0
+   ``write_behind_bytes`` more (the throttle, on again under a floor, lets that much
+   be in flight, in memory still): the *memory floor*. It only rises (memory
    taken later, an optimizer's state at its first step, stays taken). While it is
    above 0, forward waits for writes past ``write_behind_bytes`` again (the floor's
    bytes must leave memory, not only be decided: :attr:`AutoQuota.waits_for_writes`),
@@ -90,9 +94,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-__all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "next_scale", "probe_bytes",
-           "SIZING_STEPS", "BASELINE_STEPS", "MEMORY_RESERVE", "SAFETY", "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE",
-           "RETRY_STEPS"]
+__all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "next_scale",
+           "probe_bytes", "SIZING_STEPS", "BASELINE_STEPS", "MEMORY_RESERVE", "SAFETY",
+           "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE", "RETRY_STEPS"]
 
 MiB = 1 << 20
 SIZING_STEPS = 1       # steps that first offload every eligible tensor (as "static")
@@ -187,8 +191,9 @@ class AutoQuota:
         host_bytes: the host tier's budget (``host_budget_bytes``).
         sync: waits for the devices' queued work; whether there was a device (the
             baseline steps' forward is timed with it, step 1).
+        write_behind_bytes: the write throttle's limit, in force under a floor.
         headroom: ``() -> (free, total)`` bytes of the memory the saved tensors live in
-            (:meth:`Probe.headroom` in _probe.py), read at each forward's end: the memory
+            (:meth:`Store.headroom`), read at each forward's end: the memory
             floor.
     """
 
@@ -198,7 +203,8 @@ class AutoQuota:
                  window_bytes: Optional[int] = None, tail_bytes: int = 0,
                  copy_probe: Optional[Callable[[int], Optional[Tuple[float, float]]]] = None,
                  host_bytes: int = 0, sync: Optional[Callable[[], bool]] = None,
-                 headroom: Optional[Callable[[], Optional[Tuple[int, int]]]] = None):
+                 headroom: Optional[Callable[[], Optional[Tuple[int, int]]]] = None,
+                 write_behind_bytes: int = 0):
         self.max_slowdown = max_slowdown
         self.window_bytes = window_bytes
         self.tail_bytes = tail_bytes
@@ -209,6 +215,7 @@ class AutoQuota:
         self._clock = clock
         self._sync = sync
         self._headroom = headroom
+        self.write_behind_bytes = write_behind_bytes
         self._room = None                 # headroom at the running step's forward end
         self.floor = 0                    # the least quota that fits (the memory floor)
         self._floor_text = ""
@@ -315,12 +322,16 @@ class AutoQuota:
     def _raise_floor(self, sample: StepSample) -> None:
         """The memory floor (NOTE [ The offload quota ], step 0): a step that offloaded
         ``o`` bytes and left ``free`` of ``total`` at its forward's end could have kept
-        ``free - MEMORY_RESERVE * total`` more; the next steps offload at least the rest.
-        It only rises (memory taken later, an optimizer's state, stays taken)."""
+        ``free - MEMORY_RESERVE * total`` more; the next steps offload at least the rest,
+        and ``write_behind_bytes`` besides: under a floor the throttle is on again, and
+        lets that much be in flight, still in memory. It only rises (memory taken later,
+        an optimizer's state, stays taken)."""
         if sample.room is None:
             return
         free, total = sample.room
         need = int(sample.offloaded_bytes + MEMORY_RESERVE * total - free)
+        if need > 0:
+            need += self.write_behind_bytes
         if need > self.floor:
             self.floor = need
             self._floor_text = (

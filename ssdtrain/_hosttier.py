@@ -93,21 +93,36 @@ __all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit", "mem
 _UNLIMITED_CGROUP = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded LONG_MAX
 
 
+def _cgroup(cgroup_root: str):
+    """``(limit, usage)`` of the first cgroup interface found (v2 ``memory.max``, else
+    v1 ``memory/memory.limit_in_bytes``): ``limit`` None where it says "no limit",
+    ``usage`` None where it cannot be read; ``(None, None)`` without either."""
+    for cap, used in (("memory.max", "memory.current"),
+                      (os.path.join("memory", "memory.limit_in_bytes"),
+                       os.path.join("memory", "memory.usage_in_bytes"))):
+        try:
+            with open(os.path.join(cgroup_root, cap)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        # "max", or v1's page-rounded LONG_MAX: no limit
+        limit = int(text) if text.isdigit() and int(text) < _UNLIMITED_CGROUP else None
+        try:
+            with open(os.path.join(cgroup_root, used)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            usage = None
+        return limit, usage  # the first interface found speaks for the cgroup
+    return None, None
+
+
 def memory_limit(cgroup_root: str = "/sys/fs/cgroup") -> int:
     """The most memory this process may use: the cgroup's limit (v2 ``memory.max``, v1
     ``memory/memory.limit_in_bytes``) if there is one, else the machine's RAM, the
     smaller of the two."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for name in ("memory.max", os.path.join("memory", "memory.limit_in_bytes")):
-        try:
-            with open(os.path.join(cgroup_root, name)) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < _UNLIMITED_CGROUP:
-            return min(ram, int(text))
-        break  # "max", or v1's "unlimited": the first file found speaks for the cgroup
-    return ram
+    limit, _ = _cgroup(cgroup_root)
+    return ram if limit is None else min(ram, limit)
 
 
 def memory_available(cgroup_root: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo"):
@@ -125,19 +140,9 @@ def memory_available(cgroup_root: str = "/sys/fs/cgroup", meminfo: str = "/proc/
                     break
     except (OSError, ValueError, IndexError):
         pass
-    for cap, used in (("memory.max", "memory.current"),
-                      (os.path.join("memory", "memory.limit_in_bytes"),
-                       os.path.join("memory", "memory.usage_in_bytes"))):
-        try:
-            with open(os.path.join(cgroup_root, cap)) as f:
-                text = f.read().strip()
-            with open(os.path.join(cgroup_root, used)) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if text.isdigit() and int(text) < _UNLIMITED_CGROUP:
-            available = min(available, max(0, int(text) - usage))
-        break
+    cap, usage = _cgroup(cgroup_root)
+    if cap is not None and usage is not None:
+        available = min(available, max(0, cap - usage))
     return available, limit
 
 

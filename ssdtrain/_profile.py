@@ -676,9 +676,9 @@ def measure_bandwidth(store, nbytes=64 << 20, repeats=2):
 
     One slot of the first spill file, written from and read into a page-aligned
     buffer, ``repeats`` times; the best of each is kept (the others met noise). The
-    store's probe makes the requests (``Probe.time_io`` in _probe.py): they own their buffer and slot, so a
-    request still running after ``io_timeout_s`` never writes into freed memory or a
-    reused slot (NOTE [ Memory owned by requests ] in _store.py).
+    store's probe makes the requests (``Probe.time_io`` in _probe.py): they own their
+    buffer and slot, so a request still running after ``io_timeout_s`` never writes into
+    freed memory or a reused slot (NOTE [ Memory owned by requests ] in _store.py).
 
     Returns:
         ``(write_bytes_per_s, read_bytes_per_s)``.

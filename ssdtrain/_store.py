@@ -30,10 +30,11 @@ budget's verdicts and its wait at a pass's start, keeping and failing a record; 
 write-behind limit and the throttle), ``ReadPath`` (``Store._reads``, _prefetch.py: the
 pass queues, prefetch, reads, dropping read copies, unpack of a record not in memory)
 and ``HostTier`` (``Store._tier``, _hosttier.py: admission, copies to RAM and back,
-evictions to the SSD). The write path and the tier call each other (an eviction is a write; a copy to RAM is started and completed where
-writes are): the store sets ``WritePath.tier`` once both exist, to a weak proxy of the
-tier (a strong one would make a cycle holding the record table, and the records'
-memory would wait for the garbage collector). The store keeps what takes or spans the
+evictions to the SSD). The write path and the tier call each other (an eviction is a
+write; a copy to RAM is started and completed where writes are): the store sets
+``WritePath.tier`` once both exist, to a weak proxy of the tier (a strong one would
+make a cycle holding the record table, and the records' memory would wait for the
+garbage collector). The store keeps what takes or spans the
 lock: the hooks, the inbox and its drain, the passes' boundaries, flush, close, fork
 and repair; every path method ending in ``_locked`` runs under it. A path that waits
 outside the lock and takes it between waits (the throttle, ``WritePath.throttle``;
@@ -887,6 +888,14 @@ class Store:
         still be in flight: never reused)."""
         files = self.spill.files
         return [q[3] for q in _QUARANTINE if q[3] is not None and q[3].file in files]
+
+    def headroom(self):
+        """``(free, total)`` for ``policy="auto"``'s memory floor (NOTE [ The offload
+        quota ] in _auto.py): :meth:`Probe.headroom`, with the bytes decided to leave
+        memory whose request has not ended counted as free (a slow disk's writes at
+        forward's end are the write throttle's matter, not memory the floor must free)."""
+        free, total = self.probe.headroom()
+        return free + self._locked(self._table.leaving_bytes), total
 
     def check_invariants(self):
         """Raise ``AssertionError`` if an aggregate disagrees with the records (tests): the

@@ -229,6 +229,13 @@ class RecordTable:
             self.stats.peak_resident_bytes = self.resident
 
     # ---------------------------------------------------------------- repair
+    def leaving_bytes(self) -> int:
+        """Bytes in memory that requests already decided will free: the due writes, and
+        those in flight out of memory (a write, or a copy to the host tier; not an
+        eviction from RAM, whose bytes are in host memory already)."""
+        return self.due_bytes + sum(r.nbytes for r in self.writing
+                                    if r.state is not State.SPILLING)
+
     def recount(self, recs):
         """Recompute every aggregate from ``recs`` (every registered record), and clear
         the per-record flags their state may not hold."""

@@ -80,7 +80,7 @@ def test_every_policy_with_every_tier_is_exact_over_steps(policy, tier, device,
             assert st.bytes_written == 0  # no SSD tier: nothing touches a disk
         if policy == "auto":
             assert st.offload_quota_reason  # it says why, whatever it chose
-        if policy == "static" and not (tier == "host" and device == "cpu"):
+        if not (tier == "host" and device == "cpu"):  # (auto: its sizing step at least)
             assert st.offloaded_bytes > 0
     finally:
         off.close()
@@ -310,16 +310,17 @@ def _device_chain(off, dev, k, n):
 
 
 def test_auto_offloads_at_least_what_must_leave_memory_to_fit(make_offloader):
-    """A device of 10 N bytes, a forward that saves 16 tensors of N bytes. Without the
+    """A device of 12 N bytes, a forward that saves 16 tensors of N bytes. Without the
     floor the baseline steps (quota 0) keep all 16 N and the device runs out of memory
     (``torch.OutOfMemoryError`` from its allocator); with it, the sizing step offloads
-    everything, learns how much must leave (16 N + 10% of 10 N - the free memory at its
-    forward's end) and every later step offloads at least that much, waiting for the
-    writes as "static" does, within the device's capacity."""
+    everything, learns how much must leave (16 N + 10% of 12 N - the memory free at its
+    forward's end, plus the N the throttle lets be in flight) and every later step
+    offloads at least that much, waiting for the writes as "static" does, within the
+    device's capacity."""
     n, k = 64 * KiB, 16
-    dev = LoopbackDevice(capacity=10 * n)
+    dev = LoopbackDevice(capacity=12 * n)
     off = make_offloader(policy="auto", min_tensor_bytes=4096, keep_tail_bytes=0,
-                         write_behind_bytes=2 * n, prefetch_bytes=2 * n)
+                         write_behind_bytes=n, prefetch_bytes=2 * n)
     attach(off, dev)
     quotas = []
     for _ in range(WARMUP + 3):
@@ -337,12 +338,12 @@ def test_memory_floor_rises_with_the_memory_taken_and_never_falls():
     """(free, total) at each forward's end, total 1000 and a 10% reserve: the sizing step
     offloaded 400 and left 900 free, the baseline steps keep everything (500 free: fits);
     then something else takes memory (an optimizer's state at its first step: 50 free)
-    and the floor rises to what must leave (100 - 50); memory freed later does not lower
-    it."""
+    and the floor rises to what must leave (100 - 50) and the 20 the write throttle lets
+    be in flight; memory freed later does not lower it."""
     now, stats = [0.0], _Stats()
     rooms = iter([(900, 1000), (500, 1000), (50, 1000), (950, 1000), (950, 1000)])
     ctl = AutoQuota(0.03, lambda n: (n / 1e9, n / 1e9), stats, clock=lambda: now[0],
-                    headroom=lambda: next(rooms))
+                    headroom=lambda: next(rooms), write_behind_bytes=20)
     floors, quotas = [], []
     for _ in range(5):
         q = ctl.begin_step()
@@ -353,9 +354,9 @@ def test_memory_floor_rises_with_the_memory_taken_and_never_falls():
         now[0] += 0.1
         floors.append(ctl.floor)
     ctl.begin_step()
-    assert floors == [0, 0, 0, 50, 50]  # (each step observed at the next begin)
-    assert quotas[:3] == [None, 0, 0] and quotas[3] >= 50 and ctl.quota >= 50
-    assert ctl.floor == 50 and ctl.waits_for_writes
+    assert floors == [0, 0, 0, 70, 70]  # (each step observed at the next begin)
+    assert quotas[:3] == [None, 0, 0] and quotas[3] >= 70 and ctl.quota >= 70
+    assert ctl.floor == 70 and ctl.waits_for_writes
 
 
 def test_gpu_smoke_auto_mode_is_auto_with_both_tiers_and_run_only_when_named(spill_dir):
@@ -404,3 +405,49 @@ def test_invariants_hold_while_a_bandwidth_probe_is_in_flight(make_offloader):
                 break
     assert done and not t.is_alive()
     off._store.check_invariants()
+
+
+def test_writes_a_slow_disk_has_not_finished_do_not_raise_the_floor(make_offloader):
+    """A device of 24 N: keeping all 16 N saved leaves 8 N free, above the 10% reserve,
+    so nothing must leave memory. Every write completes 0.3 s late, so at the sizing
+    step's forward end (no throttle within 1 GiB) all 16 N are still in device memory,
+    and 8 N are free: counting them as memory taken set a floor of 10.4 N, and every
+    later step offloaded it with forward waiting on the disk. Bytes whose write is
+    decided count as free (they leave without the floor's help): the floor stays 0."""
+    import late_io
+    n, k = 64 * KiB, 16
+    dev = LoopbackDevice(capacity=24 * n)
+    off = make_offloader(policy="auto", min_tensor_bytes=4096, keep_tail_bytes=0,
+                         prefetch_bytes=2 * n)
+    attach(off, dev)
+    off.wrap_engine(lambda engine: late_io.LateEngine(engine, 0.3))
+    quotas = []
+    for _ in range(WARMUP):
+        _device_chain(off, dev, k, n)
+        off.wait()  # the late writes hold their tensors; not into the next step
+        quotas.append(off.stats().offload_quota_bytes)
+    st = off.stats()
+    assert quotas[0] is None and quotas[SIZING_STEPS:] == [0] * BASELINE_STEPS
+    assert off._auto.floor == 0 and not off._auto.waits_for_writes
+    assert st.offloaded_bytes == k * n                 # the sizing step wrote every one
+    assert dev.peak_allocated <= dev.capacity and not dev.errors
+
+
+def test_host_memory_available_is_the_least_of_the_cgroup_and_the_kernel(tmp_path):
+    """The memory floor of host tensors (``_hosttier.memory_available``): a cgroup's limit
+    less its usage, never more than ``MemAvailable``; without a cgroup, the kernel's."""
+    import os
+
+    from ssdtrain._hosttier import memory_available
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 1 kB\nMemAvailable:   10485760 kB\n")  # 10 GiB
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.max").write_text(f"{1 << 30}\n")
+    (cg / "memory.current").write_text(f"{600 * MiB}\n")
+    assert memory_available(str(cg), str(meminfo)) == (min(424 * MiB, ram),
+                                                       min(1 << 30, ram))
+    (cg / "memory.max").write_text("max\n")      # no limit: the kernel's word
+    assert memory_available(str(cg), str(meminfo)) == (min(10 << 30, ram), ram)
+    assert memory_available(str(tmp_path / "none"), str(tmp_path / "no-meminfo")) == (ram, ram)
