@@ -218,6 +218,9 @@ def test_rule5_loads_are_allocated_for_the_compute_stream(dev, make_offloader):
     assert off.stats().bytes_read == k * N * 4
     loads = [s for s, n in dev.allocations[k:] if n == N * 4]
     assert len(loads) == k and all(s is dev.default_stream for s in loads), loads
+    # A freed load is reusable once the prefetch stream ran what was queued on it when
+    # it was freed (record_stream); under load that stream's thread may not have yet.
+    dev.synchronize()
     reserved = dev.reserved
     again = [dev.alloc((N,)) for _ in range(k)]
     assert dev.reserved == reserved, "the loads' blocks were not reused by the compute stream"
