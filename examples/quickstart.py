@@ -51,8 +51,9 @@ def main():
     spill_dir = args.spill_dir or tempfile.mkdtemp(prefix="ssdtrain-demo-")
 
     ref, ref_params = train(args.steps, cfg, args.batch_size)
-    # policy="static": every step offloads (the default, "auto", measures two steps first
-    # and offloads only what the disk absorbs in time; docs/guide.md).
+    # policy="static": every step offloads (the default, "auto", offloads as much after
+    # its first step only where memory needs it or the disk absorbs it in time;
+    # docs/guide.md).
     off = ssdtrain.Offloader(spill_dir=spill_dir, policy="static", min_tensor_bytes="64KiB",
                              keep_tail_bytes="8MiB", prefetch_bytes="16MiB")
     got, params = train(args.steps, cfg, args.batch_size, off)

@@ -234,7 +234,8 @@ def run(args, spill, with_ssdtrain, data):
                              pin_memory=False):
         model = _model(args)
     if with_ssdtrain:
-        # policy "static": every step offloads (the default measures two steps first)
+        # policy "static": every step offloads (the default, "auto", only what the disk
+        # absorbs in time or memory needs)
         config["ssdtrain"] = {"spill_dir": act_dir, "policy": "static", "keep_tail_bytes": 0,
                               "min_tensor_bytes": 4096}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -2,7 +2,7 @@
 
 NOTE [ The offload quota ]
 
-With ``policy="auto"`` (opt-in) each step (a forward pass and everything until the
+With ``policy="auto"`` (the default) each step (a forward pass and everything until the
 next one begins) runs with an offload *quota*: a byte count fixed when the step begins.
 Its records are decided as the static policy decides them (NOTE [ The pack decision ] in
 ``_policy.py``), except that once the bytes decided to be written would exceed the quota,

@@ -266,24 +266,26 @@ class OffloadConfig:
     in :attr:`Stats.over_budget_bytes`; a warning is logged once per offloader) or
     ``"raise"`` a :class:`~ssdtrain.SpillIOError` (errno ``ENOSPC``), like a failed
     write: at the next pack, or at the end of forward. Default ``"keep"``."""
-    policy: str = "static"
+    policy: str = "auto"
     """``"auto"``: each step offloads what the disk can write during forward and read
     back during backward without slowing the step by more than ``max_slowdown``, and
     keeps the rest; the amount (a byte quota per step, the earliest-saved records first)
     is chosen from what earlier steps measured: the step's times, the bytes it saves,
     the disk's bandwidth (probed once) and whether a step was slowed (docs/guide.md,
-    "How policy='auto' decides"). The first two steps offload nothing (they measure), and
-    forward never waits for a write (``write_behind_bytes`` is not used). ``"static"``:
-    every eligible saved tensor is offloaded, the last ``keep_tail_bytes`` of forward stay
-    in memory: the most memory saved, whatever it costs in time. ``"adaptive"``: after
+    "How policy='auto' decides"). It fits first: the first step offloads as ``"static"``
+    does, and every later step at least what must leave memory for 10% of it to stay
+    free (the memory floor, read at each forward's end); the next two steps measure at
+    that floor. Forward waits for writes (``write_behind_bytes``) only while the floor is
+    above 0. ``"static"``: every eligible saved tensor is offloaded at every step, the
+    last ``keep_tail_bytes`` of forward stay in memory: the most memory saved, whatever
+    it costs in time (a warning, once, when a step spent a quarter of its time waiting
+    on the SSD). ``"adaptive"``: after
     :meth:`~ssdtrain.Offloader.track`, the first ``profile_steps`` steps are profiled
     (per layer: saved bytes, forward and backward time; the engine's write and read
     bandwidth), then one step with every layer recomputed (compute-only times), then
     each layer is kept, offloaded or recomputed (non-reentrant checkpointing) to
     minimise the predicted step time within ``memory_budget_bytes``
-    (docs/planner.md); needs ``memory_budget_bytes``. Default ``"static"`` (``"auto"``
-    becomes the default once measured where the disk is the bottleneck on a GPU:
-    docs/accelerator_regime.md)."""
+    (docs/planner.md); needs ``memory_budget_bytes``. Default ``"auto"``."""
 
     max_slowdown: float = 0.03
     """With ``policy="auto"``: how much slower than without offloading a step may be,
@@ -371,8 +373,8 @@ class OffloadConfig:
         elif self.policy == "adaptive":
             raise ConfigError("ssdtrain: policy='adaptive' needs memory_budget_bytes (the most "
                               "bytes of activations the plan may keep in memory), e.g. "
-                              "memory_budget_bytes='2GiB'; or use policy='static' (the default) "
-                              "or 'auto'.")
+                              "memory_budget_bytes='2GiB'; or use policy='auto' (the default) "
+                              "or 'static'.")
         if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, int) \
                 or not 1 <= self.profile_steps <= 1000:
             raise ConfigError(f"ssdtrain: profile_steps must be an int in [1, 1000], got "

@@ -37,10 +37,10 @@ def spill_dir(tmp_path):
 def make_offloader(spill_dir):
     """``make_offloader(**overrides)``: an Offloader on ``spill_dir``, closed at teardown.
 
-    Its policy is ``"static"`` (the default) unless given: the tests that use it are
-    about the offload machinery (records written, read back, failures), which
-    ``policy="auto"`` only uses after its baseline steps and within its quota (tested
-    in tests/test_default_policy.py)."""
+    Its policy is ``"static"`` unless given (the default is ``"auto"``): the tests that
+    use it are about the offload machinery (records written, read back, failures),
+    which ``"auto"`` uses at its first step, then only within its quota (tested in
+    tests/test_default_policy.py and tests/test_policy_tiers.py)."""
     made = []
 
     def make(**overrides):

@@ -72,8 +72,9 @@ def _step(off):
 def _offloader(spill_dir):
     # Every record written at once (keep_tail_bytes=0), a window of 4 records: backward
     # uses one, the I/O thread reads the next (never below a quarter of the window).
+    # "static": every step writes and reads (the default's second step measures).
     return ssdtrain.Offloader(ssdtrain.OffloadConfig(
-        spill_dir=str(spill_dir), keep_tail_bytes=0, min_tensor_bytes=RECORD,
+        spill_dir=str(spill_dir), policy="static", keep_tail_bytes=0, min_tensor_bytes=RECORD,
         prefetch_bytes=4 * RECORD, engine="posix"))
 
 
