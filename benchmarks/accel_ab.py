@@ -71,7 +71,7 @@ def setup(mode, cfg, budget, spill_dir):
     if mode == "checkpoint":
         model.checkpoint = True
     elif mode == "offload_all":
-        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", keep_tail_bytes=0, **base))
     elif mode == "budget":
         off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
             policy="adaptive", memory_budget_bytes=int(budget), **base))
@@ -82,7 +82,7 @@ def setup(mode, cfg, budget, spill_dir):
             clock = StepClock()
             tools.set_auto_clock(off, clock)
     elif mode != "none":
-        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(keep_tail_bytes=0, **base))
+        off = ssdtrain.Offloader(ssdtrain.OffloadConfig(policy="static", keep_tail_bytes=0, **base))
         off.track(model, list(model.layers))
         off.set_plan(E.plan_for(mode, cfg["shape"]["n_layers"]))
     emu.off = off

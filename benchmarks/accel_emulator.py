@@ -108,7 +108,7 @@ from _common import (  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "accel_emulator.json")
 BASE_MODES = ("none", "checkpoint", "offload_all", "default", "budget")
-# not in the default set: policy="auto" by name (what "default" runs once it is the default)
+# not in the default set: policy="auto" by name (what "default" runs too, now it is the default)
 EXTRA_MODES = ("auto",)
 POLICY_MODES = ("default", "auto", "budget")  # modes whose policy decides: more warm-up
 DEFAULT_SHAPE = dict(n_layers=8, batch=8, seq=512, d_model=256, n_heads=4, mlp_ratio=4,
