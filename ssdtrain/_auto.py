@@ -36,7 +36,8 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    above 0, forward waits for writes past ``write_behind_bytes`` again (the floor's
    bytes must leave memory, not only be decided: :attr:`AutoQuota.waits_for_writes`),
    and a quota the bandwidth bound below would put lower is raised to it, the reason
-   saying that the step may then take longer than the margin.
+   saying that the step may then take longer than the margin (and, the first time, a
+   warning logged: the policy cannot keep the margin, and says so).
 1. *Baseline.* The next ``BASELINE_STEPS`` steps offload nothing (quota 0, or the
    floor) and
    measure the forward time ``F``, the step time ``T`` (begin to next begin) and the
@@ -195,6 +196,9 @@ class AutoQuota:
         headroom: ``() -> (free, total)`` bytes of the memory the saved tensors live in
             (:meth:`Store.headroom`), read at each forward's end: the memory
             floor.
+        warn: called once (a message) the first time the memory floor is above what the
+            tiers absorb in time, so steps may be slower than ``max_slowdown`` allows: the
+            policy cannot do what was asked, and says so (None: nobody is told).
     """
 
     def __init__(self, max_slowdown: float,
@@ -204,7 +208,7 @@ class AutoQuota:
                  copy_probe: Optional[Callable[[int], Optional[Tuple[float, float]]]] = None,
                  host_bytes: int = 0, sync: Optional[Callable[[], bool]] = None,
                  headroom: Optional[Callable[[], Optional[Tuple[int, int]]]] = None,
-                 write_behind_bytes: int = 0):
+                 write_behind_bytes: int = 0, warn: Optional[Callable[[str], None]] = None):
         self.max_slowdown = max_slowdown
         self.window_bytes = window_bytes
         self.tail_bytes = tail_bytes
@@ -216,6 +220,8 @@ class AutoQuota:
         self._sync = sync
         self._headroom = headroom
         self.write_behind_bytes = write_behind_bytes
+        self._warn = warn
+        self.told_floor = False           # warned that the floor is above the time bound
         self._room = None                 # headroom at the running step's forward end
         self.floor = 0                    # the least quota that fits (the memory floor)
         self._floor_text = ""
@@ -354,9 +360,24 @@ class AutoQuota:
             return 0, (f"measuring: step {k} of {BASELINE_STEPS} runs without offloading "
                        f"(the baseline)")
         quota, why = self._choose_for_time()
+        if self.floor > quota and self.floor <= self.bound:
+            return self.floor, f"{self._floor_text}; above the quota for time alone ({why})"
         if self.floor > quota:
-            return self.floor, (f"{self._floor_text}; above what the tiers absorb in time "
-                                f"({why}), so the step may take longer than the margin")
+            why = (f"{self._floor_text}; above what the tiers absorb in time ({why}), so the "
+                   f"step may take longer than the margin")
+            if self._warn is not None and not self.told_floor:
+                self.told_floor = True
+                self._warn(
+                    f"ssdtrain: policy='auto' offloads {self.floor / MiB:.1f} MiB a step so "
+                    f"that the step fits in memory, more than the tiers take and give back in "
+                    f"time ({self.bound / MiB:.1f} MiB), so steps may take more than "
+                    f"max_slowdown={self.max_slowdown:.0%} longer than without offloading. "
+                    f"host_budget_bytes puts host RAM before the SSD; a faster spill_dir, or "
+                    f"one per drive, raises the bandwidth; policy='adaptive' with "
+                    f"memory_budget_bytes recomputes where that is cheaper; a smaller "
+                    f"micro-batch needs less. (Said once per Offloader; "
+                    f"Stats.offload_quota_reason has each step's reason: {why}.)")
+            return self.floor, why
         return quota, why
 
     def _choose_for_time(self):

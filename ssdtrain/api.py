@@ -252,7 +252,8 @@ class Offloader:
                 copy_probe=None if host is None else
                 (lambda nbytes: store.probe.time_copies(nbytes, repeats=2)),
                 host_bytes=host or 0, sync=store.probe.synchronize_devices,
-                headroom=store.headroom, write_behind_bytes=config.write_behind_bytes)
+                headroom=store.headroom, write_behind_bytes=config.write_behind_bytes,
+                warn=log.warning)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):

@@ -451,3 +451,38 @@ def test_host_memory_available_is_the_least_of_the_cgroup_and_the_kernel(tmp_pat
     (cg / "memory.max").write_text("max\n")      # no limit: the kernel's word
     assert memory_available(str(cg), str(meminfo)) == (min(10 << 30, ram), ram)
     assert memory_available(str(tmp_path / "none"), str(tmp_path / "no-meminfo")) == (ram, ram)
+
+
+def test_a_floor_above_what_the_tiers_absorb_in_time_is_said_once():
+    """A policy that cannot do what was asked says so: memory needs 600 of the 1000 MiB
+    a step saves to leave (each MiB offloaded beyond 500 is a MiB free, of 1000), a disk
+    of 1 MB/s absorbs next to nothing in a 0.1 s step, so the quota is the floor, beyond
+    the margin: one warning with the numbers, however many steps; where the floor is
+    within the bound (a fast disk), none."""
+    M = 1 << 20
+
+    def run(disk_bps):
+        now, stats, told, step = [0.0], _Stats(), [], [0]
+        ctl = AutoQuota(0.03, lambda n: (n / disk_bps, n / disk_bps), stats,
+                        clock=lambda: now[0],
+                        headroom=lambda: (max(0, step[0] - 500 * M), 1000 * M),
+                        warn=told.append)
+        quotas = []
+        for _ in range(8):
+            q = ctl.begin_step()
+            quotas.append(q)
+            step[0] = 500 * M if q is None else min(q, 1000 * M)
+            stats.unique_bytes += 1000 * M
+            stats.offloaded_bytes += step[0]
+            now[0] += 0.04   # forward
+            ctl.end_forward()
+            now[0] += 0.06   # backward
+        return ctl, quotas, told
+    ctl, quotas, told = run(1e6)
+    assert ctl.floor == 600 * M and all(q >= 600 * M for q in quotas[1:]), (ctl.floor, quotas)
+    assert len(told) == 1, told
+    assert told[0].startswith("ssdtrain: policy='auto' offloads 600.0 MiB a step"), told
+    assert "max_slowdown=3%" in told[0] and "host_budget_bytes" in told[0]
+    assert "memory floor" in told[0] and "may take longer than the margin" in told[0]
+    _, quotas, told = run(1e15)
+    assert all(q >= 600 * M for q in quotas[1:]) and told == [], (quotas, told)
