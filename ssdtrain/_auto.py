@@ -80,6 +80,15 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    for ``RETRY_STEPS`` (100) steps, then tried again. It is never more than ``S``
    less ``keep_tail_bytes``: under a quota the tail window keeps nothing (each record is
    decided as it is saved, ``TailWindow.begin_step``), so the quota keeps the step's end.
+5. *Hooks off.* A step at quota 0 with no floor, once the tiers are measured, does not
+   intercept its saved tensors at all (:attr:`AutoQuota.intercepts`;
+   ``Offloader._hook_on`` pushes no hooks, unless another pair of saved-tensor hooks is
+   on the thread's stack, which ours would have shadowed): passing them through would
+   cost the hooks' Python per saved tensor (pack and unpack) and buy nothing. Such a
+   step counts nothing in :class:`~ssdtrain.Stats`, so its ``S`` is the last
+   intercepted step's, and every ``RETRY_STEPS``-th such step intercepts again to count
+   it. Its forward's end still reads the memory (step 0), so a step that stops fitting
+   raises the floor, and the next step intercepts.
 
 So ``"auto"`` first makes the steps fit (as ``"static"`` would: its first step is
 ``"static"``'s), and within that never makes a step slower than ``1 + max_slowdown``
@@ -124,6 +133,8 @@ class StepSample:
     quota: Optional[int]   #: the quota the step ran with (None: the sizing step's, none)
     offloaded_bytes: int = 0  #: bytes the step decided to write
     room: Optional[Tuple[int, int]] = None  #: (free, total) memory at forward's end
+    intercepted: bool = True  #: its saved tensors were intercepted (else saved_bytes is
+    #: the last intercepted step's: nothing was counted)
 
 
 def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: float,
@@ -242,6 +253,8 @@ class AutoQuota:
         self._slowed = None               # whether the last step measured was slowed
         self._idle = 0                    # steps in a row with the quota below MIN_SHARE
         self._given_up = False            # a quota of MIN_SHARE slowed a step: 0 for a while
+        self.intercepts = True            # the running step's saved tensors are intercepted
+        self._saved = 0                   # S of the last step that intercepted
         self._begin = None                # the running step: clock at begin, at end of forward
         self._end = None
         self._counters = None             # (stall, saved, offloaded) at its begin
@@ -266,12 +279,18 @@ class AutoQuota:
         if self._begin is not None:
             stall, saved, offloaded = self._read_counters()
             end = self._end if self._end is not None else now
+            if self.intercepts:
+                self._saved = saved - self._counters[1]
             self._observe(StepSample(step_s=now - self._begin, forward_s=end - self._begin,
                                      stall_s=stall - self._counters[0],
-                                     saved_bytes=saved - self._counters[1], quota=self.quota,
+                                     saved_bytes=self._saved, quota=self.quota,
                                      offloaded_bytes=offloaded - self._counters[2],
-                                     room=self._room))
+                                     room=self._room, intercepted=self.intercepts))
         self.quota, self.reason = self._choose()
+        self.intercepts = self._intercepts()
+        if not self.intercepts:
+            self.reason += ("; this step's saved tensors are not intercepted (nothing to "
+                            "offload: the hooks would only cost time)")
         self._stats.offload_quota_bytes = self.quota
         self._stats.offload_quota_reason = self.reason
         if self._sync is not None and self._in_baseline():
@@ -290,6 +309,15 @@ class AutoQuota:
         memory sets a floor (the floor's bytes must leave memory to fit, not only be
         decided)."""
         return self.quota is None or self.floor > 0
+
+    def _intercepts(self) -> bool:
+        """Whether the beginning step needs the hooks (NOTE [ The offload quota ], step 5):
+        not at quota 0 with no floor once the tiers are measured, except every
+        ``RETRY_STEPS``-th such step, which counts the bytes a step saves again."""
+        return not (self.quota == 0 and self.floor == 0
+                    and len(self.samples) >= SIZING_STEPS + BASELINE_STEPS
+                    and (self.write_bps is not None or self.copy_write_bps is not None)
+                    and self._idle % RETRY_STEPS != 0)
 
     def _in_baseline(self) -> bool:
         """Whether the running (or beginning) step is a baseline step."""

@@ -47,7 +47,8 @@ import torch
 
 from ._errors import SSDTrainError
 
-__all__ = ["Phase", "MOVES", "ForwardState", "with_site", "call_site", "site_ended"]
+__all__ = ["Phase", "MOVES", "ForwardState", "with_site", "call_site", "site_ended",
+           "hooks_on_stack"]
 
 _push = torch._C._autograd._push_saved_tensors_default_hooks
 _pop = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -137,6 +138,11 @@ class ForwardState:
                 ok = False
         self.hooks = None
         return ok
+
+
+def hooks_on_stack() -> bool:
+    """Whether a pair of saved-tensor hooks is on this thread's stack."""
+    return _top(False) is not None
 
 
 _BEFORE_WITH = {op for name, op in __import__("dis").opmap.items()

@@ -11,8 +11,8 @@ import torch
 from ._config import MAX_BYTES, OffloadConfig
 from ._device import GDS_PROBE_MEMORY
 from ._errors import ConfigError, OffloaderClosedError, SSDTrainError
-from ._forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site, site_ended,
-                       with_site)
+from ._forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site, hooks_on_stack,
+                       site_ended, with_site)
 from ._policy import TRACKER
 from ._spill import SpillSet
 from ._store import Store
@@ -486,8 +486,12 @@ class Offloader:
         fwd.move(Phase.HOOKING)
         fwd.hook_site = site
         TRACKER.start(fwd)
-        # Read on each entry: tests replace the store's hooks to spy on them.
-        fwd.push_hooks(self._store.pack, self._store.unpack)
+        auto = self._auto
+        # A step of policy "auto" with nothing to offload intercepts nothing (NOTE [ The
+        # offload quota ], step 5), unless our hooks would shadow another pair.
+        if auto is None or auto.intercepts or self._layers is not None or hooks_on_stack():
+            # Read on each entry: tests replace the store's hooks to spy on them.
+            fwd.push_hooks(self._store.pack, self._store.unpack)
         fwd.move(Phase.INTERCEPTING)
 
     def _hook_off(self):

@@ -190,6 +190,83 @@ def test_controller_does_not_judge_a_step_that_wrote_nothing():
     assert q > 0 and ctl.scale == scale
 
 
+def test_steps_with_nothing_to_offload_intercept_nothing_and_count_again_in_turn():
+    """NOTE [ The offload quota ], step 5: a disk too slow for 1/16 of a step gives quota
+    0; once the tiers are measured such a step intercepts nothing (its counters do not
+    move: the last intercepted step's S stands for it), every RETRY_STEPS-th one does to
+    count S again, and a step whose forward left memory short raises the floor, so the
+    next intercepts."""
+    from ssdtrain._auto import RETRY_STEPS
+    saved = 160 * MiB
+    clock, stats = _Clock(), ssdtrain.Stats()
+    room = [(1 << 40, 1 << 40)]
+    ctl = AutoQuota(0.03, lambda n: (n / 1e6, n / 1e6), stats, clock=clock,
+                    headroom=lambda: room[0])
+    seen = []
+    for _ in range(WARMUP + 2 * RETRY_STEPS + 1):
+        q = ctl.begin_step()
+        seen.append((q, ctl.intercepts))
+        clock.now += 0.1
+        if ctl.intercepts:                   # nothing is counted without the hooks
+            stats.unique_bytes += saved
+            stats.offloaded_bytes += saved if q is None else min(q, saved)
+        ctl.end_forward()
+        clock.now += 0.2
+    assert all(i for _, i in seen[:WARMUP])              # sizing, baseline
+    assert [q for q, _ in seen[SIZING_STEPS:]] == [0] * (len(seen) - SIZING_STEPS)
+    counted = [k for k, (_, i) in enumerate(seen) if i and k > WARMUP]
+    assert counted == [WARMUP + RETRY_STEPS - 1, WARMUP + 2 * RETRY_STEPS - 1], counted
+    assert all(sample.saved_bytes == saved for sample in ctl.samples[SIZING_STEPS:])
+    assert "not intercepted" in stats.offload_quota_reason
+    room[0] = (0, 1 << 40)                  # this step's forward left no memory free
+    ctl.begin_step()
+    clock.now += 0.1
+    ctl.end_forward()
+    q = ctl.begin_step()
+    assert ctl.floor > 0 and q >= ctl.floor and ctl.intercepts
+
+
+def test_a_step_with_nothing_to_offload_runs_without_hooks_and_exact(spill_dir):
+    """On a disk too slow to be worth it, the steps after the baseline push no hooks:
+    pack never runs, Stats do not move, gradients equal a run without ssdtrain; under
+    another pair of saved-tensor hooks (which ours would shadow) ours are pushed still."""
+    model, inputs = models.gpt()
+    ref_model, _ = models.gpt()
+    ref_model.load_state_dict(model.state_dict())
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+    off._auto._probe = lambda n: (n / 1e3, n / 1e3)   # 1 kB/s: quota 0
+    real, packs = off._store.pack, []
+
+    def counting(t):
+        packs.append(1)
+        return real(t)
+    off._store.pack = counting
+    per_step = []
+    try:
+        for step in range(WARMUP + 3):
+            for m in (model, ref_model):
+                m.zero_grad(set_to_none=True)
+            del packs[:]
+            before = off.stats().packed_bytes
+            if step == WARMUP + 2:      # another pair on the stack: ours shadow it
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    with off:
+                        loss = model(*inputs)
+            else:
+                with off:
+                    loss = model(*inputs)
+            loss.backward()
+            ref_model(*inputs).backward()
+            assert_grads_equal(grads(ref_model), grads(model))
+            per_step.append((len(packs), off.stats().packed_bytes - before,
+                             off._auto.intercepts))
+    finally:
+        off.close()
+    assert all(n > 0 and b > 0 for n, b, _ in per_step[:WARMUP]), per_step
+    assert per_step[WARMUP:WARMUP + 2] == [(0, 0, False)] * 2, per_step
+    assert per_step[WARMUP + 2][0] > 0 and not per_step[WARMUP + 2][2], per_step
+
+
 # ------------------------------------------------------------- decision given Q
 class _R:
     def __init__(self, nbytes):
