@@ -4,7 +4,11 @@ NOTE [ The offload quota ]
 
 With ``policy="auto"`` (the default) each step (a forward pass and everything until the
 next one begins) runs with an offload *quota*: a byte count fixed when the step begins.
-Its records are decided as the static policy decides them (NOTE [ The pack decision ] in
+A pass opened with grad mode off (evaluation under ``torch.no_grad()`` or
+``torch.inference_mode()``) saves nothing for backward and is no step: it neither ends
+the running step nor begins one (its S of 0 and its forward-only time would set the
+next quota to 0 and the baseline step time below any training step's). Its records are
+decided as the static policy decides them (NOTE [ The pack decision ] in
 ``_policy.py``), except that once the bytes decided to be written would exceed the quota,
 every later record of the step is kept in memory (``KEEP_QUOTA``; a new storage is then
 kept without becoming a record at all, counted as one: NOTE [ The pack decision ], so a

@@ -311,7 +311,11 @@ class Offloader:
             raise SSDTrainError("ssdtrain: policy='adaptive' plans per layer and needs the "
                                 "layers: call offloader.track(model) before the first forward "
                                 "(or use policy='static').")
-        if self._auto is not None:  # may probe the disk, once: before the pass opens
+        # A pass with grad mode off (evaluation) saves nothing for backward: not a step of
+        # the quota (NOTE [ The offload quota ]), whose S and times it would take as a
+        # training step's; attach() opens no pass for such a call at all.
+        if self._auto is not None and torch.is_grad_enabled():
+            # May probe the disk, once: before the pass opens.
             quota = self._auto.begin_step()
             # The sizing step (no quota), and every step under a memory floor, wait for
             # writes past write_behind_bytes as "static" does (NOTE [ The offload quota ]).
