@@ -62,3 +62,78 @@ def test_evaluation_passes_under_no_grad_are_not_steps_of_the_quota(spill_dir):
         off.close()
     assert written[0] > 0 and written[SIZING_STEPS:WARMUP] == [0] * BASELINE_STEPS, written
     assert all(w > 0 for w in written[WARMUP:]), written
+
+
+def _device_chain(off, dev, k, n):
+    """A forward saving ``k`` device tensors of ``n`` bytes (each in its own node);
+    backward checks that each came back."""
+    sink = []
+    anchor = torch.zeros((), requires_grad=True)
+    with off:
+        out = anchor
+        for i in range(k):
+            d = dev.alloc((n // 4,))
+            d.copy_(torch.full((n // 4,), float(i)))
+            out = SaveForBackward.apply(out, sink, d)
+            del d
+    out.backward()
+    assert [float(s[0][0]) for s in sink] == [float(i) for i in reversed(range(k))]
+
+
+def test_a_step_that_stops_fitting_after_the_hooks_went_off_raises_the_floor(make_offloader):
+    """NOTE [ The offload quota ], step 5: 16 N saved on a device of 24 N fit (8 N free,
+    above the 10% reserve), and on a slow disk the steps after the baseline push no
+    hooks. Then 7 N of the device are taken (an optimizer's state): the next forward,
+    not intercepted, leaves N free; its end still reads the memory, so the floor rises
+    and the step after intercepts and offloads it (the records that fit in it), within the
+    capacity."""
+    n, k = 64 * KiB, 16
+    dev = LoopbackDevice(capacity=24 * n)
+    off = make_offloader(policy="auto", min_tensor_bytes=4096, keep_tail_bytes=0,
+                         write_behind_bytes=n, prefetch_bytes=2 * n)
+    attach(off, dev)
+    off._auto._probe = SLOW
+    seen = []
+    for _ in range(WARMUP + 1):
+        _device_chain(off, dev, k, n)
+        seen.append((off._auto.intercepts, off._auto.floor))
+    assert seen[-1] == (False, 0), seen
+    state = dev.alloc((7 * n // 4,))     # taken for good
+    for _ in range(3):
+        before = off.stats().offloaded_bytes
+        _device_chain(off, dev, k, n)
+        off._store.check_invariants()
+        seen.append((off._auto.intercepts, off._auto.floor, off.stats().offloaded_bytes - before))
+    assert seen[WARMUP + 1][:2] == (False, 0), seen   # the step that stopped fitting
+    floor = off._auto.floor
+    # (the quota writes the records that fit in it: up to one record short of it)
+    assert floor > 0 and all(i and w > floor - n for i, _, w in seen[WARMUP + 2:]), seen
+    assert dev.peak_allocated <= dev.capacity and not dev.errors
+    del state
+
+
+def test_steps_under_a_memory_floor_offload_at_least_the_floor(make_offloader):
+    """The guide and NOTE [ The offload quota ], step 0: once the memory floor is set,
+    "every later step offloads at least" it, so forward's end leaves 10% of the memory
+    free. The floor is passed on as the step's quota, and a quota writes only the
+    records that fit in it: with records of N bytes and a floor of 1.4 N (16 N saved on
+    a device of 24 N of which 7 N are taken, write_behind_bytes=0) each step writes
+    1 N, forward's end leaves 2 N free, below the 2.4 N reserve, and the floor, computed
+    again from that step, stays 1.4 N: the shortfall is never made up."""
+    n, k = 64 * KiB, 16
+    dev = LoopbackDevice(capacity=24 * n)
+    off = make_offloader(policy="auto", min_tensor_bytes=4096, keep_tail_bytes=0,
+                         write_behind_bytes=0, prefetch_bytes=2 * n)
+    attach(off, dev)
+    off._auto._probe = SLOW
+    state = dev.alloc((7 * n // 4,))     # taken for good (an optimizer's state)
+    for _ in range(WARMUP + 3):
+        _device_chain(off, dev, k, n)
+    ctl = off._auto
+    assert ctl.floor > 0
+    for sample in ctl.samples[SIZING_STEPS:]:   # each under the floor
+        free, total = sample.room
+        assert sample.offloaded_bytes >= ctl.floor, (sample, ctl.floor)
+        assert free >= 0.1 * total, (sample, ctl.floor)
+    assert dev.peak_allocated <= dev.capacity and not dev.errors
+    del state
