@@ -137,3 +137,28 @@ def test_steps_under_a_memory_floor_offload_at_least_the_floor(make_offloader):
         assert free >= 0.1 * total, (sample, ctl.floor)
     assert dev.peak_allocated <= dev.capacity and not dev.errors
     del state
+
+
+def test_hook_timer_on_a_step_without_hooks_says_why(spill_dir):
+    """``tools.HookTimer``'s own example, ``with off, timer.wrap():``, under the default
+    policy on a disk with nothing worth offloading: from the step the hooks go off it
+    raised "enter it inside `with offloader:`", which the caller had done. The message
+    says that a step of policy='auto' with nothing to offload pushes no hooks."""
+    import pytest
+
+    from ssdtrain import tools
+    model, inputs = models.mlp()
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+    off._auto._probe = SLOW
+    try:
+        for _ in range(WARMUP):
+            timer = tools.HookTimer()
+            with off, timer.wrap():
+                loss = model(*inputs)
+            loss.backward()
+            assert timer.pack_ns
+        with pytest.raises(ssdtrain.SSDTrainError, match="policy='auto'.*pushes no hooks"):
+            with off, tools.HookTimer().wrap():
+                model(*inputs)
+    finally:
+        off.close()
