@@ -129,7 +129,8 @@ class HookTimer:
 
         Raises:
             SSDTrainError: no saved-tensor hooks are in force (enter the offloader
-                first), or this torch cannot tell which are.
+                first; a step of ``policy="auto"`` with nothing to offload pushes
+                none, NOTE [ The offload quota ]), or this torch cannot tell which are.
         """
         top = _top_hooks(True) if _top_hooks is not None else None
         if top is None:
@@ -137,7 +138,10 @@ class HookTimer:
                                 + ("" if _top_hooks is not None else
                                    " (this torch has no torch._C._autograd."
                                    "_top_saved_tensors_default_hooks)")
-                                + "; enter it inside `with offloader:`.")
+                                + "; enter it inside `with offloader:`. (A step of "
+                                "policy='auto' with nothing to offload pushes no hooks: "
+                                "Stats.offload_quota_reason then says its saved tensors are "
+                                "not intercepted; policy='static' intercepts every step.)")
         pack, unpack = top
         clock = time.perf_counter_ns
         pack_ns, pack_bytes, unpack_ns = self.pack_ns, self.pack_bytes, self.unpack_ns
