@@ -142,7 +142,7 @@ def train(args, with_ssdtrain):
               f"intercepted, {stats.offloaded_bytes / MiB:.2f} MiB went to the SSD and left "
               f"memory; ssdtrain held at most {stats.peak_resident_bytes / MiB:.2f} MiB at once")
         for index, layer in handle.layer_stats().items():
-            print(f"  layer {index}: {layer.unique_bytes / MiB:.2f} MiB offloaded over "
+            print(f"  layer {index}: {layer.unique_bytes / MiB:.2f} MiB of new records over "
                   f"{layer.passes} forward passes")
         ssd_megatron.disable(config)     # closes the Offloader, restores megatron-core
     return history

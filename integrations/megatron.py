@@ -162,13 +162,17 @@ class LayerStats:
     """
 
     passes: int = 0
-    """Forward passes in which this layer was intercepted."""
+    """Forward passes in which this layer ran under ``intercept()`` (a step of
+    ``policy="auto"`` with nothing to offload pushes no hooks: it counts here, and the
+    byte counts below do not move)."""
     packed_bytes: int = 0
     """Bytes of every saved tensor intercepted (a tensor saved twice counts twice)."""
     unique_bytes: int = 0
     """Bytes of the new records this layer created: written to the spill tier, except
-    those still in the kept tail (``keep_tail_bytes``) when the pass ended. With
-    ``keep_tail_bytes=0`` this is exactly the bytes the layer offloaded."""
+    those still in the kept tail (``keep_tail_bytes``) when the pass ended and, under
+    ``policy="auto"`` (the default), those kept once the step's offload quota was spent
+    (``Stats.quota_kept_bytes``). With ``policy="static"`` and ``keep_tail_bytes=0``
+    this is exactly the bytes the layer offloaded."""
     deduplicated_bytes: int = 0
     """Bytes of saves served by a record that already existed (same storage)."""
     kept_bytes: int = 0
