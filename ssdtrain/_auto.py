@@ -35,7 +35,10 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    ``free - MEMORY_RESERVE * total`` (10%) more, so every later step offloads at least
    ``o + MEMORY_RESERVE * total - free``, and where that is above 0
    ``write_behind_bytes`` more (the throttle, on again under a floor, lets that much
-   be in flight, in memory still): the *memory floor*. It only rises (memory
+   be in flight, in memory still): the *memory floor*. The store writes a step's
+   records until the floor is reached, the one that crosses it included
+   (``TailWindow.begin_step``'s ``at_least``): the quota's rule alone, the records that
+   fit, could leave every step one record short of it. It only rises (memory
    taken later, an optimizer's state at its first step, stays taken). While it is
    above 0, forward waits for writes past ``write_behind_bytes`` again (the floor's
    bytes must leave memory, not only be decided: :attr:`AutoQuota.waits_for_writes`),

@@ -24,9 +24,12 @@ record. Three pieces decide it, and both callers (``Store.pack``/``_pack_locked`
 
 The quota is the one input that is not configuration: a byte count fixed when a step
 (a forward pass) begins, from what earlier steps measured, and the same for the whole
-step. Within the step the decision stays a pure function of the saves and releases,
-the configuration and that number (:attr:`Stats.offload_quota_bytes` shows it; the
-estimate replays a given quota, ``ssdtrain estimate --offload-quota``).
+step (with the memory floor, the least the step writes: the record that crosses the
+quota is written too while fewer bytes than the floor are, ``TailWindow.begin_step``).
+Within the step the decision stays a pure function of the saves and releases, the
+configuration and those numbers (:attr:`Stats.offload_quota_bytes` shows the quota;
+the estimate replays a given quota, without a floor, ``ssdtrain estimate
+--offload-quota``).
 
 Once a step's quota is spent, everything the step saves after is kept, so a new
 record would only cost time: a tensor whose storage has no live record is passed
@@ -143,10 +146,12 @@ class TailWindow:
         quota: the most bytes the step may decide to write (``None``: no limit), set by
             :meth:`begin_step`.
         written: bytes decided to be written since :meth:`begin_step`.
+        at_least: the step writes records until this many bytes are written, the one
+            that crosses the quota included (the memory floor, set by :meth:`begin_step`).
     """
 
     __slots__ = ("tail_bytes", "keep_bytes", "limit", "records", "nbytes", "reserved", "quota",
-                 "written", "spent")
+                 "written", "spent", "at_least")
 
     def __init__(self, keep_tail_bytes: int, max_spill_bytes=None):
         self.tail_bytes = keep_tail_bytes  # the configuration's
@@ -158,8 +163,9 @@ class TailWindow:
         self.quota = None
         self.written = 0
         self.spent = False
+        self.at_least = 0
 
-    def begin_step(self, quota=None) -> None:
+    def begin_step(self, quota=None, at_least=0) -> None:
         """A step (forward pass) begins with an offload ``quota`` in bytes (``None``: no
         limit): its earliest records are written while they fit in it, and from the
         first that does not, every record the step decides is kept (``KEEP_QUOTA``).
@@ -169,8 +175,14 @@ class TailWindow:
         that saves it, so that the step's records past the quota are known to be kept
         as they come (the store then keeps them without records, NOTE [ The pack
         decision ]). The kept tail is the quota's to keep: ``policy="auto"`` sets it to
-        at most the step's bytes less ``keep_tail_bytes``."""
+        at most the step's bytes less ``keep_tail_bytes``.
+
+        ``at_least`` (the memory floor, NOTE [ The offload quota ] step 0; 0: none): until
+        that many bytes are written a record is written even where it does not fit in
+        the quota, so a step offloads at least the floor (a quota alone could leave it
+        one record short, for good: the floor is measured from such steps)."""
         self.quota = quota
+        self.at_least = at_least
         self.written = 0
         self.spent = quota is not None and quota <= 0
         self.keep_bytes = self.tail_bytes if quota is None else 0
@@ -211,8 +223,8 @@ class TailWindow:
             rec, _ = recs.popitem(last=False)
             self.nbytes -= rec.nbytes
             reason = None
-            if self.quota is not None and (self.spent or
-                                           self.written + rec.nbytes > self.quota):
+            if self.quota is not None and (self.spent or (
+                    self.written + rec.nbytes > self.quota and self.written >= self.at_least)):
                 self.spent = True  # a prefix of the step's records: none after it either
                 reason = KEEP_QUOTA
             elif self.limit is not None:

@@ -264,6 +264,7 @@ class Store:
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
         self.quota = None                      # each pass's offload quota (policy "auto",
                                                # NOTE [ The offload quota ] in _auto.py)
+        self.quota_floor = 0                   # ... and the least it writes (its floor)
         self.limit_write_behind(None)          # the write path's limit in force
         self.closed = False
         self._paused = False                   # wrap_engine(): the thread starts nothing
@@ -336,7 +337,7 @@ class Store:
         # (NOTE [ Unmapping off the training thread ] in _readbuf.py).
         self._buffers.trim()
         self._current = _Pass()
-        self._window.begin_step(self.quota)
+        self._window.begin_step(self.quota, self.quota_floor)
 
     def _end_pass_locked(self):
         """Forward ended: writes the I/O thread has not started yet start now, the tail
@@ -893,9 +894,16 @@ class Store:
         """``(free, total)`` for ``policy="auto"``'s memory floor (NOTE [ The offload
         quota ] in _auto.py): :meth:`Probe.headroom`, with the bytes decided to leave
         memory whose request has not ended counted as free (a slow disk's writes at
-        forward's end are the write throttle's matter, not memory the floor must free)."""
+        forward's end are the write throttle's matter, not memory the floor must free).
+        Both under the lock, the inbox drained: a write whose end is handled between two
+        separate reads would count as neither free nor leaving (its record holds the
+        memory until then, NOTE [ Device records ] rule 3), a spurious rise of the
+        floor."""
+        return self._locked(self._headroom_locked)
+
+    def _headroom_locked(self):
         free, total = self.probe.headroom()
-        return free + self._locked(self._table.leaving_bytes), total
+        return free + self._table.leaving_bytes(), total
 
     def check_invariants(self):
         """Raise ``AssertionError`` if an aggregate disagrees with the records (tests): the

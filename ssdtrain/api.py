@@ -322,6 +322,7 @@ class Offloader:
             self._store.limit_write_behind(self.config.write_behind_bytes
                                            if self._auto.waits_for_writes else None)
             self._store.quota = quota
+            self._store.quota_floor = 0 if quota is None else self._auto.floor
         elif self._stalls is not None:  # static: says once if the SSD is the bottleneck
             self._stalls.begin_step(self._stats)
         fwd.move(Phase.OPENING)

@@ -274,6 +274,30 @@ class _R:
 
 
 @given(sizes=st.lists(st.integers(1, 1000), max_size=40), quota=st.integers(0, 20000),
+       tail=st.integers(0, 3000), at_least=st.integers(1, 20000))
+def test_a_memory_floor_writes_a_prefix_of_at_least_the_floor(sizes, quota, tail, at_least):
+    """With a floor (``at_least``, the quota raised to it as AutoQuota does): still a
+    prefix, decided at each save; at least the floor written (or everything), and past
+    it no more than the quota allows, or the one record that crossed the floor."""
+    quota = max(quota, at_least)
+    w = TailWindow(tail)
+    w.begin_step(quota, at_least)
+    decided = []
+    for n in sizes:
+        w.add(_R(n))
+        out = w.overflow()
+        assert len(out) == 1
+        decided += out
+    written = [r.nbytes for r, why in decided if why is None]
+    assert written == [r.nbytes for r, _ in decided[:len(written)]]   # a prefix
+    assert sum(written) >= at_least or len(written) == len(sizes)
+    assert sum(written) <= quota or sum(written[:-1]) < at_least
+    assert len(written) == len(sizes) or sum(written) + sizes[len(written)] > quota
+    w.begin_step(quota)             # the next step without one: the quota's rule alone
+    assert w.at_least == 0
+
+
+@given(sizes=st.lists(st.integers(1, 1000), max_size=40), quota=st.integers(0, 20000),
        tail=st.integers(0, 3000))
 def test_quota_decides_a_prefix_of_the_step_records(sizes, quota, tail):
     """Under a quota each record is decided at its save (the tail window holds none):

@@ -329,7 +329,8 @@ def test_auto_offloads_at_least_what_must_leave_memory_to_fit(make_offloader):
         quotas.append(off.stats().offload_quota_bytes)
     ctl = off._auto
     assert quotas[0] is None and 0 < ctl.floor < k * n
-    assert all(q >= ctl.floor for q in quotas[SIZING_STEPS:])
+    seen = [(s.quota, s.offloaded_bytes, s.room) for s in ctl.samples]
+    assert all(q >= ctl.floor for q in quotas[SIZING_STEPS:]), (ctl.floor, quotas, seen)
     assert "memory floor" in off.stats().offload_quota_reason
     assert dev.peak_allocated <= dev.capacity and not dev.errors
 
@@ -486,3 +487,43 @@ def test_a_floor_above_what_the_tiers_absorb_in_time_is_said_once():
     assert "memory floor" in told[0] and "may take longer than the margin" in told[0]
     _, quotas, told = run(1e15)
     assert all(q >= 600 * M for q in quotas[1:]) and told == [], (quotas, told)
+
+
+def test_headroom_counts_a_write_that_ends_during_the_reading_once(make_offloader):
+    """Store.headroom reads the device's free memory and the bytes still leaving it as
+    one snapshot: a device record's write that ends just after the device was read (its
+    record held the memory until then, NOTE [ Device records ] rule 3) is free, not
+    counted as neither (two separate reads: the floor rose by a record, spuriously)."""
+    import time
+    import manual_engine
+    n = 64 * KiB
+    dev = LoopbackDevice(capacity=8 * n)
+    off = make_offloader(min_tensor_bytes=4096, keep_tail_bytes=0, engine="posix",
+                         io_timeout_s=30)
+    attach(off, dev)
+    engine = manual_engine.install(off)
+    sink, anchor = [], torch.zeros((), requires_grad=True)
+    try:
+        with off:
+            d = dev.alloc((n // 4,))
+            d.copy_(torch.full((n // 4,), 3.0))
+            out = SaveForBackward.apply(anchor, sink, d)
+            del d
+        deadline = time.monotonic() + 30
+        while not engine.pending() and time.monotonic() < deadline:
+            time.sleep(0.005)   # the write is submitted once the copy to staging ended
+        assert engine.pending()
+        store, real = off._store, off._store.probe.headroom
+
+        def read_then_complete():
+            room = real()
+            engine.complete_all()  # the write ends right after the device was read
+            return room
+        store.probe.headroom = read_then_complete
+        free, total = store.headroom()
+        assert total == 8 * n and free == 8 * n, (free / n, total / n)
+        del store.probe.headroom
+        out.backward()
+        assert float(sink[0][0][0]) == 3.0
+    finally:
+        engine.complete_all()
