@@ -490,11 +490,12 @@ class Offloader:
                                 "begin_forward() first (or use `with offloader:`).")
         fwd.move(Phase.HOOKING)
         fwd.hook_site = site
-        TRACKER.start(fwd)
         auto = self._auto
-        # A step of policy "auto" with nothing to offload intercepts nothing (NOTE [ The
-        # offload quota ], step 5), unless our hooks would shadow another pair.
+        # A step of policy "auto" with nothing to offload intercepts nothing, and starts
+        # no module tracker (NOTE [ The offload quota ], step 5), unless our hooks would
+        # shadow another pair. (TRACKER.stop ignores a user it did not start.)
         if auto is None or auto.intercepts or self._layers is not None or hooks_on_stack():
+            TRACKER.start(fwd)
             # Read on each entry: tests replace the store's hooks to spy on them.
             fwd.push_hooks(self._store.pack, self._store.unpack)
         fwd.move(Phase.INTERCEPTING)

@@ -241,12 +241,21 @@ def test_a_step_with_nothing_to_offload_runs_without_hooks_and_exact(spill_dir):
         packs.append(1)
         return real(t)
     off._store.pack = counting
+    # whether the module tracker (a global forward pre-hook) ran in the step's forward
+    from ssdtrain._policy import TRACKER
+    real_pre, fwd_tracked, tracked = TRACKER._pre_forward, [False], []
+
+    def pre_forward(*args):
+        fwd_tracked[0] = True
+        return real_pre(*args)
+    TRACKER._pre_forward = pre_forward
     per_step = []
     try:
         for step in range(WARMUP + 3):
             for m in (model, ref_model):
                 m.zero_grad(set_to_none=True)
             del packs[:]
+            fwd_tracked[0] = False
             before = off.stats().packed_bytes
             if step == WARMUP + 2:      # another pair on the stack: ours shadow it
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -260,8 +269,11 @@ def test_a_step_with_nothing_to_offload_runs_without_hooks_and_exact(spill_dir):
             assert_grads_equal(grads(ref_model), grads(model))
             per_step.append((len(packs), off.stats().packed_bytes - before,
                              off._auto.intercepts))
+            tracked.append(fwd_tracked[0])
     finally:
+        del TRACKER._pre_forward
         off.close()
+    assert tracked == [True] * WARMUP + [False, False, True], tracked
     assert all(n > 0 and b > 0 for n, b, _ in per_step[:WARMUP]), per_step
     assert per_step[WARMUP:WARMUP + 2] == [(0, 0, False)] * 2, per_step
     assert per_step[WARMUP + 2][0] > 0 and not per_step[WARMUP + 2][2], per_step
