@@ -302,11 +302,14 @@ class AutoQuota:
         self._stats.offload_quota_reason = self.reason
         if self._sync is not None and self._in_baseline():
             self._sync()             # a baseline step begins once the device is idle
-        self._begin = self._clock()  # after the probe: it is not the step's time
         self._end = None
         self._synced = False
         self._room = None
-        self._counters = self._read_counters()
+        counters = self._read_counters()
+        # After the probe: it is not the step's time. The running step's begin and its
+        # counters in one statement: an interrupt in this method leaves the step before
+        # running (a sample of two steps, once), never one without the other.
+        self._begin, self._counters = self._clock(), counters
         return self.quota
 
     @property
@@ -471,13 +474,14 @@ class AutoQuota:
         tensor has been seen (its probe returns None until then)."""
         if self._probe is not None and self.write_bps is None:
             write_s, read_s = self._probe(nbytes)
-            self.write_bps = nbytes / max(write_s, 1e-9)
-            self.read_bps = nbytes / max(read_s, 1e-9)
+            # Both in one statement: an interrupt between them left one None for good.
+            self.write_bps, self.read_bps = (nbytes / max(write_s, 1e-9),
+                                             nbytes / max(read_s, 1e-9))
         if self._copy_probe is not None and self.copy_write_bps is None:
             copies = self._copy_probe(nbytes)
             if copies is not None:
-                self.copy_write_bps = nbytes / max(copies[0], 1e-9)
-                self.copy_read_bps = nbytes / max(copies[1], 1e-9)
+                self.copy_write_bps, self.copy_read_bps = (nbytes / max(copies[0], 1e-9),
+                                                           nbytes / max(copies[1], 1e-9))
 
     def _bound(self, saved: int) -> int:
         """The step's bound over the tiers (NOTE [ The offload quota ], step 3): the SSD's

@@ -92,7 +92,7 @@ def host_budget():
 # ssdtrain/_forward.py): the public API, the forward's phases, attach, the module-state
 # tracker, the layer policy and its profiler and planner.
 STEP_MODULES = ("api.py", "_forward.py", "_attach.py", "_policy.py", "_adaptive.py",
-                "_profile.py", "_planner.py")
+                "_profile.py", "_planner.py", "_auto.py")
 # The integrations' per-step hooks (relative to the checkout's integrations/).
 INTEGRATION_MODULES = ("deepspeed.py", "megatron.py")
 
@@ -385,9 +385,13 @@ class Scenario:
     #: ``auto``: ``with off:`` under ``policy="auto"`` with a fixed offload quota of
     #: :data:`AUTO_QUOTA` (half of a step's records are written, the rest passed through:
     #: NOTE [ The pack decision ] in _policy.py), no baseline steps or disk probe.
-    MODES = ("with", "attach", "adaptive", "deepspeed", "auto")
+    #: ``default``: ``with off:`` under the default policy, ``"auto"``, its controller as
+    #: is (NOTE [ The offload quota ] in _auto.py: the sizing step, the baseline steps,
+    #: the disk probe, quotas) on a fake clock (:meth:`_tick`, so that every run takes the
+    #: same decisions: a long forward, any disk keeps up), the memory read for real.
+    MODES = ("with", "attach", "adaptive", "deepspeed", "auto", "default")
     MODE_CONFIG = {"adaptive": dict(policy="adaptive", profile_steps=1, memory_budget_bytes=96 * KiB),
-                   "auto": dict(policy="auto")}
+                   "auto": dict(policy="auto"), "default": dict(policy="auto")}
     AUTO_QUOTA = 72 * KiB  # of the 146 KiB of records a step saves
 
     def __init__(self, n_steps=8, batch=32, d=64, mode="with"):
@@ -396,7 +400,8 @@ class Scenario:
         self.mode = mode
         # Steps armed with the interrupt (and traced by the baseline): enough to reach
         # every step kind of the mode (adaptive: profile, recompute-all, plan).
-        self.armed_steps = 3 if mode == "adaptive" else 2
+        self.armed_steps = 3 if mode == "adaptive" else 5 if mode == "default" else 2
+        self._now = 0.0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1234)
             self.model = TinyNet(d=d)
@@ -432,6 +437,14 @@ class Scenario:
             self._forward = ds_adapter._EngineForward(self.model, off, False)
         elif self.mode == "auto":
             off._auto.begin_step = lambda: self.AUTO_QUOTA
+        elif self.mode == "default":
+            from ssdtrain import tools
+            tools.set_auto_clock(off, self._tick)
+
+    def _tick(self):
+        """The default mode's clock: one second further at each reading."""
+        self._now += 1.0
+        return self._now
 
     def finish(self, off):
         """Undo :meth:`prepare` (before ``close()``, which untracks)."""

@@ -162,7 +162,9 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # repairs differ, are in the full sweep: the suite's time); "adaptive" sweeps _adaptive.py
 # (profile, recompute-all, plan and probe steps all run inside the armed steps;
 # _profile.py's lines are in the full sweep, for the suite's time);
-# "deepspeed" sweeps the adapter's engine-forward hook. The planner (_planner.py,
+# "deepspeed" sweeps the adapter's engine-forward hook; "default" sweeps _auto.py, the
+# default policy's controller as is over its sizing, baseline, probe and quota steps
+# (on a fake clock, so every run decides alike). The planner (_planner.py,
 # pure arithmetic run hundreds of times per plan) and the bandwidth probe's slot
 # bookkeeping (_profile.measure_bandwidth, its slot is not yet interrupt-safe) are in
 # the full sweep only (SSDTRAIN_TEST_INTERRUPT_FULL=1: every mode, every step module, the
@@ -178,6 +180,12 @@ STEP_SWEEPS = {
     "adaptive": dict(engine="posix", select="first", only="_adaptive.py",
                      skip="ssdtrain._profile:measure_bandwidth", parts=3),
     "deepspeed": dict(engine="posix", select="first", only="deepspeed.py", parts=1),
+    "default": dict(engine="posix", select="first", only="_auto.py", parts=1),
+    # the API's lines that differ under the default policy, in the same scenario
+    "default-api": dict(scenario="default", engine="posix", select="first", only="api.py",
+                        only_function="ssdtrain.api:Offloader._open_forward,"
+                                      "ssdtrain.api:Offloader._hook_on,"
+                                      "ssdtrain.api:Offloader._close_step", parts=1),
 }
 STEP_PARTS = [(mode, part) for mode in sorted(STEP_SWEEPS)
               for part in range(STEP_SWEEPS[mode]["parts"])]
@@ -185,10 +193,11 @@ STEP_BUDGET_S = 600
 
 
 def _step_sweep(spill_dir, mode, engine, select, only, skip="", budget_s=STEP_BUDGET_S,
-                shard=None):
+                shard=None, scenario=None, only_function=""):
     if mode == "deepspeed":
         pytest.importorskip("deepspeed")
-    extra = ("--scenario", mode, "--files", "step", "--only", only, "--skip-function", skip)
+    extra = ("--scenario", scenario or mode, "--files", "step", "--only", only,
+             "--skip-function", skip, "--only-function", only_function)
     result, base = inject.sweep_in_children(engine, select, spill_dir, budget_s=budget_s,
                                             extra=extra, shard=shard)
     print(result.summary())
@@ -217,7 +226,8 @@ def test_interrupt_at_each_step_line(spill_dir, mode, part):
         pytest.skip(shard.skip_reason(f"step sweep, mode {mode}", part))
     base = _step_sweep(spill_dir, mode, cfg["engine"], cfg["select"], cfg["only"],
                        cfg.get("skip", ""),
-                       shard=(part, cfg["parts"]) if cfg["parts"] > 1 else None)
+                       shard=(part, cfg["parts"]) if cfg["parts"] > 1 else None,
+                       scenario=cfg.get("scenario"), only_function=cfg.get("only_function", ""))
     want = set(cfg["only"].split(",")) if cfg["only"] else set()
     assert {f.split("/")[1] for f in base["files"]} >= want, base["files"]
 
@@ -228,7 +238,9 @@ def test_interrupt_at_each_step_line(spill_dir, mode, part):
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("mode", sorted(STEP_SWEEPS))
 def test_interrupt_at_each_step_line_full(spill_dir, mode, engine):
-    _step_sweep(spill_dir, mode, engine, "full", "", budget_s=FULL_BUDGET_S)
+    cfg = STEP_SWEEPS[mode]
+    _step_sweep(spill_dir, mode, engine, "full", "", budget_s=FULL_BUDGET_S,
+                scenario=cfg.get("scenario"), only_function=cfg.get("only_function", ""))
 
 
 # The lines a step under policy="auto" runs once its quota is spent: the tensors
