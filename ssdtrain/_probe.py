@@ -9,6 +9,11 @@ follows (NOTE [ Memory owned by requests ] in _store.py): their buffer is owned 
 request, and their slot (``Probe.slots``) is freed by the store when the last of them
 has ended (a ``SLOT_FREE`` event in its inbox), never by a caller that stopped
 waiting. The store's repair and ``check_invariants`` count those slots as in use.
+A probe cut short by an interrupt (before its ``try``, or inside its ``finally``)
+leaves its slot registered with its requests (``Probe.slots``: slot -> futures);
+the store's next pass reclaims every slot whose requests have all ended
+(:meth:`Probe.reclaim_locked`: no probe runs then, they run on the training thread
+before a pass opens), so an interrupt never keeps one for good.
 """
 
 import mmap
@@ -51,7 +56,7 @@ class Probe:
         self.devices = devices
         self.engine = engine
         self.cfg = cfg
-        self.slots = set()  # slots allocated outside records (the bandwidth probe's)
+        self.slots = {}  # slots allocated outside records (the bandwidth probe's) -> requests
         self._host_tier = host_tier
         self._locked = locked
         self._settle = settle
@@ -73,8 +78,8 @@ class Probe:
         view = torch.frombuffer(buf, dtype=torch.uint8)
         view.fill_(0x5A)  # touch every page so the write measures the disk, not faults
         owners = (view, buf)
-        slot = self._locked(self._slot_locked, nbytes)
-        futures = []
+        futures = []  # registered with the slot: reclaim_locked frees it once they ended
+        slot = self._locked(self._slot_locked, nbytes, futures)
         best = {"write": float("inf"), "read": float("inf")}
         try:
             for _ in range(repeats):
@@ -140,10 +145,19 @@ class Probe:
         seen = self.devices.seen()
         return self.devices.get(*seen[0]) if seen else None
 
-    def _slot_locked(self, nbytes):
+    def _slot_locked(self, nbytes, futures):
         slot = self.spill.files[0].alloc(nbytes, 0)
-        self.slots.add(slot)  # a repair meanwhile keeps it (Store._recount_locked)
+        self.slots[slot] = futures  # a repair meanwhile keeps it (Store._recount_locked)
         return slot
+
+    def reclaim_locked(self):
+        """Free the slots whose requests have all ended (the store's pass start: no probe
+        is running then). A probe frees its own slot when its last request ends; one cut
+        short by an interrupt before it could leaves the slot here."""
+        if self.slots:
+            for slot, futures in list(self.slots.items()):
+                if all(f.done() for f in futures):
+                    self.free_slot_locked(slot)
 
     def submit(self, op, slot, address, nbytes, owners):
         """The probe's engine call; the request owns ``owners`` (its buffer) until it
@@ -181,6 +195,5 @@ class Probe:
     def free_slot_locked(self, slot):
         """Idempotent: the slot goes back to its file once (the store's drain, on a
         ``SLOT_FREE``)."""
-        if slot in self.slots:
-            self.slots.discard(slot)
+        if self.slots.pop(slot, None) is not None:
             slot.file.free(slot)  # bookkeeping only: also after close(), which kept it

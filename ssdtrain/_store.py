@@ -338,6 +338,7 @@ class Store:
         self._buffers.trim()
         self._current = _Pass()
         self._window.begin_step(self.quota, self.quota_floor)
+        self.probe.reclaim_locked()  # a probe cut short by an interrupt (_probe.py)
 
     def _end_pass_locked(self):
         """Forward ended: writes the I/O thread has not started yet start now, the tail

@@ -164,7 +164,8 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # _profile.py's lines are in the full sweep, for the suite's time);
 # "deepspeed" sweeps the adapter's engine-forward hook; "default" sweeps _auto.py, the
 # default policy's controller as is over its sizing, baseline, probe and quota steps
-# (on a fake clock, so every run decides alike). The planner (_planner.py,
+# (on a fake clock, so every run decides alike), "default-api" the API's lines that
+# differ under it, "default-probe" the probe it runs (_probe.py, a store module). The planner (_planner.py,
 # pure arithmetic run hundreds of times per plan) and the bandwidth probe's slot
 # bookkeeping (_profile.measure_bandwidth, its slot is not yet interrupt-safe) are in
 # the full sweep only (SSDTRAIN_TEST_INTERRUPT_FULL=1: every mode, every step module, the
@@ -186,6 +187,9 @@ STEP_SWEEPS = {
                         only_function="ssdtrain.api:Offloader._open_forward,"
                                       "ssdtrain.api:Offloader._hook_on,"
                                       "ssdtrain.api:Offloader._close_step", parts=1),
+    # the probe it runs (the disk's bandwidth, the memory's headroom), a store module
+    "default-probe": dict(scenario="default", files="store", engine="posix", select="first",
+                          only="_probe.py", parts=1),
 }
 STEP_PARTS = [(mode, part) for mode in sorted(STEP_SWEEPS)
               for part in range(STEP_SWEEPS[mode]["parts"])]
@@ -193,10 +197,10 @@ STEP_BUDGET_S = 600
 
 
 def _step_sweep(spill_dir, mode, engine, select, only, skip="", budget_s=STEP_BUDGET_S,
-                shard=None, scenario=None, only_function=""):
+                shard=None, scenario=None, only_function="", files="step"):
     if mode == "deepspeed":
         pytest.importorskip("deepspeed")
-    extra = ("--scenario", scenario or mode, "--files", "step", "--only", only,
+    extra = ("--scenario", scenario or mode, "--files", files, "--only", only,
              "--skip-function", skip, "--only-function", only_function)
     result, base = inject.sweep_in_children(engine, select, spill_dir, budget_s=budget_s,
                                             extra=extra, shard=shard)
@@ -227,7 +231,8 @@ def test_interrupt_at_each_step_line(spill_dir, mode, part):
     base = _step_sweep(spill_dir, mode, cfg["engine"], cfg["select"], cfg["only"],
                        cfg.get("skip", ""),
                        shard=(part, cfg["parts"]) if cfg["parts"] > 1 else None,
-                       scenario=cfg.get("scenario"), only_function=cfg.get("only_function", ""))
+                       scenario=cfg.get("scenario"), only_function=cfg.get("only_function", ""),
+                       files=cfg.get("files", "step"))
     want = set(cfg["only"].split(",")) if cfg["only"] else set()
     assert {f.split("/")[1] for f in base["files"]} >= want, base["files"]
 
@@ -239,8 +244,9 @@ def test_interrupt_at_each_step_line(spill_dir, mode, part):
 @pytest.mark.parametrize("mode", sorted(STEP_SWEEPS))
 def test_interrupt_at_each_step_line_full(spill_dir, mode, engine):
     cfg = STEP_SWEEPS[mode]
-    _step_sweep(spill_dir, mode, engine, "full", "", budget_s=FULL_BUDGET_S,
-                scenario=cfg.get("scenario"), only_function=cfg.get("only_function", ""))
+    _step_sweep(spill_dir, mode, engine, "full", cfg["only"] if "files" in cfg else "",
+                budget_s=FULL_BUDGET_S, scenario=cfg.get("scenario"),
+                only_function=cfg.get("only_function", ""), files=cfg.get("files", "step"))
 
 
 # The lines a step under policy="auto" runs once its quota is spent: the tensors
