@@ -20,7 +20,7 @@ if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
 import helpers  # noqa: E402
 
 __all__ = ["LoopbackDevice", "attach", "loopback_offloader", "write_later", "read_later",
-           "SaveForBackward", "SlowRead"]
+           "SaveForBackward", "SlowRead", "device_chain"]
 
 
 def loopback_offloader(make_offloader, dev=None, **cfg):
@@ -77,3 +77,20 @@ class SlowRead(torch.autograd.Function):
         (t,) = ctx.saved_tensors
         read_later(ctx.dev, t, ctx.sink, ctx.seconds)
         return grad, None, None, None, None
+
+
+def device_chain(off, dev, k, n):
+    """A step under ``off``: a forward saving ``k`` device tensors of ``n`` bytes, each in
+    its own node, so the activations live in the device's memory; backward checks that
+    each came back with its own value."""
+    sink = []
+    anchor = torch.zeros((), requires_grad=True)
+    with off:
+        out = anchor
+        for i in range(k):
+            d = dev.alloc((n // 4,))
+            d.copy_(torch.full((n // 4,), float(i)))
+            out = SaveForBackward.apply(out, sink, d)
+            del d
+    out.backward()
+    assert [float(s[0][0]) for s in sink] == [float(i) for i in reversed(range(k))]

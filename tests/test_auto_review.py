@@ -10,7 +10,7 @@ import torch
 import models
 import ssdtrain
 from helpers import assert_grads_equal, grads
-from loopback_helpers import LoopbackDevice, SaveForBackward, attach
+from loopback_helpers import LoopbackDevice, attach, device_chain
 from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS
 
 KiB = 1 << 10
@@ -64,22 +64,6 @@ def test_evaluation_passes_under_no_grad_are_not_steps_of_the_quota(spill_dir):
     assert all(w > 0 for w in written[WARMUP:]), written
 
 
-def _device_chain(off, dev, k, n):
-    """A forward saving ``k`` device tensors of ``n`` bytes (each in its own node);
-    backward checks that each came back."""
-    sink = []
-    anchor = torch.zeros((), requires_grad=True)
-    with off:
-        out = anchor
-        for i in range(k):
-            d = dev.alloc((n // 4,))
-            d.copy_(torch.full((n // 4,), float(i)))
-            out = SaveForBackward.apply(out, sink, d)
-            del d
-    out.backward()
-    assert [float(s[0][0]) for s in sink] == [float(i) for i in reversed(range(k))]
-
-
 def test_a_step_that_stops_fitting_after_the_hooks_went_off_raises_the_floor(make_offloader):
     """NOTE [ The offload quota ], step 5: 16 N saved on a device of 24 N fit (8 N free,
     above the 10% reserve), and on a slow disk the steps after the baseline push no
@@ -95,13 +79,13 @@ def test_a_step_that_stops_fitting_after_the_hooks_went_off_raises_the_floor(mak
     off._auto._probe = SLOW
     seen = []
     for _ in range(WARMUP + 1):
-        _device_chain(off, dev, k, n)
+        device_chain(off, dev, k, n)
         seen.append((off._auto.intercepts, off._auto.floor))
     assert seen[-1] == (False, 0), seen
     state = dev.alloc((7 * n // 4,))     # taken for good
     for _ in range(3):
         before = off.stats().offloaded_bytes
-        _device_chain(off, dev, k, n)
+        device_chain(off, dev, k, n)
         off._store.check_invariants()
         seen.append((off._auto.intercepts, off._auto.floor, off.stats().offloaded_bytes - before))
     assert seen[WARMUP + 1][:2] == (False, 0), seen   # the step that stopped fitting
@@ -128,7 +112,7 @@ def test_steps_under_a_memory_floor_offload_at_least_the_floor(make_offloader):
     off._auto._probe = SLOW
     state = dev.alloc((7 * n // 4,))     # taken for good (an optimizer's state)
     for _ in range(WARMUP + 3):
-        _device_chain(off, dev, k, n)
+        device_chain(off, dev, k, n)
     ctl = off._auto
     assert ctl.floor > 0
     for sample in ctl.samples[SIZING_STEPS:]:   # each under the floor

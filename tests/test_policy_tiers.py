@@ -25,7 +25,7 @@ import torch
 import models
 import ssdtrain
 from helpers import assert_same, run_step
-from loopback_helpers import LoopbackDevice, SaveForBackward, attach
+from loopback_helpers import LoopbackDevice, SaveForBackward, attach, device_chain
 from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS, AutoQuota, StallWatch
 
 KiB = 1 << 10
@@ -293,22 +293,6 @@ def test_a_static_offloader_on_a_slow_disk_warns_and_an_auto_one_does_not(make_o
 
 
 # ------------------------------------------------ the memory floor: fit first, then time
-def _device_chain(off, dev, k, n):
-    """Save ``k`` device tensors of ``n`` bytes, each in its own node, as a forward whose
-    activations live in the device's memory; backward checks each came back."""
-    sink = []
-    anchor = torch.zeros((), requires_grad=True)
-    with off:
-        out = anchor
-        for i in range(k):
-            d = dev.alloc((n // 4,))
-            d.copy_(torch.full((n // 4,), float(i)))
-            out = SaveForBackward.apply(out, sink, d)
-            del d
-    out.backward()
-    assert [float(s[0][0]) for s in sink] == [float(i) for i in reversed(range(k))]
-
-
 def test_auto_offloads_at_least_what_must_leave_memory_to_fit(make_offloader):
     """A device of 12 N bytes, a forward that saves 16 tensors of N bytes. Without the
     floor the baseline steps (quota 0) keep all 16 N and the device runs out of memory
@@ -324,7 +308,7 @@ def test_auto_offloads_at_least_what_must_leave_memory_to_fit(make_offloader):
     attach(off, dev)
     quotas = []
     for _ in range(WARMUP + 3):
-        _device_chain(off, dev, k, n)
+        device_chain(off, dev, k, n)
         off._store.check_invariants()
         quotas.append(off.stats().offload_quota_bytes)
     ctl = off._auto
@@ -424,7 +408,7 @@ def test_writes_a_slow_disk_has_not_finished_do_not_raise_the_floor(make_offload
     off.wrap_engine(lambda engine: late_io.LateEngine(engine, 0.3))
     quotas = []
     for _ in range(WARMUP):
-        _device_chain(off, dev, k, n)
+        device_chain(off, dev, k, n)
         off.wait()  # the late writes hold their tensors; not into the next step
         quotas.append(off.stats().offload_quota_bytes)
     st = off.stats()
