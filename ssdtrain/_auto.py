@@ -140,8 +140,6 @@ class StepSample:
     quota: Optional[int]   #: the quota the step ran with (None: the sizing step's, none)
     offloaded_bytes: int = 0  #: bytes the step decided to write
     room: Optional[Tuple[int, int]] = None  #: (free, total) memory at forward's end
-    intercepted: bool = True  #: its saved tensors were intercepted (else saved_bytes is
-    #: the last intercepted step's: nothing was counted)
 
 
 def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: float,
@@ -292,7 +290,7 @@ class AutoQuota:
                                      stall_s=stall - self._counters[0],
                                      saved_bytes=self._saved, quota=self.quota,
                                      offloaded_bytes=offloaded - self._counters[2],
-                                     room=self._room, intercepted=self.intercepts))
+                                     room=self._room))
         self.quota, self.reason = self._choose()
         self.intercepts = self._intercepts()
         if not self.intercepts:
@@ -306,10 +304,12 @@ class AutoQuota:
         self._synced = False
         self._room = None
         counters = self._read_counters()
-        # After the probe: it is not the step's time. The running step's begin and its
-        # counters in one statement: an interrupt in this method leaves the step before
-        # running (a sample of two steps, once), never one without the other.
-        self._begin, self._counters = self._clock(), counters
+        begin = self._clock()  # after the probe: it is not the step's time
+        # The running step's begin and its counters in one line of stores, no call
+        # (NOTE [ Interrupt-safe allocation ] in _spill.py): an interrupt in this method
+        # leaves the step before running (a sample of two steps, once), never one
+        # without the other.
+        self._begin, self._counters = begin, counters
         return self.quota
 
     @property
@@ -474,14 +474,14 @@ class AutoQuota:
         tensor has been seen (its probe returns None until then)."""
         if self._probe is not None and self.write_bps is None:
             write_s, read_s = self._probe(nbytes)
-            # Both in one statement: an interrupt between them left one None for good.
-            self.write_bps, self.read_bps = (nbytes / max(write_s, 1e-9),
-                                             nbytes / max(read_s, 1e-9))
+            w, r = nbytes / max(write_s, 1e-9), nbytes / max(read_s, 1e-9)
+            # Both in one line of stores: an interrupt between them left one None for good.
+            self.write_bps, self.read_bps = w, r
         if self._copy_probe is not None and self.copy_write_bps is None:
             copies = self._copy_probe(nbytes)
             if copies is not None:
-                self.copy_write_bps, self.copy_read_bps = (nbytes / max(copies[0], 1e-9),
-                                                           nbytes / max(copies[1], 1e-9))
+                w, r = nbytes / max(copies[0], 1e-9), nbytes / max(copies[1], 1e-9)
+                self.copy_write_bps, self.copy_read_bps = w, r
 
     def _bound(self, saved: int) -> int:
         """The step's bound over the tiers (NOTE [ The offload quota ], step 3): the SSD's

@@ -125,8 +125,9 @@ class Probe:
         """``(free, total)`` bytes where the store's saved tensors live, for
         ``policy="auto"``'s memory floor (NOTE [ The offload quota ] in _auto.py): the
         device with the least free of those it has seen a saved tensor of, else host
-        memory (``_hosttier.memory_available``). Reads the device map without the lock
-        (``DeviceMap.seen``: a copy of a dict's keys, one C call)."""
+        memory (``_hosttier.memory_available``). ``Store.headroom`` calls it under the
+        store's lock, so that the bytes still leaving memory are read in the same
+        snapshot; it reads the device map (``DeviceMap.seen``) without taking it."""
         seen = self.devices.seen()
         if seen:
             return min((leaf.headroom(device) for leaf, device in seen), key=lambda r: r[0])

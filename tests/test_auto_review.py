@@ -146,3 +146,65 @@ def test_hook_timer_on_a_step_without_hooks_says_why(spill_dir):
                 model(*inputs)
     finally:
         off.close()
+
+
+class _BNDrop(torch.nn.Module):
+    """Linear, BatchNorm (running statistics), Dropout (the RNG), Linear: every kind of
+    state a training step changes besides the parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256),
+                                       torch.nn.GELU(), torch.nn.Dropout(0.25),
+                                       torch.nn.Linear(256, 64))
+
+    def forward(self, x):
+        return self.net(x).square().mean()
+
+
+def test_the_default_trains_the_same_model_over_its_step_kinds(spill_dir):
+    """Exact means the trained model: under the default, over its sizing, baseline and
+    quota steps (a fast disk) or its hooks-off steps (a slow one), each step's loss, the
+    parameters after the optimizer's step (SGD with momentum), BatchNorm's buffers and
+    the RNG state equal a run without ssdtrain, bitwise; and the run really offloaded."""
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(128, 64, generator=g) for _ in range(WARMUP + 3)]
+
+    def train(off=None):
+        torch.manual_seed(11)
+        model = _BNDrop()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        seen = []
+        for x in xs:
+            opt.zero_grad(set_to_none=True)
+            if off is None:
+                loss = model(x)
+            else:
+                with off:
+                    loss = model(x)
+            loss.backward()
+            opt.step()
+            seen.append((loss.detach().clone(), torch.get_rng_state(),
+                         {k: v.detach().clone() for k, v in model.state_dict().items()},
+                         None if off is None else off._auto.intercepts))
+        return seen
+
+    ref = train()
+    for probe in (FAST, SLOW):
+        off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+        off._auto._probe = probe
+        try:
+            got = train(off)
+            offloaded = off.stats().offloaded_bytes
+        finally:
+            off.close()
+        assert offloaded > 0
+        for i, ((l0, r0, s0, _), (l1, r1, s1, _)) in enumerate(zip(ref, got)):
+            assert torch.equal(l0, l1), (probe.__name__, i, "loss")
+            assert torch.equal(r0, r1), (probe.__name__, i, "RNG state")
+            assert s0.keys() == s1.keys()
+            for k in s0:
+                assert torch.equal(s0[k], s1[k]), (probe.__name__, i, k)
+        hooks = [h for *_, h in got]
+        assert all(hooks[:WARMUP]), hooks
+        assert not any(hooks[WARMUP:]) if probe is SLOW else all(hooks), (probe.__name__, hooks)
