@@ -13,12 +13,19 @@ A probe cut short by an interrupt (before its ``try``, or inside its ``finally``
 leaves its slot registered with its requests (``Probe.slots``: slot -> futures);
 the store's next pass reclaims every slot whose requests have all ended
 (:meth:`Probe.reclaim_locked`: no probe runs then, they run on the training thread
-before a pass opens), so an interrupt never keeps one for good.
+before a pass opens), so an interrupt never keeps one for good. A request whose
+submission an interrupt cut short may be in flight with its future lost: its place in
+the list holds a future that never ends (:class:`_Submitting`, holding the buffer) from
+before the engine call until the call's future replaces it, and the store quarantines
+such a slot with that buffer (kept for the rest of the process, as a record's request
+in the same case: ``Store._quarantine_locked``), never reusing what the request may
+still touch.
 """
 
 import mmap
 import threading
 import time
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -31,6 +38,16 @@ from ._writeback import _owning, failed_future
 __all__ = ["Probe", "SLOT_FREE"]
 
 SLOT_FREE = "slot free"  # inbox event: a slot outside records has no request left
+
+
+class _Submitting(Future):
+    """A probe request's place while it is submitted: never done, so the slot is not
+    freed, and holding the request's buffer (``owners``), should an interrupt lose the
+    engine call's own future."""
+
+    def __init__(self, owners):
+        super().__init__()
+        self.owners = owners
 
 
 class Probe:
@@ -85,8 +102,7 @@ class Probe:
             for _ in range(repeats):
                 for op in ("write", "read"):
                     t0 = time.perf_counter()
-                    fut = self.submit(op, slot, view.data_ptr(), nbytes, owners)
-                    futures.append(fut)
+                    fut = self.submit(op, slot, view.data_ptr(), nbytes, owners, futures)
                     try:
                         exc = fut.exception(timeout=self.cfg.io_timeout_s)
                     except FutureTimeout:
@@ -154,22 +170,32 @@ class Probe:
     def reclaim_locked(self):
         """Free the slots whose requests have all ended (the store's pass start: no probe
         is running then). A probe frees its own slot when its last request ends; one cut
-        short by an interrupt before it could leaves the slot here."""
+        short by an interrupt before it could leaves the slot here. Returns ``[(slot,
+        owners)]`` of the slots whose submission was cut short: the store quarantines
+        them (a request may be in flight), then takes them out of :attr:`slots`."""
+        lost = []
         if self.slots:
             for slot, futures in list(self.slots.items()):
-                if all(f.done() for f in futures):
+                cut = [f.owners for f in futures if type(f) is _Submitting]
+                if cut:
+                    lost.append((slot, cut))
+                elif all(f.done() for f in futures):
                     self.free_slot_locked(slot)
+        return lost
 
-    def submit(self, op, slot, address, nbytes, owners):
+    def submit(self, op, slot, address, nbytes, owners, futures):
         """The probe's engine call; the request owns ``owners`` (its buffer) until it
-        ends."""
+        ends. Its future is appended to ``futures`` (the slot's requests), in place of
+        a :class:`_Submitting` there from just before the engine call."""
         engine = self.engine
         do = engine.write if op == "write" else engine.read
+        futures.append(_Submitting(owners))  # until the engine call's future is known
         try:
             fut = do(slot.file, slot.offset, address, nbytes)
         except Exception as e:  # noqa: BLE001 - refused: nothing in flight
             fut = failed_future(e)
-        return _owning(fut, owners)
+        futures[-1] = fut = _owning(fut, owners)
+        return fut
 
     def _free_slot_after(self, slot, futures):
         """Free ``slot`` (outside records) once every request in ``futures`` has ended:

@@ -338,7 +338,18 @@ class Store:
         self._buffers.trim()
         self._current = _Pass()
         self._window.begin_step(self.quota, self.quota_floor)
-        self.probe.reclaim_locked()  # a probe cut short by an interrupt (_probe.py)
+        for slot, owners in self.probe.reclaim_locked():  # a probe cut short (_probe.py)
+            # Quarantined first, out of the probe's slots after: an interrupt between
+            # leaves it in both (counted once), never in neither.
+            if not any(q[3] is slot for q in _QUARANTINE):
+                _QUARANTINE.append((owners, None, None, slot))
+                self.stats.quarantined_bytes += slot.nblocks * BLOCK
+                self._events.warn_once(
+                    "quarantine", "ssdtrain: an interrupt cut short the submission of a "
+                    "request (the bandwidth probe's); its buffer and disk slot are kept for "
+                    "the rest of the process so that the request, if it was submitted, "
+                    "cannot touch freed memory (Stats.quarantined_bytes).")
+            self.probe.slots.pop(slot, None)
 
     def _end_pass_locked(self):
         """Forward ended: writes the I/O thread has not started yet start now, the tail

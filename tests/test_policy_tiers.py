@@ -511,3 +511,38 @@ def test_headroom_counts_a_write_that_ends_during_the_reading_once(make_offloade
         assert float(sink[0][0][0]) == 3.0
     finally:
         engine.complete_all()
+
+
+def test_a_probe_request_whose_submission_was_cut_short_keeps_its_slot_and_buffer(
+        make_offloader):
+    """An interrupt after the engine took a probe request but before its future reached
+    the probe (in the engine call's return): the request may be in flight, so its slot
+    is never freed for a record and its buffer stays mapped; the next pass quarantines
+    them (``Stats.quarantined_bytes``) instead of reclaiming them. Before, the probe's
+    ``finally`` freed the slot and unmapped the buffer at once (its list of requests
+    lacked the lost one): the write in flight failed with EFAULT."""
+    import gc
+    off = make_offloader(engine="posix")
+    probe = off._store.probe
+    engine, kept = probe.engine, []
+
+    def write(*args):
+        kept.append(type(engine).write(engine, *args))  # the engine has it
+        raise KeyboardInterrupt
+    engine.write = write
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            probe.time_io(1 << 20, repeats=1)
+    finally:
+        del engine.write
+    assert kept[0].exception(timeout=30) is None      # it landed, from a live buffer
+    (slot, futures), = probe.slots.items()
+    gc.collect()
+    model, inputs = models.mlp()
+    run_step(model, inputs, off)          # the next pass: quarantined, not reclaimed
+    assert not probe.slots
+    assert off.stats().quarantined_bytes >= 1 << 20
+    assert off._store.spill.used_bytes() >= 1 << 20    # the slot is still taken
+    off._store.check_invariants()
+    view, buf = futures[0].owners                       # the buffer is held, mapped
+    assert not buf.closed and view.numel() == 1 << 20
