@@ -187,7 +187,10 @@ class Attachment:
         if self._depth:
             return None
         exc = sys.exc_info()[1]
-        self.close_pass(failed=exc is not None and exc is not self._exc)
+        failed = exc is not None and exc is not self._exc
+        if failed:  # an out-of-memory error is a measurement (Offloader._forward_raised)
+            self._offloader._forward_raised(exc)
+        self.close_pass(failed=failed)
         return None
 
     # ------------------------------------------------------------- lifetime

@@ -45,6 +45,18 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    and a quota the bandwidth bound below would put lower is raised to it, the reason
    saying that the step may then take longer than the margin (and, the first time, a
    warning logged: the policy cannot keep the margin, and says so).
+   *Out of memory is a measurement too.* A forward that raises an out-of-memory error
+   (``torch.OutOfMemoryError``, CUDA's or the loopback device's; the CPU allocator's
+   refusal; ``MemoryError``), seen by ``with offloader:``, ``intercept()`` or an
+   attached module's call before the error propagates
+   (``Offloader._forward_raised``), makes the next step size again
+   (:meth:`AutoQuota.out_of_memory`): it offloads every eligible tensor, as the first
+   step did, and its forward's end raises the floor. Neither step counts toward the
+   phases below, is judged, or is a baseline; a log line says what happened each time
+   (and, when the step that ran out was itself a sizing step, that even offloading
+   everything does not fit). The failing step's own forward end, which saw no free
+   memory, raised the floor already, but from the bytes it had offloaded when it
+   failed: not enough (the next step would run out too).
 1. *Baseline.* The next ``BASELINE_STEPS`` steps offload nothing (quota 0, or the
    floor) and
    measure the forward time ``F``, the step time ``T`` (begin to next begin) and the
@@ -77,7 +89,12 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
 4. *Feedback.* The quota is ``scale * bound``, ``scale`` starting at
    ``START_SCALE`` (0.5). A step is *slowed* when it waited on I/O (read stalls and
    write waits) for more than ``m * T`` or took more than ``(1 + m) * T`` (CPU or
-   memory contention from the I/O shows only there): ``scale`` halves. A step that
+   memory contention from the I/O shows only there), or when its writes *lagged*
+   (:func:`lagged`: more than ``LAG_SHARE``, a quarter, of the bytes it decided to
+   write were still in flight or due when the next step began, or were freed
+   unwritten, ``Stats.unwritten_bytes``: nothing waits for a write, so a disk that
+   slowed down after the probe shows in memory, not in time; the first such step is
+   said once, a warning): ``scale`` halves. A step that
    wrote nothing is not judged (its time owes nothing to the disk). Otherwise it
    grows by ``STEP_UP`` (0.25) up to ``MAX_SCALE`` (1.5: the probe's bandwidth is a low
    estimate, and the feedback is what holds the margin). A quota below ``MIN_SHARE``
@@ -111,9 +128,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-__all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "next_scale",
-           "probe_bytes", "SIZING_STEPS", "BASELINE_STEPS", "MEMORY_RESERVE", "SAFETY",
-           "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE", "RETRY_STEPS"]
+__all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "lagged",
+           "next_scale", "probe_bytes", "SIZING_STEPS", "BASELINE_STEPS", "MEMORY_RESERVE", "SAFETY",
+           "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE", "RETRY_STEPS", "LAG_SHARE"]
 
 MiB = 1 << 20
 SIZING_STEPS = 1       # steps that first offload every eligible tensor (as "static")
@@ -127,6 +144,7 @@ MIN_PROBE = 8 * MiB
 MAX_PROBE = 64 * MiB
 MIN_SHARE = 1 / 16     # a quota below this share of a step's bytes is not worth its cost
 RETRY_STEPS = 100      # steps at quota 0 (below MIN_SHARE) before trying MIN_SHARE again
+LAG_SHARE = 1 / 4      # of a step's writes not landed by the next step's begin: lagging
 
 
 @dataclass(frozen=True)
@@ -140,6 +158,10 @@ class StepSample:
     quota: Optional[int]   #: the quota the step ran with (None: the sizing step's, none)
     offloaded_bytes: int = 0  #: bytes the step decided to write
     room: Optional[Tuple[int, int]] = None  #: (free, total) memory at forward's end
+    #: bytes decided to be written that had not landed when the next step began (in
+    #: flight or due), plus those freed unwritten during the step (``unwritten_bytes``)
+    lag_bytes: int = 0
+    out_of_memory: bool = False  #: its forward raised an out-of-memory error
 
 
 def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: float,
@@ -173,9 +195,18 @@ def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: fl
 
 def slowed(sample: StepSample, base_step_s: float, max_slowdown: float) -> bool:
     """Whether ``sample`` cost more than the margin over the baseline step time: it
-    waited on I/O for longer, or took longer."""
+    waited on I/O for longer, or took longer, or its writes lagged (:func:`lagged`)."""
     margin = max_slowdown * base_step_s
-    return sample.stall_s > margin or sample.step_s > base_step_s + margin
+    return sample.stall_s > margin or sample.step_s > base_step_s + margin or lagged(sample)
+
+
+def lagged(sample: StepSample) -> bool:
+    """Whether the tiers fell behind ``sample``'s writes: more than ``LAG_SHARE`` of the
+    bytes it decided to write had not landed when the next step began (or were freed
+    unwritten). Its time may not show it (nothing waits for a write under ``"auto"``),
+    but memory does: those records stayed in memory (NOTE [ Bounded memory ] in
+    _store.py)."""
+    return sample.offloaded_bytes > 0 and sample.lag_bytes > LAG_SHARE * sample.offloaded_bytes
 
 
 def next_scale(scale: float, was_slowed: bool) -> float:
@@ -213,8 +244,12 @@ class AutoQuota:
             (:meth:`Store.headroom`), read at each forward's end: the memory
             floor.
         warn: called once (a message) the first time the memory floor is above what the
-            tiers absorb in time, so steps may be slower than ``max_slowdown`` allows: the
-            policy cannot do what was asked, and says so (None: nobody is told).
+            tiers absorb in time, so steps may be slower than ``max_slowdown`` allows, and
+            once the first time the tiers fall behind a step's writes (:func:`lagged`):
+            the policy cannot do what was asked, and says so (None: nobody is told).
+        outbound: ``() -> bytes`` decided to be written whose write has not ended (in
+            flight or due; the store's, read without its lock), read when a step begins:
+            a step's lag (None: not measured).
     """
 
     def __init__(self, max_slowdown: float,
@@ -224,7 +259,8 @@ class AutoQuota:
                  copy_probe: Optional[Callable[[int], Optional[Tuple[float, float]]]] = None,
                  host_bytes: int = 0, sync: Optional[Callable[[], bool]] = None,
                  headroom: Optional[Callable[[], Optional[Tuple[int, int]]]] = None,
-                 write_behind_bytes: int = 0, warn: Optional[Callable[[str], None]] = None):
+                 write_behind_bytes: int = 0, warn: Optional[Callable[[str], None]] = None,
+                 outbound: Optional[Callable[[], int]] = None):
         self.max_slowdown = max_slowdown
         self.window_bytes = window_bytes
         self.tail_bytes = tail_bytes
@@ -237,7 +273,12 @@ class AutoQuota:
         self._headroom = headroom
         self.write_behind_bytes = write_behind_bytes
         self._warn = warn
+        self._outbound = outbound
         self.told_floor = False           # warned that the floor is above the time bound
+        self.told_lag = False             # warned that the tiers fell behind the writes
+        self._oom = False                 # the running step's forward ran out of memory
+        self._resize = False              # ... so the next step sizes again
+        self._counted = 0                 # steps that count toward sizing and baseline
         self._room = None                 # headroom at the running step's forward end
         self.floor = 0                    # the least quota that fits (the memory floor)
         self._floor_text = ""
@@ -262,11 +303,12 @@ class AutoQuota:
         self._saved = 0                   # S of the last step that intercepted
         self._begin = None                # the running step: clock at begin, at end of forward
         self._end = None
-        self._counters = None             # (stall, saved, offloaded) at its begin
+        self._counters = None             # (stall, saved, offloaded, unwritten) at its begin
 
     def _read_counters(self):
         s = self._stats
-        return s.stall_seconds + s.write_stall_seconds, s.unique_bytes, s.offloaded_bytes
+        return (s.stall_seconds + s.write_stall_seconds, s.unique_bytes, s.offloaded_bytes,
+                s.unwritten_bytes)
 
     def end_forward(self) -> None:
         """Forward of the running step ended (the first end counts)."""
@@ -282,15 +324,19 @@ class AutoQuota:
         (None: the sizing step's, no quota)."""
         now = self._clock()
         if self._begin is not None:
-            stall, saved, offloaded = self._read_counters()
+            stall, saved, offloaded, unwritten = self._read_counters()
             end = self._end if self._end is not None else now
             if self.intercepts:
                 self._saved = saved - self._counters[1]
+            lag = unwritten - self._counters[3]
+            if self._outbound is not None:
+                lag += self._outbound()
             self._observe(StepSample(step_s=now - self._begin, forward_s=end - self._begin,
                                      stall_s=stall - self._counters[0],
                                      saved_bytes=self._saved, quota=self.quota,
                                      offloaded_bytes=offloaded - self._counters[2],
-                                     room=self._room))
+                                     room=self._room, lag_bytes=lag,
+                                     out_of_memory=self._oom))
         self.quota, self.reason = self._choose()
         self.intercepts = self._intercepts()
         if not self.intercepts:
@@ -303,6 +349,7 @@ class AutoQuota:
         self._end = None
         self._synced = False
         self._room = None
+        self._oom = False
         counters = self._read_counters()
         begin = self._clock()  # after the probe: it is not the step's time
         # The running step's begin and its counters in one line of stores, no call
@@ -311,6 +358,26 @@ class AutoQuota:
         # without the other.
         self._begin, self._counters = begin, counters
         return self.quota
+
+    def out_of_memory(self) -> None:
+        """The running step's forward raised an out-of-memory error (the offloader calls
+        this before the error propagates): the step is no measurement of time, and the
+        next one sizes again (NOTE [ The offload quota ], step 0), offloading every
+        eligible tensor, as the first step did; its forward's end sets the memory floor
+        anew. Said each time (a log line): the step the user sees fail is explained."""
+        self._oom, self._resize = True, True
+        if self._warn is not None:
+            self._warn(
+                "ssdtrain: the forward ran out of memory " +
+                ("while offloading every eligible tensor (the sizing step, as policy='static' "
+                 "does): the step does not fit even so; a smaller micro-batch, "
+                 "keep_tail_bytes=0, host_budget_bytes or policy='adaptive' with "
+                 "memory_budget_bytes (recompute) are the ways on." if self.quota is None else
+                 f"with policy='auto''s quota of {self.quota / MiB:.1f} MiB (what the step "
+                 f"offloads at most{'' if self.intercepts else '; this step intercepted nothing'}"
+                 f"); the next step "
+                 f"offloads every eligible tensor, as the first step did, and measures the "
+                 f"memory floor again (NOTE [ The offload quota ])."))
 
     @property
     def waits_for_writes(self) -> bool:
@@ -325,19 +392,27 @@ class AutoQuota:
         not at quota 0 with no floor once the tiers are measured, except every
         ``RETRY_STEPS``-th such step, which counts the bytes a step saves again."""
         return not (self.quota == 0 and self.floor == 0
-                    and len(self.samples) >= SIZING_STEPS + BASELINE_STEPS
+                    and self._counted >= SIZING_STEPS + BASELINE_STEPS
                     and (self.write_bps is not None or self.copy_write_bps is not None)
                     and self._idle % RETRY_STEPS != 0)
 
     def _in_baseline(self) -> bool:
         """Whether the running (or beginning) step is a baseline step."""
-        return SIZING_STEPS <= len(self.samples) < SIZING_STEPS + BASELINE_STEPS
+        return SIZING_STEPS <= self._counted < SIZING_STEPS + BASELINE_STEPS
 
     def _observe(self, sample: StepSample) -> None:
-        n = len(self.samples)
+        n = self._counted
         measured = n >= SIZING_STEPS + BASELINE_STEPS
         self.samples.append(sample)
         self._raise_floor(sample)
+        if sample.out_of_memory or (sample.quota is None and n >= SIZING_STEPS):
+            # A step that ran out of memory, or the one sized again after it (step 0):
+            # neither counts toward the phases, nor is judged, nor is a baseline.
+            if not sample.out_of_memory:
+                self._resize = False
+            self._slowed = None
+            return
+        self._counted = n + 1
         if n < SIZING_STEPS:  # it offloaded everything: its times are no baseline
             self._slowed = None
             return
@@ -346,6 +421,19 @@ class AutoQuota:
         if measured and sample.offloaded_bytes > 0:
             self._slowed = slowed(sample, self.base_step_s, self.max_slowdown)
             self.scale = next_scale(self.scale, self._slowed)
+            if lagged(sample) and not self.told_lag:
+                self.told_lag = True
+                if self._warn is not None:
+                    self._warn(
+                        f"ssdtrain: policy='auto' decided to write "
+                        f"{sample.offloaded_bytes / MiB:.1f} MiB in a step and "
+                        f"{sample.lag_bytes / MiB:.1f} MiB of its writes had not landed when "
+                        f"the next step began: the tiers took less than they measured (a disk "
+                        f"or link slowed down, or shared). Records whose writes wait stay in "
+                        f"memory, at most write_behind_bytes in flight, and the quota is "
+                        f"lowered until the writes keep up. (Said once per Offloader; "
+                        f"Stats.unwritten_bytes counts writes dropped because their graph "
+                        f"was freed first, Stats.offload_quota_reason each step's reason.)")
         else:
             self._slowed = None
         # The fastest step seen is the one nearest to no overhead at all (one-time costs
@@ -385,7 +473,11 @@ class AutoQuota:
                 f"{MEMORY_RESERVE:.0%}")
 
     def _choose(self):
-        n = len(self.samples)
+        n = self._counted
+        if self._resize:
+            return None, ("sizing again: the last step ran out of memory in forward, so this "
+                          "one offloads every eligible tensor, as policy='static' does, and "
+                          "measures the memory floor again")
         if n < SIZING_STEPS:
             return None, ("sizing: the first step offloads every eligible tensor, as "
                           "policy='static' does, to learn how much must leave memory for the "
@@ -460,7 +552,11 @@ class AutoQuota:
                f"{self.max_slowdown:.0%}; {self._tiers_text()}; saved "
                f"{last.saved_bytes / MiB:.1f} MiB)")
         was = self._slowed
-        if was is True:
+        if was is True and lagged(last):
+            why += (f"; lowered: {last.lag_bytes / MiB:.1f} MiB of the last step's "
+                    f"{last.offloaded_bytes / MiB:.1f} MiB of writes had not landed when this "
+                    f"step began (the tiers fell behind)")
+        elif was is True:
             why += (f"; lowered: the last step took {last.step_s * 1e3:.0f} ms and waited "
                     f"{last.stall_s * 1e3:.0f} ms on I/O, over the baseline "
                     f"{self.base_step_s * 1e3:.0f} ms + {self.max_slowdown:.0%}")

@@ -210,10 +210,14 @@ class OffloadConfig:
     where the file system supports it. Default ``"auto"``."""
 
     write_behind_bytes: int = 1 * GiB
-    """Most bytes whose writes may be in flight at once. When forward saves faster than
-    the disk takes them, the pack that goes beyond it waits for the oldest write
-    (counted in :attr:`Stats.write_stall_seconds`), so memory stays bounded by
-    ``keep_tail_bytes + write_behind_bytes`` plus one record. Default 1 GiB; ``0``
+    """Most bytes whose writes (and copies to the host tier) may be in flight at once,
+    under every policy. When forward saves faster than the disk takes them, the pack
+    that goes beyond it waits for the oldest write (counted in
+    :attr:`Stats.write_stall_seconds`), so memory stays bounded by
+    ``keep_tail_bytes + write_behind_bytes`` plus one record. Under
+    ``policy="auto"`` forward does not wait (unless memory sets a floor): the writes
+    past it wait in memory, and one whose graph is freed before it starts is never
+    written (:attr:`Stats.unwritten_bytes`; INV-BOUNDED). Default 1 GiB; ``0``
     waits for every write before forward goes on (for debugging)."""
 
     verify: Union[bool, str] = "auto"

@@ -156,6 +156,34 @@ record's references; the memory then lives until the request ends, never less. A
 request whose future was lost (submission interrupted) keeps its memory forever, with
 a warning (``Stats.quarantined_bytes``). The bandwidth probe's requests, outside
 records, follow the same rule (``Probe.time_io`` in _probe.py).
+
+NOTE [ Bounded memory ]
+
+What ssdtrain holds in memory beyond the saved tensors a live graph references is
+bounded, whatever the disk or the link does (INV-BOUNDED in docs/ARCHITECTURE.md):
+
+* A record no graph references is freed at its last handle's death unless a request of
+  it is in flight; a write that was due and had not started is then never started (its
+  bytes count in ``Stats.unwritten_bytes``). Outbound requests (writes, copies to the
+  host tier, its evictions to the SSD) start only while fewer bytes than
+  ``write_behind_bytes`` (the lower limit of a plan in force) are in flight, or none
+  (``WritePath.room``): what is held for requests no graph needs is at most that limit
+  plus one record. The I/O thread, the end of forward, the throttle and ``flush()``
+  all start writes through ``WritePath.start_due_locked``, which keeps to it; a write
+  that ends makes room, and the engine thread that completes it wakes the I/O thread
+  for the next (``_settle_nowait``). Under ``"static"`` (and a plan, and ``"auto"``
+  under a memory floor) forward also waits when more than the limit is written or due
+  (the throttle); under ``"auto"`` otherwise forward never waits for a write: the writes
+  past the limit stay due, in memory with their graph, as a kept record would.
+* A step of ``"auto"`` whose writes lag (more than a quarter of the bytes it decided to
+  write not landed when the next step begins, or freed unwritten) counts as slowed: the
+  quota halves (NOTE [ The offload quota ] in _auto.py, step 4), and the first time the
+  policy says so (a warning).
+* Read-ahead: at most ``prefetch_bytes`` (plus one record) held or loading ahead of use
+  (NOTE [ Prefetch window ] in _prefetch.py); the host tier: at most
+  ``host_budget_bytes`` (INV-HOST-BUDGET); idle pinned staging and read buffers: their
+  pools' idle limits (NOTE [ Device records ] in _device.py, NOTE [ Read buffer pool ]
+  in _readbuf.py).
 """
 
 import collections
@@ -636,7 +664,7 @@ class Store:
         while self._inbox:
             with self._lock:
                 self._guarded_locked(_nothing)
-        if self._graveyard:
+        if self._graveyard or self._write_overdue():  # a write that ended made room
             self._kick()
 
     def _settle_nowait(self):
@@ -650,7 +678,9 @@ class Store:
                 self._guarded_locked(_nothing)
             finally:
                 lock.release()
-        if self._graveyard or self._inbox:  # the lock was busy: the I/O thread drains it
+        # The lock was busy (the I/O thread drains it), or a write that ended made room
+        # for a due one (NOTE [ Bounded memory ]).
+        if self._graveyard or self._inbox or self._write_overdue():
             self._kick()
 
     # ----------------------------------------------------------- the I/O thread
@@ -916,6 +946,13 @@ class Store:
     def _headroom_locked(self):
         free, total = self.probe.headroom()
         return free + self._table.leaving_bytes(), total
+
+    def outbound_bytes(self):
+        """Bytes decided to be written (or copied to the host tier) whose request has not
+        ended: in flight or due. Read without the lock: a sample (policy ``"auto"``'s lag,
+        NOTE [ Bounded memory ])."""
+        table = self._table
+        return table.writing_bytes + table.due_bytes
 
     def check_invariants(self):
         """Raise ``AssertionError`` if an aggregate disagrees with the records (tests): the

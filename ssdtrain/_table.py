@@ -132,6 +132,8 @@ class RecordTable:
                 self.window.discard(rec)
             elif self.due.pop(rec, 0) is None:
                 self.due_bytes -= n
+                if to is State.FREED:  # its graph died before its write could start
+                    self.stats.unwritten_bytes += n  # (NOTE [ Bounded memory ] in _store.py)
             rec.due = False
         if rec.reserved and (to is State.KEPT or to is State.FREED):
             self.window.release(rec)  # no slot any more: the spill budget gets it back

@@ -67,6 +67,7 @@ class WritePath:
         self._callback = callback
         self.tier = None
         self.write_behind = None   # the limit in force (Store.limit_write_behind)
+        self.cap = cfg.write_behind_bytes  # the most bytes in flight at once (room())
 
     # ------------------------------------------------------ the pack decision
     def decide_locked(self, outside):
@@ -105,30 +106,45 @@ class WritePath:
 
     def start_due_locked(self, limit=None):
         """Start the writes pack decided (``RecordTable.due``), oldest first, at most ``limit``
-        of them (all with None). Returns whether it stopped at ``limit`` with more due.
-        The store's I/O thread calls it one record at a time; end of forward, ``flush()``
-        and the throttle call it for all (NOTE [ The store's I/O thread ] in _store.py).
-        What is written was decided already: when this runs changes nothing of it."""
+        of them (all with None) and only while there is :meth:`room` in flight. Returns
+        whether it stopped at ``limit`` with more due and room for it. The store's I/O
+        thread calls it one record at a time; end of forward, ``flush()`` and the throttle
+        call it for all (NOTE [ The store's I/O thread ] in _store.py); a write that ends
+        makes room, and its completion wakes the I/O thread for the next
+        (``Store._settle``). What is written was decided already: when this runs changes
+        nothing of it (NOTE [ Bounded memory ] in _store.py)."""
         done = 0
-        due = self._table.due
-        while due:
+        table = self._table
+        due = table.due
+        while due and self.room():
             if limit is not None and done >= limit:
                 return True
             self.start_write_locked(next(iter(due)))  # it leaves ``due`` (RecordTable.move)
             done += 1
-        spill = self._table.spill_due  # evicted from the host tier (NOTE [ Host tier ])
-        while spill:
+        spill = table.spill_due  # evicted from the host tier (NOTE [ Host tier ])
+        while spill and self.room():
             if limit is not None and done >= limit:
                 return True
             self.tier.start_spill_locked(next(iter(spill)))  # it leaves ``spill_due``
             done += 1
         return False
 
+    def room(self):
+        """Whether another outbound request may start: fewer bytes in flight than the
+        write-behind limit (the configured one, or the lower one in force), or none at all
+        (a record larger than the limit is written alone). Policy ``"auto"``, whose forward
+        never waits for a write (the throttle is off), is held to it here: the writes
+        beyond it stay due, in memory with their graph, and a due record whose graph dies
+        first is freed unwritten (``Stats.unwritten_bytes``; NOTE [ Bounded memory ] in
+        _store.py). Read without the lock too: a hint."""
+        writing = self._table.writing_bytes
+        return writing == 0 or writing < min(self.cap, self.write_behind)
+
     def overdue(self):
-        """Whether writes are due and not started. Read without the lock: a hint for
-        waking the I/O thread."""
+        """Whether writes are due, not started, and there is room to start one. Read
+        without the lock: a hint for waking the I/O thread."""
         table = self._table
-        return table.due_bytes > 0 or bool(table.spill_due)
+        return (table.due_bytes > 0 or bool(table.spill_due)) and self.room()
 
     def next_hint(self):
         """The oldest due write, or None. Read without the lock: a hint
@@ -342,7 +358,8 @@ class WritePath:
         closed = self._table.closed
         if not closed:
             self.start_due_locked()
-        if self._table.writing_bytes <= self.write_behind or closed:
+        table = self._table
+        if table.writing_bytes + table.due_bytes <= self.write_behind or closed:
             return True, None, None
         oldest = next(iter(self._table.writing))
         fut = oldest.future

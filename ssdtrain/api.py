@@ -40,6 +40,11 @@ class Stats:
     model, and what ``ssdtrain estimate`` gives. A record that dies before its write
     starts is not written (``records_written`` counts the writes done); one whose write
     fails is counted here too, and raises or is kept (``on_spill_error``)."""
+    unwritten_bytes: int = 0
+    """Bytes of :attr:`offloaded_bytes` whose record was freed (its graph gone) before
+    its write could start: more than ``write_behind_bytes`` were in flight, the disk or
+    link fell behind the step (NOTE [ Bounded memory ]). Under ``policy="auto"`` such a
+    step lowers the next quota; 0 while the tiers keep up."""
     kept_bytes: int = 0
     """Bytes kept in memory: small tensors, parameters and buffers, other devices and
     kinds, and the tail of forward (``keep_tail_bytes``)."""
@@ -236,6 +241,7 @@ class Offloader:
         self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()
         self._auto = None     # _auto.AutoQuota: the quota of each step (policy "auto")
+        self._auto_step = False  # the pass open (or last opened) is a step of its quota
         self._stalls = None   # _auto.StallWatch (policy "static")
         if config.policy == "static":
             from ._auto import StallWatch
@@ -253,7 +259,7 @@ class Offloader:
                 (lambda nbytes: store.probe.time_copies(nbytes, repeats=2)),
                 host_bytes=host or 0, sync=store.probe.synchronize_devices,
                 headroom=store.headroom, write_behind_bytes=config.write_behind_bytes,
-                warn=log.warning)
+                warn=log.warning, outbound=store.outbound_bytes)
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
@@ -271,6 +277,7 @@ class Offloader:
         if fwd.phase is Phase.IDLE:
             return False
         _explain(exc)
+        self._forward_raised(exc)
         self._settle_forward()
         if fwd.phase is Phase.INTERCEPTING:
             self._hook_off()
@@ -314,7 +321,8 @@ class Offloader:
         # A pass with grad mode off (evaluation) saves nothing for backward: not a step of
         # the quota (NOTE [ The offload quota ]), whose S and times it would take as a
         # training step's; attach() opens no pass for such a call at all.
-        if self._auto is not None and torch.is_grad_enabled():
+        self._auto_step = self._auto is not None and torch.is_grad_enabled()
+        if self._auto_step:
             # May probe the disk, once: before the pass opens.
             quota = self._auto.begin_step()
             # The sizing step (no quota), and every step under a memory floor, wait for
@@ -331,6 +339,14 @@ class Offloader:
         if self._layers is not None:
             self._layers.begin_step()
         fwd.move(Phase.OPEN)
+
+    def _forward_raised(self, exc) -> None:
+        """A forward of this offloader raised ``exc`` (``with``, ``intercept()``, an
+        attached module's call): an out-of-memory error is a measurement of policy
+        ``"auto"`` (NOTE [ The offload quota ], step 0), taken before it propagates, so
+        that the next step offloads enough to fit."""
+        if self._auto_step and _out_of_memory(exc):
+            self._auto.out_of_memory()
 
     def _recover_forward(self, site=None, hook_site=None) -> None:
         """Before a forward operation (NOTE [ Forward phases ]): finish a transition an
@@ -922,11 +938,19 @@ class _Intercept:
         fwd = off._forward
         if exc is not None:
             _explain(exc)
+            off._forward_raised(exc)
         if fwd.phase in (Phase.HOOKING, Phase.UNHOOKING):
             off._settle_forward()
         elif fwd.phase is Phase.INTERCEPTING:
             off._hook_off()
         return False
+
+
+def _out_of_memory(exc) -> bool:
+    """Whether ``exc`` says that memory ran out: torch's ``OutOfMemoryError`` (CUDA's, the
+    loopback device's), the CPU allocator's refusal, Python's ``MemoryError``."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def _explain(exc):
@@ -974,6 +998,9 @@ class RecordView:
                        doc="The storage's version counter when it was saved.")
     writes = property(lambda self: self._record.writes,
                       doc="How many times its bytes were written to the spill tier.")
+    live = property(lambda self: bool(self._record.tokens),
+                    doc="Whether a graph still references it (:meth:`Offloader.live_records` "
+                        "counts these); one that is not is held only until its request ends.")
 
     def __repr__(self):
         return f"<ssdtrain.RecordView {self.state} {self.nbytes} B [{self.lo}, {self.hi})>"

@@ -167,7 +167,7 @@ def test_time_copies_goes_out_and_back_on_the_copy_streams(make_offloader):
 
 class _Stats:
     stall_seconds = write_stall_seconds = 0.0
-    unique_bytes = offloaded_bytes = 0
+    unique_bytes = offloaded_bytes = unwritten_bytes = 0
     offload_quota_bytes = 0
     offload_quota_reason = ""
 
