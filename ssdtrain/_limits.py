@@ -29,16 +29,18 @@ and ``/sys/fs/cgroup``; the mount's root (mountinfo's 4th field) is cut from the
 process's path, so a container that sees only its own subtree (a cgroup namespace, or
 a bind mount of its cgroup: ``/proc/self/cgroup`` says ``/`` or ``/docker/<id>``, the
 mount's root is the same) finds its files at the mount point. Where the path does not
-lie under the mount's root, the mount point is read as the process's cgroup.
+lie under the mount's root, or its directory is missing, the mount point is read as the
+process's cgroup (at worst the root's "no limit": the kernel's numbers then stand).
 
 **Nested limits.** A cgroup's limit binds every cgroup below it, so the effective limit
 is the least along the path from the process's cgroup up to the highest one visible
 (the mount point). v2: each level's ``memory.max`` and ``memory.high`` (past ``high``
 the kernel throttles the cgroup to reclaim: as good as a wall for a training step);
-``max`` means none. v1: each level's ``memory.limit_in_bytes`` where ``memory.use_hierarchy``
-is 1 (else only the process's own), and ``memory.stat``'s ``hierarchical_memory_limit``,
-which covers ancestors a container cannot see; "no limit" is written as LONG_MAX
-rounded down to a page, so every value from 2^60 up is none.
+``max`` means none. v1: each level's ``memory.limit_in_bytes`` where
+``memory.use_hierarchy`` is 1 or missing (else only the process's own), and
+``memory.stat``'s ``hierarchical_memory_limit``, which covers ancestors a container
+cannot see; "no limit" is written as LONG_MAX rounded down to a page, so every value
+from 2^60 up is none.
 
 **Never a crash.** A missing or unreadable file, a value that is not a number, an
 unknown layout: that level (or the whole cgroup) says nothing, and the kernel's numbers
@@ -49,8 +51,8 @@ came from.
 through CUDA (``torch.empty(..., pin_memory=True)``: ``cudaHostAlloc``, or
 ``cudaHostRegister``), and the NVIDIA driver pins those pages itself (its
 ``os_lock_user_pages`` takes ``get_user_pages`` references) without counting them
-against ``RLIMIT_MEMLOCK``, which binds ``mlock``, io_uring registered buffers and RDMA
-only. Capping ``"auto"`` at it gave a host tier of 8 MiB (the systemd default ``ulimit
+against ``RLIMIT_MEMLOCK``, which binds ``mlock(2)``, io_uring's registered buffers
+and RDMA registrations. Capping ``"auto"`` at it gave a host tier of 8 MiB (the systemd default ``ulimit
 -l``) or 64 KiB (Docker's) on most GPU machines. The pinned pages are charged to the
 memory cgroup, which is why its limit, not ``ulimit -l``, bounds the host tier.
 """
@@ -257,19 +259,19 @@ def _room(directory: str, limit: int, usage_file: str, inactive_keys) -> Optiona
         return None
     stat = _stat(_read(os.path.join(directory, "memory.stat")))
     inactive = next((stat[k] for k in inactive_keys if k in stat), 0)
-    return max(0, min(limit, limit - usage + min(inactive, usage)))
+    return max(0, min(limit, limit - usage + inactive))
 
 
 def cgroup_memory(root: Optional[str] = None) -> Optional[CgroupMemory]:
     """The memory cgroup this process is in, its effective limit and room (NOTE [ Memory
     limits ]); None where there is none to be found (no ``/proc/self/cgroup``, no memory
     hierarchy). ``root``: where ``/proc`` and ``/sys`` are (default :data:`ROOT`)."""
+    global _MOUNTS
     root = ROOT if root is None else root
     text = _read(_under(root, "/proc/self/cgroup"))
     if text is None:
         return None
     v1, v2 = parse_proc_cgroup(text)
-    global _MOUNTS
     info = _read(_under(root, "/proc/self/mountinfo")) or ""
     seen = _MOUNTS  # one read of the pair: another thread may replace it
     if info != seen[0]:  # parsed again only when it changed
@@ -295,7 +297,9 @@ def cgroup_memory(root: Optional[str] = None) -> Optional[CgroupMemory]:
                                _room(d, found[0], "memory.current", ("inactive_file",))))
     else:
         keys = ("total_inactive_file", "inactive_file")
-        hierarchical = (_read(os.path.join(directory, "memory.use_hierarchy")) or "").strip() == "1"
+        # 1 on every kernel since 5.11 (it cannot be 0 there): missing counts as 1
+        hierarchical = (_read(os.path.join(directory, "memory.use_hierarchy")) or "1").strip() \
+            == "1"
         for cg, d in levels if hierarchical else levels[:1]:
             value = _limit(_read(os.path.join(d, "memory.limit_in_bytes")))
             if value is not None:
