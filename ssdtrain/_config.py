@@ -259,11 +259,13 @@ class OffloadConfig:
     records beyond the budget stay in device memory (a ``save_on_cpu`` with dedup, a
     budget and prefetch). CPU tensors are not moved (they are in host RAM already): with
     an SSD tier they are written as before, without one they stay. ``"auto"``: half of
-    the memory the process may use (the cgroup's limit, else the machine's RAM) and,
-    where a CUDA device makes the tier pin memory, at most the soft ``RLIMIT_MEMLOCK``
-    unless that is unlimited; ``"unlimited"``: no limit. Pinned buffers are rounded up
-    by the host allocator (``Stats.staging_bytes`` shows what is held). Default
-    ``None``: no host tier, device records go to the SSD through pinned staging."""
+    the memory the process may use: its own memory cgroup's limit (the least along its
+    path, cgroup v1 or v2), else the machine's RAM (not capped by ``RLIMIT_MEMLOCK``,
+    which does not count CUDA's pinned memory; NOTE [ Memory limits ] in
+    ``ssdtrain/_limits.py``); :attr:`ResolvedConfig.host_budget_reason` says which.
+    ``"unlimited"``: no limit. Pinned buffers are rounded up by the host allocator
+    (``Stats.staging_bytes`` shows what is held). Default ``None``: no host tier, device
+    records go to the SSD through pinned staging."""
 
     on_spill_full: str = "keep"
     """What a record beyond ``max_spill_bytes`` does: ``"keep"`` it in memory (counted
@@ -443,9 +445,10 @@ class OffloadConfig:
           (why: :attr:`ResolvedConfig.engine_reason`);
         * ``verify``: ``"auto"`` becomes ``True`` where ``ssdtrain._C`` is built and the
           engine is not ``kvikio``, else ``False``;
-        * ``host_budget_bytes``: ``"auto"`` and ``"unlimited"`` become a byte count;
-          with it and no ``spill_dir``, ``spill_dir`` becomes ``[]`` (no SSD tier: no
-          directory is created, probed or written).
+        * ``host_budget_bytes``: ``"auto"`` and ``"unlimited"`` become a byte count
+          (why: :attr:`ResolvedConfig.host_budget_reason`); with it and no
+          ``spill_dir``, ``spill_dir`` becomes ``[]`` (no SSD tier: no directory is
+          created, probed or written).
 
         ``direct_io`` stays as asked: ``O_DIRECT`` is decided per spill file when it is
         opened (``Stats.engine`` shows the outcome). A resolved config resolves to
@@ -458,8 +461,8 @@ class OffloadConfig:
         if isinstance(self, ResolvedConfig):
             return self
         from . import _checksum, _device, _spill, io  # the store layer resolves (Layers)
-        from ._hosttier import budget_bytes  # NOTE [ Host tier ] in _hosttier.py
-        host = budget_bytes(self.host_budget_bytes)
+        from ._hosttier import resolve_budget  # NOTE [ Host tier ] in _hosttier.py
+        host, host_why = resolve_budget(self.host_budget_bytes)
         if self.spill_dir is not None:
             dirs = self.spill_dir
         elif host is not None:
@@ -486,7 +489,7 @@ class OffloadConfig:
             verify = _checksum.available() and engine != "kvikio"
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(OffloadConfig)}
         values.update(spill_dir=dirs, engine=engine, verify=verify, host_budget_bytes=host)
-        return ResolvedConfig(**values, engine_reason=why)
+        return ResolvedConfig(**values, engine_reason=why, host_budget_reason=host_why)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -501,6 +504,12 @@ class ResolvedConfig(OffloadConfig):
     engine_reason: str = dataclasses.field(default="", compare=False)
     """Why :attr:`engine` was chosen (the configured name, or what ``"auto"`` saw); not
     compared: configs with the same settings are equal whatever led to them."""
+
+    host_budget_reason: str = dataclasses.field(default="", compare=False)
+    """Where :attr:`host_budget_bytes` came from: for ``"auto"``, e.g. ``"half of the
+    cgroup memory limit 2.00 GiB (memory.max of /job)"`` or ``"half of the machine's
+    memory ..."``; ``"as configured"``, ``"unlimited"``, or ``""`` without a host tier.
+    Not compared."""
 
     def __post_init__(self):
         super().__post_init__()

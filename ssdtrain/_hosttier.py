@@ -67,108 +67,54 @@ budget when it was evicted). Backward still waits for that write: the load is qu
 when it ends, not before (a LOADED record has no request in flight).
 
 **The default budget** (``host_budget_bytes="auto"``): half of the memory this
-process may use: the cgroup's limit (``/sys/fs/cgroup/memory.max``, cgroup v1's
-``memory/memory.limit_in_bytes``) or, without one, the machine's RAM; where the host
-tier pins (a CUDA device is present) also at most the soft ``RLIMIT_MEMLOCK`` unless
-that is unlimited. :func:`default_host_budget` computes it, and
-``Offloader.config`` shows the outcome.
+process may use: the effective limit of its own memory cgroup (the least along its
+path, v1 or v2) or, without one, the machine's RAM (``_limits.host_memory``, NOTE [
+Memory limits ] in _limits.py). ``RLIMIT_MEMLOCK`` does not cap it: CUDA's pinned
+memory is not counted against it (that NOTE says why); it is charged to the cgroup.
+:func:`default_host_budget` computes it and says where the number came from
+(``ResolvedConfig.host_budget_reason``, logged when an offloader is made).
 """
 
 from __future__ import annotations
 
 import collections
-import os
-import resource
 
 from ._device import device_misalign
 from ._errors import SpillIOError
 from ._records import State
 from ._spill import BLOCK
 from ._events import _without_frames
+from ._limits import host_memory
 from ._writeback import _WRITTEN, _owning, failed_future, free_slot
 
-__all__ = ["HostBudget", "HostTier", "default_host_budget", "memory_limit", "memory_available",
-           "budget_bytes", "has_ssd_tier"]
-
-_UNLIMITED_CGROUP = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded LONG_MAX
+__all__ = ["HostBudget", "HostTier", "default_host_budget", "budget_bytes", "resolve_budget",
+           "has_ssd_tier"]
 
 
-def _cgroup(cgroup_root: str):
-    """``(limit, usage)`` of the first cgroup interface found (v2 ``memory.max``, else
-    v1 ``memory/memory.limit_in_bytes``): ``limit`` None where it says "no limit",
-    ``usage`` None where it cannot be read; ``(None, None)`` without either."""
-    for cap, used in (("memory.max", "memory.current"),
-                      (os.path.join("memory", "memory.limit_in_bytes"),
-                       os.path.join("memory", "memory.usage_in_bytes"))):
-        try:
-            with open(os.path.join(cgroup_root, cap)) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        # "max", or v1's page-rounded LONG_MAX: no limit
-        limit = int(text) if text.isdigit() and int(text) < _UNLIMITED_CGROUP else None
-        try:
-            with open(os.path.join(cgroup_root, used)) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            usage = None
-        return limit, usage  # the first interface found speaks for the cgroup
-    return None, None
+def default_host_budget(memory=None):
+    """``host_budget_bytes="auto"`` (NOTE [ Host tier ]): ``(bytes, why)``, half of the
+    host memory this process may use (``memory``: a ``_limits.HostMemory``, by default
+    :func:`~ssdtrain._limits.host_memory`'s), and where that came from."""
+    memory = host_memory() if memory is None else memory
+    return memory.total // 2, "half of " + memory.describe()
 
 
-def memory_limit(cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """The most memory this process may use: the cgroup's limit (v2 ``memory.max``, v1
-    ``memory/memory.limit_in_bytes``) if there is one, else the machine's RAM, the
-    smaller of the two."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit, _ = _cgroup(cgroup_root)
-    return ram if limit is None else min(ram, limit)
-
-
-def memory_available(cgroup_root: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo"):
-    """``(available, limit)``: the bytes this process could still allocate (the cgroup's
-    limit less its usage where it has one, and never more than the kernel's
-    ``MemAvailable``) and :func:`memory_limit`. The memory a host tensor's activations
-    take, for ``policy="auto"``'s memory floor (NOTE [ The offload quota ])."""
-    limit = memory_limit(cgroup_root)
-    available = limit
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = min(available, int(line.split()[1]) * 1024)
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    cap, usage = _cgroup(cgroup_root)
-    if cap is not None and usage is not None:
-        available = min(available, max(0, cap - usage))
-    return available, limit
-
-
-def default_host_budget(pins: bool, cgroup_root: str = "/sys/fs/cgroup", memlock=None) -> int:
-    """``host_budget_bytes="auto"`` (NOTE [ Host tier ]): half of :func:`memory_limit`,
-    and where the tier pins (``pins``) at most the soft ``RLIMIT_MEMLOCK`` (``memlock``:
-    ``resource.getrlimit``'s pair, for tests) unless that is unlimited."""
-    budget = memory_limit(cgroup_root) // 2
-    if pins:
-        soft = (memlock or resource.getrlimit(resource.RLIMIT_MEMLOCK))[0]
-        if soft != resource.RLIM_INFINITY:
-            budget = min(budget, soft)
-    return budget
+def resolve_budget(value):
+    """``(bytes or None, why)`` for ``host_budget_bytes``: ``"auto"`` is
+    :func:`default_host_budget`, ``"unlimited"`` the largest byte count, None no host
+    tier. ``OffloadConfig.resolve`` and the estimate both use it."""
+    if value == "auto":
+        return default_host_budget()
+    if value == "unlimited":
+        from ._config import MAX_BYTES
+        return MAX_BYTES, "unlimited"
+    return value, "" if value is None else "as configured"
 
 
 def budget_bytes(value):
-    """``host_budget_bytes`` as a byte count, or None (no host tier): ``"auto"`` is
-    :func:`default_host_budget` (pinning where CUDA is available), ``"unlimited"`` the
-    largest byte count. ``OffloadConfig.resolve`` and the estimate both use it."""
-    if value == "auto":
-        from ._cuda import default_device
-        return default_host_budget(default_device().type == "cuda")
-    if value == "unlimited":
-        from ._config import MAX_BYTES
-        return MAX_BYTES
-    return value
+    """``host_budget_bytes`` as a byte count, or None (no host tier):
+    :func:`resolve_budget` without the reason."""
+    return resolve_budget(value)[0]
 
 
 def has_ssd_tier(cfg) -> bool:

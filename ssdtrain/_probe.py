@@ -32,7 +32,7 @@ import torch
 
 from ._errors import SpillIOError
 from ._events import _copy, _without_frames
-from ._hosttier import memory_available
+from ._limits import host_memory
 from ._writeback import _owning, failed_future
 
 __all__ = ["Probe", "SLOT_FREE"]
@@ -141,13 +141,15 @@ class Probe:
         """``(free, total)`` bytes where the store's saved tensors live, for
         ``policy="auto"``'s memory floor (NOTE [ The offload quota ] in _auto.py): the
         device with the least free of those it has seen a saved tensor of, else host
-        memory (``_hosttier.memory_available``). ``Store.headroom`` calls it under the
-        store's lock, so that the bytes still leaving memory are read in the same
-        snapshot; it reads the device map (``DeviceMap.seen``) without taking it."""
+        memory as this process's cgroup bounds it (``_limits.host_memory``: available
+        and total, NOTE [ Memory limits ] in _limits.py). ``Store.headroom`` calls it
+        under the store's lock, so that the bytes still leaving memory are read in the
+        same snapshot; it reads the device map (``DeviceMap.seen``) without taking it."""
         seen = self.devices.seen()
         if seen:
             return min((leaf.headroom(device) for leaf, device in seen), key=lambda r: r[0])
-        return memory_available()
+        host = host_memory()
+        return host.available, host.total
 
     def synchronize_devices(self) -> bool:
         """Wait for the work queued on every device the store has seen a saved tensor

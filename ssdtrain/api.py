@@ -237,6 +237,9 @@ class Offloader:
             _host_tier_label(config.host_budget_bytes)
         log.info("ssdtrain: engine %s (%s), %d I/O threads, spill_dir %s", self._stats.engine,
                  config.engine_reason, config.io_threads, config.spill_dir)
+        if config.host_budget_bytes is not None:  # NOTE [ Memory limits ] in _limits.py
+            log.info("ssdtrain: host tier budget %s: %s", _mib(config.host_budget_bytes),
+                     config.host_budget_reason)
         self._store = Store(config, spill, engine, self._stats)
         self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()

@@ -48,7 +48,7 @@ import torch
 from ._config import MAX_BYTES, OffloadConfig, parse_bytes
 from ._errors import ConfigError
 from ._estimate import EstimateError, Measurement, measure
-from ._hosttier import budget_bytes, has_ssd_tier
+from ._hosttier import budget_bytes, has_ssd_tier, resolve_budget
 
 __all__ = ["estimate", "Estimate", "Hardware", "EstimateError", "hf_factory", "load_factory",
            "main", "DTYPES", "PlanEstimate", "make_plan", "plan_costs", "predict_choices",
@@ -763,9 +763,9 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
                    dtype=dtype, model=label, host_budget_bytes=host_budget, ssd_tier=ssd)
     if host_budget is not None:
         if cfg.host_budget_bytes == "auto":
-            notes.append(f"host_budget_bytes='auto' is resolved on this machine (half its "
-                         f"memory limit, at most RLIMIT_MEMLOCK where CUDA pins): "
-                         f"{_b(host_budget)}; give a size for another host's.")
+            notes.append(f"host_budget_bytes='auto' is resolved on this machine, in this "
+                         f"process's cgroup: {_b(host_budget)}, {resolve_budget('auto')[1]}; "
+                         f"give a size for another host's.")
         if ssd:
             notes.append("the bandwidth and endurance figures count only the bytes that "
                          "reach the SSD; the device <-> host copies of the host tier are "

@@ -24,7 +24,7 @@ from loopback_helpers import LoopbackDevice, SaveForBackward, attach
 from models import ALL_MODELS
 from ssdtrain import ConfigError
 from ssdtrain._config import MAX_BYTES
-from ssdtrain._hosttier import HostBudget, default_host_budget, memory_limit
+from ssdtrain._hosttier import HostBudget
 
 KiB = 1 << 10
 N = 64 * KiB  # bytes of each saved device tensor in the chains below
@@ -453,28 +453,6 @@ def test_host_budget_evicts_the_earliest_admitted():
     assert h.nbytes == 4 and S.peak_host_bytes == 10 - 2
     n = HostBudget(10, False, S)
     assert n.admit(R(6)) == (True, []) and n.admit(R(6)) == (False, [])
-
-
-def test_default_budget_reads_the_cgroup_limit_and_memlock(tmp_path):
-    """``"auto"``: half of the cgroup limit (v2, then v1), never more than the RAM;
-    capped by a finite ``RLIMIT_MEMLOCK`` where the tier pins."""
-    import resource
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    (tmp_path / "memory.max").write_text("1073741824\n")
-    assert memory_limit(str(tmp_path)) == min(ram, 1 << 30)
-    assert default_host_budget(False, str(tmp_path)) == min(ram, 1 << 30) // 2
-    assert default_host_budget(True, str(tmp_path), memlock=(8 << 20, 8 << 20)) == 8 << 20
-    inf = resource.RLIM_INFINITY
-    assert default_host_budget(True, str(tmp_path), memlock=(inf, inf)) == \
-        min(ram, 1 << 30) // 2
-    (tmp_path / "memory.max").write_text("max\n")
-    assert memory_limit(str(tmp_path)) == ram
-    v1 = tmp_path / "v1"
-    (v1 / "memory").mkdir(parents=True)
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(1 << 29))
-    assert memory_limit(str(v1)) == min(ram, 1 << 29)
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(9223372036854771712))
-    assert memory_limit(str(v1)) == ram
 
 
 def test_config_resolves_and_refuses(tmp_path):

@@ -418,26 +418,6 @@ def test_writes_a_slow_disk_has_not_finished_do_not_raise_the_floor(make_offload
     assert dev.peak_allocated <= dev.capacity and not dev.errors
 
 
-def test_host_memory_available_is_the_least_of_the_cgroup_and_the_kernel(tmp_path):
-    """The memory floor of host tensors (``_hosttier.memory_available``): a cgroup's limit
-    less its usage, never more than ``MemAvailable``; without a cgroup, the kernel's."""
-    import os
-
-    from ssdtrain._hosttier import memory_available
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal: 1 kB\nMemAvailable:   10485760 kB\n")  # 10 GiB
-    cg = tmp_path / "cg"
-    cg.mkdir()
-    (cg / "memory.max").write_text(f"{1 << 30}\n")
-    (cg / "memory.current").write_text(f"{600 * MiB}\n")
-    assert memory_available(str(cg), str(meminfo)) == (min(424 * MiB, ram),
-                                                       min(1 << 30, ram))
-    (cg / "memory.max").write_text("max\n")      # no limit: the kernel's word
-    assert memory_available(str(cg), str(meminfo)) == (min(10 << 30, ram), ram)
-    assert memory_available(str(tmp_path / "none"), str(tmp_path / "no-meminfo")) == (ram, ram)
-
-
 def test_a_floor_above_what_the_tiers_absorb_in_time_is_said_once():
     """A policy that cannot do what was asked says so: memory needs 600 of the 1000 MiB
     a step saves to leave (each MiB offloaded beyond 500 is a MiB free, of 1000), a disk
