@@ -28,8 +28,9 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    eligible tensor and waits for writes as ``"static"`` does, so a model that fits
    with ssdtrain fits from its first step. At the end of every forward the memory the
    saved tensors live in is read (:meth:`Store.headroom`: the device's free memory,
-   the caching allocator's unused blocks included, or the host's available memory,
-   plus the bytes whose write or copy out is decided but not ended, which leave
+   the caching allocator's unused blocks included, or the host's available memory
+   within the process's own cgroup, NOTE [ Memory limits ] in _limits.py, plus the
+   bytes whose write or copy out is decided but not ended, which leave
    memory without the floor's help; :meth:`Probe.headroom` in _probe.py): a step
    that offloaded ``o`` bytes and left ``free`` of ``total`` could have kept
    ``free - MEMORY_RESERVE * total`` (10%) more, so every later step offloads at least
