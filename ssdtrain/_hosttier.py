@@ -32,9 +32,12 @@ have to hold every record in RAM (or on the device) until then: beyond the budge
 The budget counts the records' bytes (``Stats.host_bytes``, ``peak_host_bytes``:
 never more than ``host_budget_bytes``), not the allocator's rounding of their pinned
 buffers (``Stats.staging_bytes`` shows the pinned memory held, idle buffers kept for
-reuse included). A record evicted from the tier and not yet written still holds its
-pinned copy: it is a write in flight, counted against ``write_behind_bytes`` as a
-staged SSD-only write is.
+reuse included). A record evicted from the tier and not yet written still holds its pinned copy:
+its write is due (``RecordTable.spill_due_bytes``), then in flight, counted against
+``write_behind_bytes`` as a staged SSD-only write is; more than ``write_behind_bytes``
+of them waiting makes forward wait under every policy, ``"auto"`` included (NOTE [
+Bounded memory ] in _store.py), so pinned memory stays within the budget plus the
+write-behind limit (plus the staging pool's idle buffers).
 
 **How it moves** (the record states in _records.py):
 

@@ -174,7 +174,11 @@ bounded, whatever the disk or the link does (INV-BOUNDED in docs/ARCHITECTURE.md
   for the next (``_settle_nowait``). Under ``"static"`` (and a plan, and ``"auto"``
   under a memory floor) forward also waits when more than the limit is written or due
   (the throttle); under ``"auto"`` otherwise forward never waits for a write: the writes
-  past the limit stay due, in memory with their graph, as a kept record would.
+  past the limit stay due, in memory with their graph, as a kept record would. Records
+  evicted from the host tier are the exception: each holds its pinned copy until its
+  write ends, so more than ``write_behind_bytes`` of them waiting for the SSD
+  (``RecordTable.spill_due_bytes``) makes forward wait under every policy
+  (``WritePath.over_write_behind``; said once).
 * A step of ``"auto"`` whose writes lag (more than a quarter of the bytes it decided to
   write not landed when the next step begins, or freed unwritten) counts as slowed: the
   quota halves (NOTE [ The offload quota ] in _auto.py, step 4), and the first time the

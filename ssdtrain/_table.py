@@ -16,7 +16,8 @@ writes them:
   (``window``, a :class:`~ssdtrain._policy.TailWindow`, which also keeps the spill
   budget's reservations);
 * ``spill_due``: records evicted from the host tier whose pinned copy is ready to be
-  written (HOSTED, ``evict`` set); ``host`` is the host tier's
+  written (HOSTED, ``evict`` set), and ``spill_due_bytes``, their bytes (pinned memory
+  beyond the budget that the throttle bounds: NOTE [ Bounded memory ] in _store.py); ``host`` is the host tier's
   :class:`~ssdtrain._hosttier.HostBudget` (``None``: no host tier);
 * ``ahead``: bytes the prefetch window holds ahead of use (records flagged
   ``prefetched``, and the bytes passes passed through after their offload quota was
@@ -76,7 +77,7 @@ class RecordTable:
     Record table ])."""
 
     __slots__ = ("registry", "live", "resident", "writing", "writing_bytes", "due", "due_bytes",
-                 "spill_due", "ahead", "passed", "window", "host", "stats", "graveyard",
+                 "spill_due", "spill_due_bytes", "ahead", "passed", "window", "host", "stats", "graveyard",
                  "closed")
 
     def __init__(self, window, host, stats, graveyard):
@@ -88,6 +89,7 @@ class RecordTable:
         self.due = collections.OrderedDict()      # PENDING records to be written, oldest first
         self.due_bytes = 0
         self.spill_due = collections.OrderedDict()  # evicted HOSTED records (NOTE [ Host tier ])
+        self.spill_due_bytes = 0
         self.ahead = 0                            # prefetched bytes not yet consumed
         self.passed = {}                          # id -> PassedRef counted in ahead
         self.window = window                      # the tail window (_policy.TailWindow)
@@ -144,11 +146,11 @@ class RecordTable:
             self.writing_bytes += n
         if rec.tier and to not in IN_TIER:  # NOTE [ Host tier ] in _hosttier.py
             self.host.release(rec)
-        if frm is State.HOSTED:
-            self.spill_due.pop(rec, None)
+        if frm is State.HOSTED and self.spill_due.pop(rec, 0) is None:
+            self.spill_due_bytes -= n
         if rec.evict:
             if to is State.HOSTED:
-                self.spill_due[rec] = None  # evicted meanwhile: its write is due now
+                self.queue_spill(rec)  # evicted meanwhile: its write is due now
             elif to not in IN_TIER:
                 rec.evict = False
         if to is State.FREED:
@@ -185,7 +187,9 @@ class RecordTable:
 
     def queue_spill(self, rec):
         """``rec`` (HOSTED) was evicted from the host tier: its write to the SSD is due."""
-        self.spill_due[rec] = None
+        if rec not in self.spill_due:
+            self.spill_due[rec] = None
+            self.spill_due_bytes += rec.nbytes
 
     def count_ahead(self, rec):
         """``rec`` enters the prefetch window: held (or being read) ahead of its use."""
@@ -263,6 +267,7 @@ class RecordTable:
         self.spill_due = collections.OrderedDict(
             (r, None) for r in sorted(recs, key=lambda r: r.seq)
             if r.evict and r.state is State.HOSTED)
+        self.spill_due_bytes = sum(r.nbytes for r in self.spill_due)
         self.resident = sum(r.nbytes for r in recs if r.state in RESIDENT)
         self.ahead = sum(r.nbytes for r in recs if r.prefetched) + self._passed_bytes()
         self.live = len(recs)
@@ -313,6 +318,8 @@ class RecordTable:
         check(set(map(id, self.spill_due)) ==
               {id(r) for r in recs if r.evict and r.state is State.HOSTED},
               "evictions due != evicted HOSTED records")
+        check(self.spill_due_bytes == sum(r.nbytes for r in self.spill_due),
+              "evictions due bytes")
         for r in recs:  # each record on its own (NOTE [ Record state machine ])
             check(r.unseen <= r.tokens, f"{r!r}: unseen handles that are not live")
             check((r.future is not None) == (r.state in OUTBOUND or r.state is State.LOADING)

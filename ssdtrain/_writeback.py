@@ -278,12 +278,16 @@ class WritePath:
 
     # ----------------------------------------------------------- the throttle
     def over_write_behind(self):
-        """Whether more than the write-behind limit in force is written or due to be
-        (writes in flight plus due writes the I/O thread has not started yet). Read
-        without the lock (pack's hint, ``Store._over_write_behind``): :meth:`throttle`
-        looks again."""
+        """Whether forward must wait for writes: more than the write-behind limit in
+        force is written or due to be (writes in flight, due writes the I/O thread has
+        not started yet, evictions from the host tier not started), or, under any limit
+        in force (policy ``"auto"`` has none), more than ``write_behind_bytes`` of
+        evicted records wait for the SSD: each holds its pinned copy until written
+        (NOTE [ Bounded memory ] in _store.py). Read without the lock (pack's hint,
+        ``Store._over_write_behind``): :meth:`throttle` looks again."""
         table = self._table
-        return table.writing_bytes + table.due_bytes > self.write_behind
+        return (table.writing_bytes + table.due_bytes + table.spill_due_bytes
+                > self.write_behind or table.spill_due_bytes > self.cap)
 
     def throttle(self, locked, raise_event_locked):
         """Wait until the writes in flight fit in the write-behind limit: start every
@@ -358,8 +362,18 @@ class WritePath:
         closed = self._table.closed
         if not closed:
             self.start_due_locked()
-        table = self._table
-        if table.writing_bytes + table.due_bytes <= self.write_behind or closed:
+        if not self.over_write_behind() or closed:
+            return True, None, None
+        if self._table.spill_due_bytes > self.cap and self.write_behind > self.cap:
+            self._events.warn_once(
+                "evictions", "ssdtrain: forward waited for the SSD: more than "
+                "write_behind_bytes=%d of records evicted from the host tier waited for their "
+                "writes, each holding its pinned copy until then; waiting keeps pinned memory "
+                "within host_budget_bytes + write_behind_bytes (the SSD is slower than the "
+                "evictions: a larger host_budget_bytes, a faster or second spill_dir, or a "
+                "lower offload quota helps; Stats.write_stall_seconds counts the waits).",
+                self.cap)
+        if not self._table.writing:  # nothing in flight to wait for (none could start)
             return True, None, None
         oldest = next(iter(self._table.writing))
         fut = oldest.future

@@ -79,10 +79,11 @@ class SlowRead(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def device_chain(off, dev, k, n):
+def device_chain(off, dev, k, n, at_forward_end=None):
     """A step under ``off``: a forward saving ``k`` device tensors of ``n`` bytes, each in
     its own node, so the activations live in the device's memory; backward checks that
-    each came back with its own value."""
+    each came back with its own value. ``at_forward_end()``, if given, runs between
+    forward and backward."""
     sink = []
     anchor = torch.zeros((), requires_grad=True)
     with off:
@@ -92,5 +93,7 @@ def device_chain(off, dev, k, n):
             d.copy_(torch.full((n // 4,), float(i)))
             out = SaveForBackward.apply(out, sink, d)
             del d
+    if at_forward_end is not None:
+        at_forward_end()
     out.backward()
     assert [float(s[0][0]) for s in sink] == [float(i) for i in reversed(range(k))]

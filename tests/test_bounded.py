@@ -297,3 +297,76 @@ def test_out_of_memory_is_measured_however_the_forward_is_entered(make_offloader
     assert stats.offloaded_bytes > 0
     run().backward()                                  # sized once, then the quota again
     assert off.stats().offload_quota_bytes is not None
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(steps=st.lists(st.lists(st.integers(4, 16), min_size=1, max_size=3),
+                      min_size=2, max_size=6),
+       link_s=st.sampled_from([0.0, 0.002]), pace=st.sampled_from([0.0005, 0.004]),
+       seed=st.integers(0, 2 ** 16))
+def test_the_host_tier_holds_its_budget_plus_write_behind_whatever_link_and_disk_do(
+        spill_dir, steps, link_s, pace, seed):
+    """The host tier over a slow link (device -> pinned copies that take ``link_s``
+    each) with an SSD beyond it of its own pace, under the default policy with both tiers
+    priced fast, steps of 1-3 micro-batches (gradient accumulation: the graphs of the
+    earlier ones stay alive). Records evicted from RAM hold their pinned copy until
+    their write ends: before, copies and writes were all started at once (in flight
+    without limit), and evicted records waited for the SSD without limit, so pinned
+    memory grew with the backlog. At every micro-batch's forward end and every step's
+    end: the host budget holds, what is in flight (copies and writes) and what waits for
+    the SSD are each at most ``write_behind_bytes`` plus one record, records no graph
+    references are held only for a request in flight, and every micro-batch gets its
+    own values back."""
+    n = 64 * KiB
+    wb, budget = n, 8 * n
+    rng = random.Random(seed)
+    dev = LoopbackDevice(d2h_delay=link_s)
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), policy="auto", min_tensor_bytes=4096,
+                             keep_tail_bytes=0, write_behind_bytes=wb, max_slowdown=10,
+                             prefetch_bytes=4 * n, host_budget_bytes=budget, io_timeout_s=60)
+    attach(off, dev)
+    try:
+        off._auto._probe = FAST
+        off._auto._copy_probe = FAST
+        for _ in range(WARMUP):
+            device_chain(off, dev, 16, n)
+        disk = install_lagging_disk(off, pace=lambda: rng.uniform(0, pace))
+        table = off._store._table
+
+        def check():
+            stats = off.stats()
+            assert stats.host_bytes <= budget and stats.peak_host_bytes <= budget
+            assert table.writing_bytes <= wb + n, table.writing_bytes
+            waiting = sum(r.nbytes for r in table.spill_due)  # evicted, write not started
+            assert waiting <= wb + n, waiting
+            assert unreferenced_bytes(off) <= wb + n
+
+        for micro in steps:
+            outs, sinks = [], []
+            for i, k in enumerate(micro):
+                if i:
+                    off.wait()  # the earlier micro-batch's copies all landed in RAM
+                sink, anchor = [], torch.zeros((), requires_grad=True)
+                with off:
+                    out = anchor
+                    for j in range(k):
+                        d = dev.alloc((n // 4,))
+                        d.copy_(torch.full((n // 4,), float(j)))
+                        out = SaveForBackward.apply(out, sink, d)
+                        del d
+                check()
+                outs.append(out)
+                sinks.append((sink, k))
+            for out in outs:
+                out.backward()
+            for sink, k in sinks:
+                assert [float(s[0][0]) for s in sink] == [float(j) for j in reversed(range(k))]
+            del outs, sinks
+            check()
+        disk.land()
+        off.wait()
+        assert unreferenced_bytes(off) == 0
+        off._store.check_invariants()
+    finally:
+        off.close()
