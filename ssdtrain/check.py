@@ -58,7 +58,6 @@ __all__ = ["check_model", "CheckResult", "Mismatch", "Varying", "main",
            "REFERENCE_STEPS", "MARGIN"]
 
 EXIT_EXACT, EXIT_MISMATCH, EXIT_USAGE, EXIT_NONDETERMINISTIC = 0, 1, 2, 3
-EXIT_UNDECIDED = EXIT_NONDETERMINISTIC  # the name before "NONDETERMINISTIC"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 # NOTE [ Reference spread ]
@@ -66,10 +65,11 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 # atomics in a reduction) cannot be compared bitwise; the step with ssdtrain is then
 # one more sample of the model's own noise, and the question is whether it could be.
 # With n reference samples of a tensor, the chance that one more sample from the same
-# distribution falls outside their range is 2/(n+1): 2/3 with two references (what
-# the check did before: a noisy but correct model was blamed on ssdtrain about half
-# the time, per tensor), 2/9 with eight. A range alone therefore never separates noise
-# from a fault; a margin does:
+# distribution falls outside their range is 2/(n+1): 2/3 with two references, 2/9 with
+# eight. (The rule before, "no farther from the first reference than the second is",
+# failed half the time per tensor: a correct model with +-5e-7 noise was blamed on
+# ssdtrain in 16 of 20 seeds.) A range alone never separates noise from a fault; a
+# margin does:
 #
 # * every reference step starts from the same state, and the references are folded
 #   one step at a time into, per tensor, either its value (while every step agreed
@@ -83,16 +83,17 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 # Costs and odds: a deterministic model that ssdtrain gets right costs three steps
 # (two references, one with ssdtrain), as before. Anything else (references that
 # differ, or a step with ssdtrain that differs from them) runs references until there
-# are REFERENCE_STEPS = 8, so ten steps in all. For a scalar (the worst case: a tensor
-# of many elements has a max abs difference concentrated near its mean) with Gaussian
-# noise, the chance of a false mismatch with 8 references and a margin of 4 is 5e-6
-# per tensor (simulated, 200000 trials; 0 for bounded noise; 9e-4 for Student-t with
-# 3 degrees of freedom, noise heavier-tailed than a reduction order gives); a fault
-# smaller than 4x the model's own noise is reported as NONDETERMINISTIC, never EXACT.
-# A tensor that all 8 references agree on and the step with ssdtrain does not is
-# called a mismatch; were it a rare flip of the model's own, the chance of seeing it
-# so is at most 1/9 (and 1/(e*9) at the worst flip rate), which is why the step count
-# is 8 and not 2. tests/test_check_contract.py checks these rules on seeded samples.
+# are REFERENCE_STEPS = 8: nine steps in all. With 8 references and a margin of 4, the
+# chance of a false mismatch per tensor, simulated over 200000 trials for a scalar (the
+# worst case: the max abs difference of a tensor of many elements is concentrated near
+# its mean), is 5e-6 for Gaussian noise, none seen for uniform noise, 9e-4 for
+# Student-t noise with 3 degrees of freedom (heavier-tailed than a reduction order
+# gives); a fault within 4x the model's own noise is NONDETERMINISTIC, never EXACT. A
+# tensor that takes another value now and then (a flip of the model's own) is
+# mistaken for a fault when every reference agrees and the step with ssdtrain does
+# not: at most (8/9)^8/9 = 4.3% of the time with 8 references, at the worst flip rate,
+# against 4/27 = 15% with 2. tests/test_check_contract.py checks these rules on seeded
+# samples.
 REFERENCE_STEPS = 8
 MARGIN = 4.0
 
@@ -109,7 +110,8 @@ class Mismatch:
 
     def __str__(self):
         what = f"{self.kind} {self.name}" if self.name else self.kind
-        return f"{what}: max abs diff {self.max_abs_diff:.6g}{' (' + self.detail + ')' if self.detail else ''}"
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"{what}: max abs diff {self.max_abs_diff:.6g}{detail}"
 
 
 @dataclasses.dataclass
@@ -263,7 +265,7 @@ class _Snapshot:
     def __init__(self, model: torch.nn.Module, inputs, device: torch.device):
         self.device = device
         self.modules = []
-        leaves: Dict[int, torch.Tensor] = {}
+        leaves: Dict[int, torch.Tensor] = {}  # holds each tensor: no id is reused meanwhile
         for module in model.modules():
             d = module.__dict__
             self.modules.append((module, dict(d), dict(module._parameters),
@@ -655,7 +657,7 @@ def check_model(model: torch.nn.Module, inputs, *, loss_fn: Optional[Callable] =
         raise ConfigError("ssdtrain check: got an offloader and config fields; configure the "
                           "offloader you pass, or pass only the fields.")
     params = list(model.parameters())
-    if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in params):
+    if any(torch.nn.parameter.is_lazy(t) for t in (*params, *model.buffers())):
         raise ConfigError("ssdtrain check: the model has lazy parameters not yet materialized "
                           "(torch.nn.Lazy* modules); run one forward on the inputs before "
                           "checking it.")
@@ -807,6 +809,9 @@ class _StdoutToStderr:
 
     def __exit__(self, *exc):
         self._flush()
+        for stream in (self._stdout, sys.__stdout__):  # written to by a reference kept
+            with contextlib.suppress(Exception):
+                stream.flush()
         sys.stdout = self._stdout
         if self._fd is not None:
             os.dup2(self._fd, 1)
@@ -823,8 +828,9 @@ class _StdoutToStderr:
 
 @dataclasses.dataclass
 class _Failure(Exception):
-    """The command cannot give a verdict: ``cause`` is ``usage``, ``factory``, ``model``
-    or ``interrupted``; ``message`` says what happened and what to do."""
+    """The command cannot give a verdict: ``cause`` is ``usage``, ``factory``, ``model``,
+    ``interrupted`` or ``ssdtrain`` (check itself); ``message`` says what happened and
+    what to do."""
 
     status: int
     cause: str
@@ -935,15 +941,14 @@ def _run(a) -> Tuple[str, CheckResult]:
     if device.type == "cuda":  # deterministic kernels where they exist, before cuBLAS starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-    build = _factory(a)
-    try:  # before the model is built: a refused --engine or --spill-dir fails fast
+    try:  # before the user's code runs: a refused --engine or --spill-dir fails fast
         offloader, own_dir = _forcing_offloader(a.spill_dir,
                                                 {"engine": a.engine} if a.engine else {})
     except (ConfigError, TypeError, ValueError) as e:
         raise _Failure(EXIT_USAGE, "usage", f"{_message(e)} (the offloader of --engine, "
                        f"--spill-dir)") from None
     try:
-        model, inputs = _build(a, build, device)
+        model, inputs = _build(a, _factory(a), device)
         try:
             return type(model).__name__, check_model(model, inputs, offloader=offloader)
         except ConfigError as e:
@@ -990,6 +995,12 @@ def main(argv=None, prog="ssdtrain check") -> int:
         return _fail(_Failure(EXIT_INTERRUPTED, "interrupted",
                               "interrupted (KeyboardInterrupt): no verdict. The model was left "
                               "as it was found."), p, out, want_json, False)
+    except Exception as e:  # check's own code, outside the user's and the step with ssdtrain
+        return _fail(_Failure(EXIT_MISMATCH, "ssdtrain",
+                              f"ssdtrain check itself failed: {type(e).__name__}: {e}. Please "
+                              f"report it, with the output of --traceback.",
+                              traceback.format_exc()), p, out, want_json,
+                     a is not None and a.traceback)
     if want_json:
         print(json.dumps(result.to_json(), indent=2, allow_nan=False), file=out)
     else:
