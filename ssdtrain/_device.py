@@ -156,18 +156,35 @@ class StagingPool:
     A request is rounded to the size the leaf's host allocator really reserves for it
     (``leaf.pinned_size``: torch's caching host allocator rounds to a power of two),
     and a buffer of that size is taken whole: nothing is asked beyond it, and a buffer
-    serves every request that rounds to its size. Every buffer starts on a page
-    (``BLOCK``): a read lands at the slot's offset in a page, which is the staging's
-    at the write (O_DIRECT). torch's host allocator packs small blocks at any offset
-    in a page (seen on torch 2.11): such a buffer is asked again one page larger and
-    used from its first page boundary (the reservation counted is the larger one). Pinned allocations cost
-    milliseconds, so buffers are kept for reuse, up to ``idle_limit`` bytes idle.
+    serves every request that rounds to its size (its *size class*). Every buffer starts
+    on a page (``BLOCK``): a read lands at the slot's offset in a page, which is the
+    staging's at the write (O_DIRECT). torch's host allocator packs small blocks at any
+    offset in a page (seen on torch 2.11): such a buffer is asked again one page larger
+    and used from its first page boundary (the reservation counted is the larger one).
     ``stats.staging_bytes`` is the pinned memory the pool holds (in use, waiting for a
-    copy to end, and idle); ``stats.peak_staging_bytes`` the most it held.
+    copy to end, and idle); ``stats.peak_staging_bytes`` the most it held;
+    ``stats.staging_idle_bytes`` its idle part.
+
+    NOTE [ Bounded staging ]: pinned allocations cost milliseconds, so buffers are kept
+    for reuse, but pinned memory is the scarcest host memory there is, so never more than
+    ``idle_limit`` bytes idle, counted as the allocator reserved them (the size class,
+    the larger reservation of a packed block): every way into the idle set (a buffer
+    given back once its copy ended, one reserved ahead for the next write or read by
+    :meth:`reserve`) makes room by letting go of the idle buffers idle longest (least
+    recently used first), and a buffer that cannot fit at all (larger than the limit) is
+    let go of at once (never reserved ahead). :meth:`trim` gives back what was let go of
+    to the system (``leaf.release_cached_pinned``: torch's host allocator caches freed
+    pinned blocks) and, with ``sync``, first waits for the copies of buffers given back
+    so they count as idle, not in use: ``Store.flush`` (``wait()``) does, so after
+    ``wait()`` the pool holds at most ``idle_limit`` idle bytes plus the buffers live
+    records hold (the host tier's copies). Before, a reservation entered the idle set
+    without a look at the limit, one per size class, and one made for a read asked the
+    wrong class (the read takes the slot's offset in its page too): a soak held GBs of
+    pinned memory, one never-used buffer per class (tests/test_soak.py).
 
     A lease's death only appends to a deque (a weakref finalizer: any thread, inside a
-    garbage collection included); the pool's lock is taken by :meth:`take` and
-    :meth:`reserve` only, never by a finalizer.
+    garbage collection included); the pool's lock is taken by the pool's methods only,
+    never by a finalizer, and buffers let go of are dropped after it is released.
     """
 
     def __init__(self, leaf, stats, idle_limit: int):
@@ -175,12 +192,19 @@ class StagingPool:
         self._stats = stats
         self._limit = int(idle_limit)
         self._lock = threading.Lock()
-        self._idle = {}                       # size -> [buffer]
-        self._idle_bytes = 0
+        self._idle = {}                       # size -> {address: buffer}, most recent last
+        self._lru = collections.OrderedDict() # address -> size of idle buffers, oldest first
+        self._idle_bytes = 0                  # pinned bytes reserved for the idle buffers
         self._back = collections.deque()      # (buffer, size, event box) of dead leases
         self._busy = []                       # given back, their last copy not ended
         self._reserved = {}                   # buffer address -> bytes reserved for it
+        self._let_go = 0                      # buffers let go of since the last trim
         self.held = 0                         # pinned bytes of every buffer the pool has
+
+    @property
+    def idle_limit(self) -> int:
+        """The most bytes (as reserved) the pool keeps idle (NOTE [ Bounded staging ])."""
+        return self._limit
 
     def size_for(self, nbytes: int) -> int:
         return self._leaf.pinned_size(max(1, nbytes))
@@ -188,8 +212,11 @@ class StagingPool:
     def take(self, nbytes: int, *, offset: int = 0) -> _Lease:
         """A lease of ``nbytes`` at byte ``offset`` of a page-aligned buffer."""
         size = self.size_for(offset + nbytes)
+        drop = []
         with self._lock:
+            self._collect_locked(drop)
             buf = self._pop_locked(size)
+        del drop  # outside the lock: letting go of pinned memory costs time
         if buf is None:
             buf = self._allocate(size)
         box = [None, False]  # [the last copy's event, placed back in the pool]
@@ -197,45 +224,73 @@ class StagingPool:
         weakref.finalize(lease, self._back.append, (buf, size, box))
         return lease
 
-    def ready(self, nbytes: int) -> bool:
-        """Whether :meth:`take` of ``nbytes`` (offset 0) would find an idle buffer: no
-        pinned allocation."""
-        size = self.size_for(nbytes)
+    def ready(self, nbytes: int, *, offset: int = 0) -> bool:
+        """Whether :meth:`take` of ``nbytes`` at ``offset`` need not wait for
+        :meth:`reserve`: an idle buffer is there, or none would be reserved (its class is
+        larger than the idle limit: ``take`` allocates)."""
+        size = self.size_for(offset + nbytes)
+        drop = []
         with self._lock:
-            self._collect_locked()
-            return bool(self._idle.get(size))
+            self._collect_locked(drop)
+            return bool(self._idle.get(size)) or size > self._limit
 
-    def reserve(self, nbytes: int) -> None:
-        """Make sure a buffer for ``nbytes`` is idle, allocating it now if not: the I/O
-        thread calls this before it takes the store lock for a write."""
-        size = self.size_for(nbytes)
+    def reserve(self, nbytes: int, *, offset: int = 0) -> None:
+        """Make sure a buffer for :meth:`take` of ``nbytes`` at ``offset`` is idle,
+        allocating it now if not, within the idle limit (NOTE [ Bounded staging ]): the
+        I/O thread calls this before it takes the store lock for a request."""
+        size = self.size_for(offset + nbytes)
+        drop = []
         with self._lock:
-            self._collect_locked()
-            if self._idle.get(size):
+            self._collect_locked(drop)
+            if self._idle.get(size) or size > self._limit:
                 return
+        del drop
         buf = self._allocate(size)
+        drop = []
         with self._lock:
-            self._idle.setdefault(size, []).append(buf)
-            self._idle_bytes += size
+            self._place_locked(buf, size, drop)
 
     def idle_bytes(self) -> int:
+        drop = []
         with self._lock:
-            self._collect_locked()
+            self._collect_locked(drop)
             return self._idle_bytes
 
     def busy(self) -> int:
         """Buffers given back whose last copy has not ended yet (tests)."""
+        drop = []
         with self._lock:
-            self._collect_locked()
+            self._collect_locked(drop)
             return len(self._busy)
+
+    def trim(self, sync: bool = False) -> None:
+        """Collect the buffers given back (``sync``: after waiting for their last copies,
+        so that they count as idle, not in use) and give what the pool let go of since
+        the last trim back to the system (NOTE [ Bounded staging ]). Never under the
+        store lock (a pinned free may synchronize the device)."""
+        if sync:
+            with self._lock:
+                pending = [item[2][0] for item in list(self._back) + self._busy]
+            for event in pending:
+                if event is not None:
+                    event.synchronize()
+        drop = []
+        with self._lock:
+            self._collect_locked(drop)
+            let_go, self._let_go = self._let_go, 0
+        del drop
+        if let_go:
+            self._leaf.release_cached_pinned()
 
     def release(self) -> None:
         """Let go of every idle buffer (the store is closing)."""
+        drop = []
         with self._lock:
-            self._collect_locked()
-            idle, self._idle, self._idle_bytes = self._idle, {}, 0
-            self._account(-sum(self._reserved.pop(b.data_ptr(), 0)
-                               for bufs in idle.values() for b in bufs))
+            self._collect_locked(drop)
+            while self._lru:
+                self._evict_locked(drop)
+        del drop
+        self.trim()
 
     def _allocate(self, size):
         """A page-aligned pinned buffer of ``size`` bytes (see the class docstring). Its
@@ -254,15 +309,45 @@ class StagingPool:
         return buf
 
     def _pop_locked(self, size):
-        self._collect_locked()
+        """The idle buffer of ``size`` that became idle last, or None. It leaves the idle
+        set before the books change: an interrupt between can cost the books a buffer's
+        bytes, never hand one out twice."""
         idle = self._idle.get(size)
         if not idle:
             return None
-        buf = idle.pop()
-        self._idle_bytes -= size
+        ptr, buf = idle.popitem()
+        self._lru.pop(ptr, None)
+        self._idle_account(-self._reserved.get(ptr, size))
         return buf
 
-    def _collect_locked(self):
+    def _place_locked(self, buf, size, drop):
+        """``buf`` becomes idle, the idle buffers idle longest let go of to make room; a
+        buffer larger than the whole limit is let go of at once."""
+        ptr = buf.data_ptr()
+        reserved = self._reserved.get(ptr, size)
+        if reserved > self._limit:
+            self._let_go_locked(ptr, buf, drop)
+            return
+        while self._lru and self._idle_bytes + reserved > self._limit:
+            self._evict_locked(drop)
+        self._idle.setdefault(size, {})[ptr] = buf
+        self._lru[ptr] = size
+        self._idle_account(reserved)
+
+    def _evict_locked(self, drop):
+        """Let go of the buffer idle longest."""
+        ptr, size = self._lru.popitem(last=False)
+        buf = self._idle.get(size, {}).pop(ptr, None)
+        if buf is not None:
+            self._idle_account(-self._reserved.get(ptr, size))
+            self._let_go_locked(ptr, buf, drop)
+
+    def _let_go_locked(self, ptr, buf, drop):
+        drop.append(buf)  # dropped by the caller once the lock is released
+        self._let_go += 1
+        self._account(-self._reserved.pop(ptr, 0))
+
+    def _collect_locked(self, drop):
         """Buffers given back become idle (or are let go of) once their last copy ended.
 
         A KeyboardInterrupt may land between any two calls here (on the training thread:
@@ -285,11 +370,7 @@ class StagingPool:
                 busy.append(item)
                 continue
             box[1] = True
-            if self._idle_bytes + size <= self._limit:
-                self._idle.setdefault(size, []).append(buf)
-                self._idle_bytes += size
-            else:
-                self._account(-self._reserved.pop(buf.data_ptr(), size))
+            self._place_locked(buf, size, drop)
         self._busy = busy
 
     def _account(self, delta):
@@ -299,6 +380,12 @@ class StagingPool:
             stats.staging_bytes += delta
             if stats.staging_bytes > stats.peak_staging_bytes:
                 stats.peak_staging_bytes = stats.staging_bytes
+
+    def _idle_account(self, delta):
+        self._idle_bytes += delta
+        stats = self._stats
+        with _STATS_LOCK:
+            stats.staging_idle_bytes += delta
 
 
 # ---------------------------------------------------------------------- transfers
@@ -528,6 +615,12 @@ class DeviceMap:
         """The ``(leaf, device)`` pairs the store has seen a saved tensor of: those with
         records, else the one passed through without a record, else none."""
         return list(self.transfers) or list(self.passed[:1])
+
+    def trim(self, sync: bool = False) -> None:
+        """Every staging pool's :meth:`StagingPool.trim` (NOTE [ Bounded staging ]): at
+        ``wait()`` (``sync``) and at each step's start, outside the store lock."""
+        for pool in list(self.staging.values()):
+            pool.trim(sync)
 
     def close(self) -> None:
         """Close every device's transfers (writes waiting for a device copy are

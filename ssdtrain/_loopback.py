@@ -381,6 +381,10 @@ class LoopbackDevice:
         return t
 
     @staticmethod
+    def release_cached_pinned():
+        """Nothing is cached: a pinned buffer's mapping goes when its last tensor does."""
+
+    @staticmethod
     def pinned_size(nbytes):
         return -(-nbytes // _PAGE) * _PAGE
 
