@@ -76,6 +76,39 @@ store's I/O thread may still wait on events or allocate pinned memory for record
 saved outside the capture; an out-of-memory error while allocating a loaded
 record's device memory fails that record (its backward raises) instead of retrying
 later; GPUDirect reads still land in memory allocated on the prefetch stream.
+
+NOTE [ Bounded staging ]
+========================
+
+Pinned allocations cost milliseconds, so a :class:`StagingPool` keeps buffers for
+reuse; but pinned memory is the scarcest host memory there is, so it never keeps more
+than its idle limit (``write_behind_bytes + prefetch_bytes + host_budget_bytes``: what
+one step has in flight at once and the host tier's copies) idle, counted as the
+allocator reserved them (the size class, or the larger reservation of a packed block):
+
+* every way into the idle set (a buffer given back once its last copy ended, one
+  reserved ahead for the next write or read by :meth:`StagingPool.reserve`) makes
+  room by letting go of the buffers idle longest (least recently used first); a
+  buffer larger than the whole limit is never kept idle (nor reserved ahead: ``take``
+  allocates it, ``ready`` says so, so the I/O thread does not wait for it);
+* the I/O thread reserves a read's buffer in the class the read takes (its slot's
+  offset in a page plus its bytes), and only for a read from the SSD (a load from the
+  host tier needs none);
+* :meth:`StagingPool.trim` collects the buffers given back at each step's start; at
+  ``wait()`` and ``close()`` (``Store.flush``) it first waits for their last copies,
+  so that they count as idle, not in use, and gives what was let go of back to the
+  system (``leaf.release_cached_pinned``: torch's caching host allocator keeps freed
+  pinned blocks; between such trims they stay in that cache, where the next
+  allocation of the same class finds them).
+
+So after ``wait()`` a pool holds at most its idle limit idle
+(``Stats.staging_idle_bytes``) plus what live records hold (the host tier's pinned
+copies), and with no graph alive ``Stats.staging_bytes == staging_idle_bytes <= idle
+limit`` (docs/ARCHITECTURE.md, "The host tier"). Before, a reservation entered the
+idle set without a look at the limit, one per size class, and the one made for a read
+asked the wrong class (without the read's offset in its page), so it was never used: a
+soak with page-sized classes held hundreds of MiB to GBs of idle pinned memory after
+``wait()`` (tests/test_soak.py, benchmarks/soak.py).
 """
 
 from __future__ import annotations
@@ -165,22 +198,8 @@ class StagingPool:
     copy to end, and idle); ``stats.peak_staging_bytes`` the most it held;
     ``stats.staging_idle_bytes`` its idle part.
 
-    NOTE [ Bounded staging ]: pinned allocations cost milliseconds, so buffers are kept
-    for reuse, but pinned memory is the scarcest host memory there is, so never more than
-    ``idle_limit`` bytes idle, counted as the allocator reserved them (the size class,
-    the larger reservation of a packed block): every way into the idle set (a buffer
-    given back once its copy ended, one reserved ahead for the next write or read by
-    :meth:`reserve`) makes room by letting go of the idle buffers idle longest (least
-    recently used first), and a buffer that cannot fit at all (larger than the limit) is
-    let go of at once (never reserved ahead). :meth:`trim` gives back what was let go of
-    to the system (``leaf.release_cached_pinned``: torch's host allocator caches freed
-    pinned blocks) and, with ``sync``, first waits for the copies of buffers given back
-    so they count as idle, not in use: ``Store.flush`` (``wait()``) does, so after
-    ``wait()`` the pool holds at most ``idle_limit`` idle bytes plus the buffers live
-    records hold (the host tier's copies). Before, a reservation entered the idle set
-    without a look at the limit, one per size class, and one made for a read asked the
-    wrong class (the read takes the slot's offset in its page too): a soak held GBs of
-    pinned memory, one never-used buffer per class (tests/test_soak.py).
+    Pinned allocations cost milliseconds, so buffers are kept for reuse, within a
+    limit: NOTE [ Bounded staging ].
 
     A lease's death only appends to a deque (a weakref finalizer: any thread, inside a
     garbage collection included); the pool's lock is taken by the pool's methods only,
@@ -264,10 +283,11 @@ class StagingPool:
             return len(self._busy)
 
     def trim(self, sync: bool = False) -> None:
-        """Collect the buffers given back (``sync``: after waiting for their last copies,
-        so that they count as idle, not in use) and give what the pool let go of since
-        the last trim back to the system (NOTE [ Bounded staging ]). Never under the
-        store lock (a pinned free may synchronize the device)."""
+        """Collect the buffers given back. With ``sync`` (``wait()``, ``close()``), first
+        wait for their last copies, so that they count as idle, not in use, and then give
+        what the pool let go of since the last such trim back to the system (NOTE [
+        Bounded staging ]: a pinned free may synchronize the device, so not at every
+        step). Never under the store lock."""
         if sync:
             with self._lock:
                 pending = [item[2][0] for item in list(self._back) + self._busy]
@@ -277,6 +297,8 @@ class StagingPool:
         drop = []
         with self._lock:
             self._collect_locked(drop)
+            if not sync:
+                return
             let_go, self._let_go = self._let_go, 0
         del drop
         if let_go:
@@ -290,7 +312,7 @@ class StagingPool:
             while self._lru:
                 self._evict_locked(drop)
         del drop
-        self.trim()
+        self.trim(sync=True)
 
     def _allocate(self, size):
         """A page-aligned pinned buffer of ``size`` bytes (see the class docstring). Its

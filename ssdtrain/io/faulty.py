@@ -101,6 +101,7 @@ class FaultyEngine(EngineWrapper):
     Attributes:
         calls: ``{"write": n, "read": n}``, requests seen so far.
         injected: ``[(op, n, kind)]``, the faults injected so far.
+        injected_nbytes: ``[nbytes]``, the size of each of those requests, in that order.
     """
 
     def __init__(self, inner, faults=()):
@@ -108,6 +109,7 @@ class FaultyEngine(EngineWrapper):
         self.faults = list(faults)
         self.calls = {"write": 0, "read": 0}
         self.injected = []
+        self.injected_nbytes = []
         self._hung = []
         self._lock = threading.Lock()
 
@@ -143,6 +145,7 @@ class FaultyEngine(EngineWrapper):
             fault = next((f for f in self.faults if f.hits(op, n, nbytes)), None)
             if fault is not None:
                 self.injected.append((op, n, fault.kind))
+                self.injected_nbytes.append(nbytes)
         do = self.inner.write if op == "write" else self.inner.read
         if fault is None:
             return do(file, offset, address, nbytes, **kw)
