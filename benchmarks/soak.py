@@ -9,9 +9,10 @@ and an SSD tier (``--spill-dir``). Each step saves 1 to ``--max-records`` device
 of ``--min-mib`` to ``--max-mib`` (every size unique, so a failed request's size names
 its step) and then runs backward (checking every byte that comes back), drops its graph,
 runs backward twice (``retain_graph``), or keeps two graphs alive at once (two forwards,
-then two backwards). With probability ``--fault-rate`` a step has the writes of one of its
-records fail (``ssdtrain.io.faulty``, ``Fault(nbytes=...)``: ENOSPC, EIO or a short
-write).
+then two backwards). With probability ``--fault-rate`` a step has the writes of its first record
+fail (``ssdtrain.io.faulty``, ``Fault(nbytes=...)``: ENOSPC, EIO or a short write); the
+fault fires if that record is written (the host tier sends its earliest records on to
+the SSD first).
 
 After every phase of ``--phase-steps`` steps every graph is gone and ``wait()`` has
 returned; then it checks, through the public API only:
@@ -139,8 +140,8 @@ class Soak:
 
     def _forward(self, step, k, fail, kind):
         sizes = [self._size(step) for _ in range(k)]
-        if fail:
-            n = self.rng.choice(sizes)
+        if fail:  # the earliest saved: the host tier sends it on to the SSD first
+            n = sizes[0]
             self.doomed[n] = step
             self.inj.faults.append(self.faulty.Fault("write", kind, nth=1, times=None,
                                                      nbytes=n))
@@ -253,7 +254,9 @@ def main(argv=None):
     p.add_argument("--min-mib", type=float, default=1)
     p.add_argument("--max-mib", type=float, default=16)
     p.add_argument("--max-records", type=int, default=3, help="device tensors saved per step")
-    p.add_argument("--fault-rate", type=float, default=0.02, help="share of steps with a fault")
+    p.add_argument("--fault-rate", type=float, default=0.1,
+                   help="share of steps whose first record's writes fail (they fire only if "
+                        "it is written: evicted from the host tier, or past it)")
     p.add_argument("--host-budget-mib", type=int, default=32, help="0: no host tier")
     p.add_argument("--write-behind-mib", type=int, default=32)
     p.add_argument("--prefetch-mib", type=int, default=32)
@@ -291,8 +294,9 @@ def main(argv=None):
                 step = soak.step(step)
             row = soak.check(phase, step, time.monotonic() - t0)
             if phase % args.print_every == 0 or step >= args.steps or row["violations"]:
+                idle = row["staging_idle_bytes"] or 0
                 print(f"| {phase} | {step} | {_mib(row['staging_bytes'])} | "
-                      f"{_mib(row['staging_idle_bytes'] or 0)} | {_mib(row['peak_staging_bytes'])} | "
+                      f"{_mib(idle)} | {_mib(row['peak_staging_bytes'])} | "
                       f"{row['live_records']} | {_mib(row['spill_bytes_in_use'])} | "
                       f"{_mib(row['rss'])} | {row['fds']} | {row['threads']} | {row['tasks']} | "
                       f"{row['faults_fired']} | {row['errors_raised']} | "

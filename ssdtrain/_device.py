@@ -338,6 +338,8 @@ class StagingPool:
         if not idle:
             return None
         ptr, buf = idle.popitem()
+        if not idle:
+            del self._idle[size]  # one key per class idle now, not per class ever seen
         self._lru.pop(ptr, None)
         self._idle_account(-self._reserved.get(ptr, size))
         return buf
@@ -352,22 +354,27 @@ class StagingPool:
             return
         while self._lru and self._idle_bytes + reserved > self._limit:
             self._evict_locked(drop)
-        self._idle.setdefault(size, {})[ptr] = buf
-        self._lru[ptr] = size
+        # Counted before it can be taken (an interrupt between: a buffer counted idle and
+        # never reused, as _collect_locked says; never one counted off twice).
         self._idle_account(reserved)
+        self._lru[ptr] = size
+        self._idle.setdefault(size, {})[ptr] = buf
 
     def _evict_locked(self, drop):
         """Let go of the buffer idle longest."""
         ptr, size = self._lru.popitem(last=False)
-        buf = self._idle.get(size, {}).pop(ptr, None)
+        idle = self._idle.get(size, {})
+        buf = idle.pop(ptr, None)
+        if not idle:
+            self._idle.pop(size, None)
         if buf is not None:
             self._idle_account(-self._reserved.get(ptr, size))
             self._let_go_locked(ptr, buf, drop)
 
     def _let_go_locked(self, ptr, buf, drop):
-        drop.append(buf)  # dropped by the caller once the lock is released
-        self._let_go += 1
         self._account(-self._reserved.pop(ptr, 0))
+        self._let_go += 1
+        drop.append(buf)  # dropped by the caller once the lock is released
 
     def _collect_locked(self, drop):
         """Buffers given back become idle (or are let go of) once their last copy ended.
