@@ -77,6 +77,17 @@ class _Cuda:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     @staticmethod
+    def release_cached_pinned():
+        """Give the pinned blocks torch's caching host allocator keeps unused back to the
+        system (NOTE [ Bounded staging ] in _device.py: a buffer the staging pool lets go
+        of returns to that cache, still pinned). Frees every unused cached block, also
+        other users'; they are allocated again when needed."""
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+            getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None and torch.cuda.is_initialized():
+            empty()
+
+    @staticmethod
     def pinned_size(nbytes):
         """What torch's caching host allocator reserves for ``nbytes``: the next power of
         two (so a request of 128 MiB + 4 KiB would take 256 MiB)."""

@@ -124,7 +124,7 @@ class LoopbackStream:
             return
         with self._lock:
             self.queued += 1
-            self._queue.put((self.queued, fn))
+            self._queue.put([self.queued, fn])
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, daemon=True,
                                                 name=f"loopback-{self.name}")
@@ -155,11 +155,16 @@ class LoopbackStream:
             while self.ran < seq:
                 self._done.wait()
 
-    def _run(self, fn, seq):
+    def _run(self, item):
+        seq, fn = item
+        item[1] = None
         try:
             fn()
         except BaseException as e:  # noqa: BLE001 - kept for the test to see
             self.device.errors.append(e)
+        # What the work held (a copy's pinned buffer) goes before it counts as run: once
+        # an event says so, the memory is the waiter's to free, as on a GPU.
+        fn = None
         with self._done:
             self.ran = seq
             self._done.notify_all()
@@ -167,15 +172,15 @@ class LoopbackStream:
     def _work(self):
         while True:
             try:
-                seq, fn = self._queue.get(timeout=_IDLE_S)
+                item = self._queue.get(timeout=_IDLE_S)  # [sequence number, work]
             except queue.Empty:
                 with self._lock:
                     if self._queue.empty():
                         self._thread = None
                         return
                 continue
-            self._run(fn, seq)
-            fn = None
+            self._run(item)
+            item = None
 
 
 class _Block:
@@ -381,6 +386,10 @@ class LoopbackDevice:
         return t
 
     @staticmethod
+    def release_cached_pinned():
+        """Nothing is cached: a pinned buffer's mapping goes when its last tensor does."""
+
+    @staticmethod
     def pinned_size(nbytes):
         return -(-nbytes // _PAGE) * _PAGE
 
@@ -457,6 +466,26 @@ class LoopbackDevice:
         with self._lock:
             self._collect_locked()
             return self.allocated
+
+    def empty_cache(self) -> int:
+        """Unmap the free blocks no stream's queued work may still touch, as
+        ``torch.cuda.empty_cache()`` gives cached blocks back (a soak of records of many
+        sizes would otherwise keep one block per size). Returns the bytes given back."""
+        with self._lock:
+            self._collect_locked()
+            gone = []
+            for key, blocks in list(self._free.items()):
+                keep = [b for b in blocks if not all(s.ran >= seq for s, seq in b.marks)]
+                gone += [b for b in blocks if b not in keep]
+                if keep:
+                    self._free[key] = keep
+                else:
+                    del self._free[key]
+            freed = sum(b.size for b in gone)
+            self.reserved -= freed
+        for block in gone:
+            block.mm.close()  # its storage is dead: nothing exports the mapping
+        return freed
 
 
 def attach(offloader, device: LoopbackDevice) -> LoopbackDevice:

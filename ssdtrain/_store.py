@@ -247,7 +247,7 @@ class Store:
             HostBudget(config.host_budget_bytes, bool(spill.files), stats)
         self._current = None                   # the pass being recorded (forward running)
         self._seq = 0
-        self._events = Events()                # NOTE [ One event, one error ] in _events.py
+        self._events = Events(stats)           # NOTE [ One event, one error ] in _events.py
         self._ended = None                     # the pass whose forward ended last
         # NOTE [ Device records ] in _device.py: each device's transfers, and their staging
         # (idle staging kept for reuse: what may be in flight at once, and the host tier's).
@@ -361,6 +361,7 @@ class Store:
         with self._lock:
             self._guarded_locked(self._begin_pass_locked)
         self._settle()
+        self._devices.trim()  # NOTE [ Bounded staging ] in _device.py
 
     def _begin_pass_locked(self):
         self._check_open()
@@ -448,8 +449,9 @@ class Store:
                 return Kept(t)
             version = t._version
             extent = byte_extent(t)
+            events = self._events  # an event pending for this pass: pack raises it
             if self._window.spent and self.layers is None and key not in self._table.registry \
-                    and self._events.failure is None:  # (else pack raises it, as always)
+                    and events.failure is None and self._current not in events.pending:
                 cur = self._current  # the quota is spent: kept without a record
                 if cur is not None:  # (NOTE [ The pack decision ] in _policy.py)
                     if leaf is not None and not self._passed_device:  # for the probe
@@ -488,7 +490,8 @@ class Store:
 
     def _pack_locked(self, t, storage, key, version, extent, nbytes, choice, leaf=None):
         self._check_open()
-        if self._events.failure is not None:  # NOTE [ One event, one error ] in _events.py
+        events = self._events  # NOTE [ One event, one error ] in _events.py
+        if events.failure is not None or self._current in events.pending:
             self._raise_event_locked()
         self._seq += 1
         table = self._table
@@ -736,9 +739,14 @@ class Store:
             return
         for rec in (self._writes.next_hint(), self._reads.next_hint()):
             dev = None if rec is None else rec.device
-            if dev is not None and not dev.direct:
+            if dev is None or dev.direct:
+                continue
+            # A read takes staging at its slot's offset in a page (read_buffer), and only
+            # a read from the SSD takes any (NOTE [ Bounded staging ] in _device.py).
+            slot = rec.slot if rec.state is State.ON_DISK else None
+            if rec.state is State.PENDING or slot is not None:
                 try:
-                    dev.pool.reserve(rec.nbytes)
+                    dev.pool.reserve(rec.nbytes, offset=0 if slot is None else slot.offset % BLOCK)
                 except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
                     self._staging_failed = True
 
@@ -857,11 +865,15 @@ class Store:
 
     def _sweep_locked(self):
         """Release the handles that are gone but still counted (a belt to the braces of
-        the tokens' callbacks). Cheap when few records are live (at a step's start)."""
+        the tokens' callbacks). Cheap when few records are live (at a step's start). Then
+        the pending failure events nobody can need any more are forgotten (counted: NOTE
+        [ One event, one error ] in _events.py)."""
         for group in list(self._table.registry.values()):
             for rec in list(group):
                 for ref in [r for r in rec.tokens if r() is None]:
                     self._released_locked(rec, ref)
+        if self._events.pending:
+            self._events.sweep()
 
     def _unsubmit_locked(self, rec):
         """A request of ``rec`` was being prepared but never reached the engine: undo it.
@@ -1021,9 +1033,11 @@ class Store:
         """Wait until every write and read in flight has completed; one deadline
         (``io_timeout_s``) for all of them. With ``start``, the writes and prefetch reads
         that are due are started first (as the I/O thread would), so that they are done
-        too; ``close()`` passes False: it would only throw them away."""
+        too; ``close()`` passes False: it would only throw them away. Then the staging
+        pools are trimmed (NOTE [ Bounded staging ] in _device.py)."""
         with _trace.span(_trace.FLUSH):
             self._flush(timeout, start)
+            self._devices.trim(sync=True)
 
     def _flush(self, timeout, start):
         deadline = time.monotonic() + (self.cfg.io_timeout_s if timeout is None else timeout)

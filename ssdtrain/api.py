@@ -71,6 +71,11 @@ class Stats:
     """The I/O engine in use."""
     spill_errors: int = 0
     """Failed writes whose records stayed in memory (``on_spill_error="keep"``)."""
+    unneeded_failures: int = 0
+    """Records whose write (or copy to the host tier, or eviction's write) failed when no
+    graph needed them any more (the graph gone, or backward done with them): nothing was
+    lost, so no step raises these (NOTE [ One event, one error ] in ``_events.py``,
+    docs/failure.md); each is counted here and the first is logged as a warning."""
     over_budget_bytes: int = 0
     """Bytes kept in memory because writing them would exceed ``max_spill_bytes``, or
     (a host tier without an SSD tier) because host RAM was full (``host_budget_bytes``)."""
@@ -83,6 +88,11 @@ class Stats:
     NOTE [ Device records ] in _device.py)."""
     peak_staging_bytes: int = 0
     """The most pinned host memory held for device records' copies at once."""
+    staging_idle_bytes: int = 0
+    """The part of ``staging_bytes`` kept idle for reuse: never more than
+    ``write_behind_bytes + prefetch_bytes + host_budget_bytes`` (NOTE [ Bounded staging ]
+    in ``_device.py``). After :meth:`Offloader.wait` the rest of ``staging_bytes`` is
+    what live records hold (the host tier's pinned copies)."""
     bytes_written: int = 0
     """Bytes of completed writes to the SSD tier (from device, host memory or the host
     tier)."""
@@ -125,6 +135,7 @@ class Stats:
     # (:meth:`since`) they are what they are at its end: a difference of two maxima
     # or two levels means nothing.
     LEVELS = frozenset({"peak_resident_bytes", "staging_bytes", "peak_staging_bytes",
+                        "staging_idle_bytes",
                         "host_bytes", "peak_host_bytes", "offload_quota_bytes",
                         "budget_measured_bytes", "budget_exceeded_bytes"})
 

@@ -308,6 +308,30 @@ def test_staging_is_counted_in_stats(make_offloader):
     assert stats.peak_staging_bytes >= stats.staging_bytes, stats
 
 
+def test_pinned_staging_let_go_leaves_the_host_cache_at_wait(make_offloader):
+    """NOTE [ Bounded staging ]: with an idle limit of 0 (no write-behind, prefetch or host
+    tier) the pool keeps no buffer idle, and what it let go of is given back by
+    ``wait()`` (torch's caching host allocator would keep it pinned): after ``wait()``
+    the allocator holds no more pinned bytes than before the step."""
+    off = make_offloader(engine="posix", min_tensor_bytes=0, keep_tail_bytes=0,
+                         write_behind_bytes=0, prefetch_bytes=0)
+    torch.empty(1, device="cuda")
+    from ssdtrain._cuda import LEAF
+    LEAF.release_cached_pinned()  # what other tests left in the cache
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    for n in ((1 << 20) + 1024, 3 << 20, 5 << 20):   # three size classes: 2, 4, 8 MiB
+        t = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+        (back,) = save_and_unpack([t], off)
+        assert torch.equal(back, t)
+    del t, back
+    off.wait()
+    stats = off.stats()
+    assert stats.staging_bytes == stats.staging_idle_bytes == 0, stats
+    assert stats.peak_staging_bytes >= 8 << 20, stats
+    after = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    assert after <= before, (before, after)
+
+
 def test_pack_inside_a_graph_capture_keeps_the_tensor(make_offloader):
     """A tensor saved while the current stream captures a CUDA graph stays in memory
     (rule 8): no event is recorded and nothing is staged inside the capture."""

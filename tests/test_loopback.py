@@ -121,6 +121,53 @@ def test_staging_is_pooled_accounted_and_exact(make_offloader):
     assert off.stats().staging_bytes == 0
 
 
+_POOL_OPS = st.lists(st.one_of(
+    st.tuples(st.just("take"), st.integers(1, 3 << 20), st.sampled_from([0, 512, 4000])),
+    st.tuples(st.just("reserve"), st.integers(1, 3 << 20), st.sampled_from([0, 512, 4000])),
+    st.tuples(st.just("drop"), st.integers(0, 7), st.just(0)),
+    st.tuples(st.just("trim"), st.booleans(), st.just(0))), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_POOL_OPS, limit=st.sampled_from([0, 1 << 20, 4 << 20, 16 << 20]),
+       skew=st.sampled_from([0, 1024]))
+def test_staging_pool_never_keeps_more_than_its_idle_limit(ops, limit, skew):
+    """NOTE [ Bounded staging ]: over any sequence of takes (at a read's offset too),
+    reservations ahead, leases dropped and trims, with buffers of many size classes
+    (page-rounded; a small buffer packed into a page is asked one page larger): the
+    idle bytes, counted as reserved, never exceed the limit; ``Stats.staging_bytes`` is
+    every pinned byte the device handed out and ``staging_idle_bytes`` the pool's idle
+    part; and a reservation is in the class its take asks for (the take allocates
+    nothing). Before the fix a reservation entered the idle set whatever the limit."""
+    import ssdtrain
+    from ssdtrain._device import StagingPool
+    dev = LoopbackDevice(pinned_skew=skew)
+    stats = ssdtrain.Stats()
+    pool = StagingPool(dev, stats, limit)
+    leases = []
+    for op, n, offset in ops:
+        if op == "take":
+            leases.append(pool.take(n, offset=offset))
+        elif op == "reserve":
+            pool.reserve(n, offset=offset)
+            allocs = dev.pinned_bytes
+            leases.append(pool.take(n, offset=offset))
+            if pool.size_for(n + offset) <= limit // 2:  # room for it, skew included
+                assert dev.pinned_bytes == allocs, "the reservation was in another class"
+        elif op == "drop" and leases:
+            leases.pop(n % len(leases))
+        else:
+            pool.trim(sync=n)
+        assert pool.idle_bytes() <= limit, (pool.idle_bytes(), limit)
+        assert stats.staging_idle_bytes == pool.idle_bytes()
+        assert stats.staging_bytes == pool.held == dev.pinned_bytes
+    leases.clear()
+    pool.trim(sync=True)
+    assert stats.staging_bytes == stats.staging_idle_bytes <= limit
+    pool.release()
+    assert stats.staging_bytes == stats.staging_idle_bytes == dev.pinned_bytes == 0
+
+
 class _OwnedLock:
     """The store's lock, remembering which thread holds it (a ``threading.Lock`` does
     not say)."""

@@ -1,11 +1,13 @@
-"""One failure event, one error (NOTE [ One event, one error ] in ssdtrain/_writeback.py).
+"""One failure event, one error (NOTE [ One event, one error ] in ssdtrain/_events.py).
 
 A failed write (disk full, EIO) or a record beyond ``max_spill_bytes`` with
-``on_spill_full="raise"`` raises one ``SpillIOError``, in the step where it happened (at
-the next store operation at the latest), saying how many records it touched. Then the
-store is clean: once that step's graph is gone no record, byte or slot is left, and the
-next steps, which fit, run and are exact. Before the fix one error was queued per
-failed record and raised by later packs one at a time: the next 4-5 steps failed.
+``on_spill_full="raise"`` raises one ``SpillIOError``, in the step where it happened (its
+forward, its end, or its backward when that needs a lost record), saying how many
+records it touched. Then the store is clean: once that step's graph is gone no record,
+byte or slot is left, and the next steps, which fit, run and are exact. Before the fix
+one error was queued per failed record and raised by later packs one at a time: the
+next 4-5 steps failed. A failure belongs to its step: a later step never raises it
+(the tests at the end), and one nobody needs is counted, not raised.
 
 Parametrized over the failure kind and over where in the step it is found:
 
@@ -16,8 +18,9 @@ Parametrized over the failure kind and over where in the step it is found:
   block's exit, once, for all of them.
 * ``backward``: the writes hang until forward has ended, then fail; backward raises
   when it needs the first lost record, and the event is reported with it.
-* ``between``: the writes fail after the step's graph was dropped without backward;
-  the next step's first pack raises it, once.
+
+The writes failing after the step's graph was dropped without backward (nobody needs
+their bytes) are not raised by the next step: ``test_a_failure_nobody_needs_...``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ BIG, SMALL = 64, 4   # rows: 64 KiB records (the failing step), 4 KiB ones (step
 BUDGET = 2 * (68 << 10)  # fits SMALL steps (K x 8 KiB of slots); 2 of a BIG step's K records
 ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "budget": errno.ENOSPC}
 CASES = [(kind, where) for kind in ("ENOSPC", "EIO") for where in
-         ("pack", "exit", "backward", "between")] + [("budget", "pack"), ("budget", "exit")]
+         ("pack", "exit", "backward")] + [("budget", "pack"), ("budget", "exit")]
 LATER_STEPS = 3
 
 
@@ -93,7 +96,7 @@ def test_one_failure_raises_once_then_later_steps_are_exact(make_offloader, kind
     store = off._store
     inj = None
     if kind != "budget":
-        hang = where in ("backward", "between")
+        hang = where == "backward"
         inj = faulty.install(off, Fault("write", "hang" if hang else kind, nth=1, times=None))
     if where == "exit":
         store._paused = True  # nothing is written before the end of forward
@@ -106,10 +109,6 @@ def test_one_failure_raises_once_then_later_steps_are_exact(make_offloader, kind
         if where == "backward":
             _fail_hung(inj, ERRNOS[kind])
             loss.backward()
-        elif where == "between":
-            del loss
-            gc.collect()
-            _fail_hung(inj, ERRNOS[kind])
     except ssdtrain.SpillIOError as e:
         errors.append(str(e))
         assert e.errno == ERRNOS[kind]
@@ -121,18 +120,12 @@ def test_one_failure_raises_once_then_later_steps_are_exact(make_offloader, kind
     store._kick()
     assert x.grad is None, "a gradient computed from lost data"
 
-    if where == "between":  # found after the step: the next store operation raises it
-        assert not errors
-        with pytest.raises(ssdtrain.SpillIOError) as excinfo:
-            _step(off, SMALL)
-        errors.append(str(excinfo.value))
-        del excinfo
     assert len(errors) == 1, errors
     msg = errors[0]
     touched = re.search(r"this failure touched (\d+) records?", msg)
     assert msg.startswith("ssdtrain:") and touched, msg
     n = int(touched.group(1))
-    if where in ("exit", "backward", "between") and kind != "budget":
+    if where in ("exit", "backward") and kind != "budget":
         assert n == K, msg  # one event: every record that failed
     # The budget is decided at pack (INV-DECIDED), whatever the writes' timing: the first
     # record over it starts the event and the next pack raises it, in forward.
@@ -173,3 +166,70 @@ def test_failures_after_the_error_was_raised_do_not_raise_again(make_offloader):
     for _ in range(LATER_STEPS):
         assert torch.equal(_step(off, SMALL), ref)
     _clean(off)
+
+
+# ------------------------------------------------- a failure belongs to its step
+@pytest.mark.parametrize("kind", ["ENOSPC", "EIO"])
+@pytest.mark.parametrize("when", ["dropped", "after_backward"])
+def test_a_failure_nobody_needs_is_counted_not_raised_by_a_later_step(make_offloader, caplog,
+                                                                      kind, when):
+    """The step's writes fail once no graph needs their records: ``dropped``, the graph
+    was dropped without backward; ``after_backward``, backward used every record (served
+    from memory, the writes still in flight) and ended. Nothing was lost, so no later
+    step raises it (before the fix the next step's first pack did: a healthy step failed
+    with an earlier step's error); it is counted in ``Stats.unneeded_failures`` (one per
+    record) and logged once as a warning, never swallowed."""
+    ref = _reference(SMALL)
+    off = make_offloader(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB")
+    inj = faulty.install(off, Fault("write", "hang", nth=1, times=None))
+    x = torch.linspace(-1, 1, BIG * 256).reshape(BIG, 256).requires_grad_()
+    with off:
+        loss = _forward(x)
+    if when == "after_backward":
+        loss.backward()
+        assert torch.equal(x.grad, _reference(BIG))  # served from memory: exact
+    loss = None
+    gc.collect()
+    inj.faults.clear()
+    _fail_hung(inj, ERRNOS[kind])
+    for _ in range(LATER_STEPS):  # healthy steps: none raises the first step's failure
+        assert torch.equal(_step(off, SMALL), ref)
+    _clean(off)
+    assert off.stats().unneeded_failures == K
+    warned = [r for r in caplog.records if "unneeded_failures" in r.getMessage()]
+    assert len(warned) == 1 and errno.errorcode[ERRNOS[kind]] in warned[0].getMessage(), warned
+
+
+@pytest.mark.parametrize("kind", ["ENOSPC", "EIO"])
+def test_a_later_step_never_raises_an_earlier_steps_failure(make_offloader, kind):
+    """Two graphs alive at once (gradient accumulation, 1F1B): the first step's writes fail
+    while the second step's forward runs. The second step saves, ends its forward and
+    runs backward without an error (exact); the first step's backward, which needs the
+    lost records, raises it, once, saying it touched all of them. Before the fix the
+    second step's pack raised the first step's error."""
+    off = make_offloader(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB")
+    inj = faulty.install(off, Fault("write", "hang", nth=1, times=K))
+    x = torch.linspace(-1, 1, BIG * 256).reshape(BIG, 256).requires_grad_()
+    with off:
+        first = _forward(x)
+    assert len(inj._hung) == K
+    y = torch.linspace(-1, 1, SMALL * 256).reshape(SMALL, 256).requires_grad_()
+    with off:
+        h = y
+        for i in range(K):
+            h = (h * 1.25).sin()
+            if i == K // 2:
+                _fail_hung(inj, ERRNOS[kind])  # in the middle of the second forward
+        second = h.sum()
+    second.backward()
+    assert torch.equal(y.grad, _reference(SMALL))
+    with pytest.raises(ssdtrain.SpillIOError, match=f"touched {K} records") as excinfo:
+        first.backward()
+    assert excinfo.value.errno == ERRNOS[kind]
+    del excinfo
+    assert x.grad is None
+    first = second = None
+    _clean(off)
+    assert off.stats().unneeded_failures == 0  # raised, not unneeded
+    for _ in range(LATER_STEPS):
+        assert torch.equal(_step(off, SMALL), _reference(SMALL))

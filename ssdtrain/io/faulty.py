@@ -57,12 +57,18 @@ class Fault:
         nth: the first request to fail, counted from 1 per operation. Default 1.
         times: how many consecutive requests fail; ``None``: every one from ``nth`` on.
             Default 1.
+        nbytes: only requests of exactly this many bytes fail (``nth`` and ``times``
+            still count every request of ``op``); ``None``: any size. A record's write
+            is one request of the record's size, so a size no other record has picks
+            the records that fail (``nth=1, times=None, nbytes=n``: every write of the
+            records of ``n`` bytes). Default None.
     """
 
     op: str
     kind: str
     nth: int = 1
     times: Optional[int] = 1
+    nbytes: Optional[int] = None
 
     def __post_init__(self):
         if self.op not in ("write", "read"):
@@ -72,10 +78,14 @@ class Fault:
         if self.nth < 1 or (self.times is not None and self.times < 1):
             raise ValueError(f"Fault.nth and Fault.times must be >= 1, got {self.nth}, "
                              f"{self.times}")
+        if self.nbytes is not None and self.nbytes < 1:
+            raise ValueError(f"Fault.nbytes must be >= 1 or None, got {self.nbytes}")
 
-    def hits(self, op: str, n: int) -> bool:
+    def hits(self, op: str, n: int, nbytes: Optional[int] = None) -> bool:
+        """Whether the ``n``-th request of ``op`` (of ``nbytes`` bytes) fails."""
         return op == self.op and n >= self.nth and (self.times is None
-                                                    or n < self.nth + self.times)
+                                                    or n < self.nth + self.times) \
+            and (self.nbytes is None or nbytes == self.nbytes)
 
 
 class FaultyEngine(EngineWrapper):
@@ -91,6 +101,7 @@ class FaultyEngine(EngineWrapper):
     Attributes:
         calls: ``{"write": n, "read": n}``, requests seen so far.
         injected: ``[(op, n, kind)]``, the faults injected so far.
+        injected_nbytes: ``[nbytes]``, the size of each of those requests, in that order.
     """
 
     def __init__(self, inner, faults=()):
@@ -98,6 +109,7 @@ class FaultyEngine(EngineWrapper):
         self.faults = list(faults)
         self.calls = {"write": 0, "read": 0}
         self.injected = []
+        self.injected_nbytes = []
         self._hung = []
         self._lock = threading.Lock()
 
@@ -130,9 +142,10 @@ class FaultyEngine(EngineWrapper):
         with self._lock:
             self.calls[op] += 1
             n = self.calls[op]
-            fault = next((f for f in self.faults if f.hits(op, n)), None)
+            fault = next((f for f in self.faults if f.hits(op, n, nbytes)), None)
             if fault is not None:
                 self.injected.append((op, n, fault.kind))
+                self.injected_nbytes.append(nbytes)
         do = self.inner.write if op == "write" else self.inner.read
         if fault is None:
             return do(file, offset, address, nbytes, **kw)
