@@ -156,10 +156,16 @@ def _inputs(n=4, batch=32, d=WIDTHS[0]):
             for _ in range(n)]
 
 
-def _step(model, inputs, off):
+def _step(model, inputs, off, settle=False):
+    """One training step; with ``settle``, the writes land before backward (``off.wait()``),
+    so that backward reads back: on a loaded machine every write may still be running
+    when backward reaches its record, which is then served from memory (claimed), and a
+    run with no read at all would test nothing."""
     model.zero_grad(set_to_none=True)
     with off if off is not None else contextlib.nullcontext():
         loss = model(*inputs)
+    if settle and off is not None:
+        off.wait()
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
@@ -309,7 +315,7 @@ def _child(argv):
         gc.set_threshold(*(int(v) for v in args.threshold.split(",")))
     wrong, max_live, t0 = [], 0, time.monotonic()
     for i in range(args.steps):
-        grads = _step(model, batches[i % len(batches)], off)
+        grads = _step(model, batches[i % len(batches)], off, settle=i % 10 == 9)
         for p, g, r in zip(range(len(grads)), grads, reference[i % len(batches)]):
             if not torch.equal(g, r) and len(wrong) < 5:
                 wrong.append(f"step {i}: gradient of ws.{p} differs from the reference "

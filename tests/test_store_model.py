@@ -211,8 +211,12 @@ class StoreMachine(RuleBasedStateMachine):
         self.seen = 0                # requests of engine.log attributed so far
         self.serial = 0
         self.nforward = 0
-        self.must_raise = False      # a live record's write failed: the next forward raises
-        self.may_raise = 0           # failed writes whose error a forward may still raise
+        # NOTE [ One event, one error ]: a failure belongs to the pass that saved the
+        # record last; only that pass's forward (or a backward that needs the record)
+        # raises it, never a later forward.
+        self.current = None          # the graph whose forward is running
+        self.must_raise = False      # a write of the running forward's failed: it raises
+        self.may_raise = 0           # failed writes the running forward may still raise
         self.steps = 0
         self.dropped = False         # a graph died since the last gc.collect()
         self.hung = False            # a helper thread never finished: leave the store be
@@ -243,7 +247,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.closed = False
         self.graphs, self.records, self.bases, self.req_rec = {}, [], [], {}
         self.seen = self.steps = 0
-        self.must_raise, self.may_raise = False, 0
+        self.must_raise, self.may_raise, self.current = False, 0, None
 
     def teardown(self):
         if self.off is None:
@@ -322,12 +326,13 @@ class StoreMachine(RuleBasedStateMachine):
         if req.op == "write":
             if fail is not None:
                 rec.failed = SpillIOError
-                self.may_raise += 1
-                # NOTE [ One event, one error ]: a record last packed by a forward that
-                # raised at a pack belongs to the event raised then.
-                if any(self.graphs[gid].alive for gid in rec.graphs) and \
-                        not self.graphs[max(rec.graphs)].aborted:
-                    self.must_raise = True
+                # NOTE [ One event, one error ]: the running forward raises the failure of
+                # a record it saved (last), unless it raised at a pack already; an earlier
+                # pass's failure is raised by a backward that needs it, or counted.
+                if self.current is not None and max(rec.graphs) == self.current:
+                    self.may_raise += 1
+                    if not self.graphs[self.current].aborted:
+                        self.must_raise = True
             elif rec.base.tensor._version != rec.version:
                 rec.failed = InplaceModificationError  # written after an in-place write
             else:
@@ -492,6 +497,7 @@ class StoreMachine(RuleBasedStateMachine):
         del x, w_ref
 
         new_records, stage, raised = [], None, None
+        self.current, self.must_raise, self.may_raise = g.id, False, 0  # a new pass
         may_before = self.may_raise
         try:
             with self.off:
@@ -514,6 +520,7 @@ class StoreMachine(RuleBasedStateMachine):
                 g.aborted = True
                 self._kill(g)  # the pack raised: the partial graph is garbage
         x = None
+        self.current = None
         self._sync()
 
         if raised is not None:
