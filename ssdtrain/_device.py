@@ -46,7 +46,14 @@ that a deliberate break of the rule fails (tests/test_loopback_rules.py).
 6. **Loads keep the saved tensor's alignment.** The load sits at the saved
    tensor's device address modulo 512 (:func:`device_misalign`), not the staging
    buffer's: kernels that pick code paths by alignment (cuBLAS) see the same
-   alignment and give the same bits.
+   alignment and give the same bits. Every path back keeps it: a read from the SSD
+   and a copy back from the host tier (HOSTED, or SPILLING claimed while its
+   eviction write runs) land at that misalignment; a record claimed while its copy
+   to RAM or its write runs (HOSTING, WRITING) is served from the saved memory
+   itself (tests/test_load_paths.py forces each path). Exact for storages whose own
+   address is 16-byte aligned (every allocator's); one made over memory at an odd
+   address (``torch.frombuffer``, DLPack) comes back at another address modulo 16
+   (NOTE [ View geometry ] in _records.py).
 7. **Loads are consumed after they land.** An event marks the copy's end. Unpack
    makes the consumer stream (the current stream of the unpacking thread) wait on
    it (a record served from memory, never loaded: on its producer's event) and calls

@@ -7,9 +7,11 @@ or overwritten as it is then (the hazards NOTE [ Device records ] orders against
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import sys
+import weakref
 
 import torch
 
@@ -20,7 +22,7 @@ if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
 import helpers  # noqa: E402
 
 __all__ = ["LoopbackDevice", "attach", "loopback_offloader", "write_later", "read_later",
-           "SaveForBackward", "SlowRead", "device_chain"]
+           "SaveForBackward", "SlowRead", "device_chain", "UnpackCheck"]
 
 
 def loopback_offloader(make_offloader, dev=None, **cfg):
@@ -97,3 +99,53 @@ def device_chain(off, dev, k, n, at_forward_end=None):
         at_forward_end()
     out.backward()
     assert [float(s[0][0]) for s in sink] == [float(i) for i in reversed(range(k))]
+
+
+class UnpackCheck:
+    """Checks every tensor an offloader's unpack hands to backward against the tensor
+    that was saved: the same bytes (a clone taken at pack) and the same address modulo
+    ``ALIGN`` (512: rule 6 of NOTE [ Device records ] in ssdtrain/_device.py), whatever
+    path the record took (read from the SSD, loaded from the host tier, claimed while
+    its copy or write ran, never moved). A gradient that differs from the reference
+    while this check finds nothing was computed from the right bytes at the right
+    alignment: the difference is not in what ssdtrain handed back.
+
+    Installed on the store itself (``with offloader:`` pushes ``store.pack`` and
+    ``store.unpack`` as they are then), before the ``with`` block; holds no handle
+    (a weak dictionary), so records are released as without it. ``paths`` counts the
+    record states unpack served from; ``problems`` lists what differed.
+    """
+
+    ALIGN = 512
+
+    def __init__(self, offloader):
+        store = offloader._store
+        self._pack, self._unpack = store.pack, store.unpack
+        self._saved = weakref.WeakKeyDictionary()  # handle -> (clone, address % ALIGN)
+        self.paths = collections.Counter()
+        self.problems = []
+        store.pack, store.unpack = self.pack, self.unpack
+
+    def pack(self, t):
+        handle = self._pack(t)
+        if getattr(handle, "record", None) is not None:  # kept tensors are t itself
+            self._saved[handle] = (t.detach().clone(), t.data_ptr() % self.ALIGN)
+        return handle
+
+    def unpack(self, handle):
+        rec = getattr(handle, "record", None)
+        state = None if rec is None else rec.state.value  # before unpack moves it
+        t = self._unpack(handle)
+        saved = None if rec is None else self._saved.get(handle)
+        if saved is not None:
+            self.paths[state] += 1
+            want, misalign = saved
+            if t.data_ptr() % self.ALIGN != misalign:
+                self.problems.append(f"{list(t.shape)} {t.dtype} unpacked from {state} at "
+                                     f"{t.data_ptr() % self.ALIGN} modulo {self.ALIGN}, "
+                                     f"saved at {misalign}")
+            if not torch.equal(t, want):
+                self.problems.append(f"{list(t.shape)} {t.dtype} unpacked from {state}: "
+                                     f"{int((t != want).sum())} of {t.numel()} elements differ "
+                                     f"from the saved tensor")
+        return t

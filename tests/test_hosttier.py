@@ -9,6 +9,7 @@ the assertion that would fail is named in its docstring.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 import ssdtrain
 from helpers import assert_same, part_id, run_step, weekly_shard
-from loopback_helpers import LoopbackDevice, SaveForBackward, attach
+from loopback_helpers import LoopbackDevice, SaveForBackward, UnpackCheck, attach
 from models import ALL_MODELS
 from ssdtrain import ConfigError
 from ssdtrain._config import MAX_BYTES
@@ -87,22 +88,29 @@ def test_half_budget_writes_half_and_peaks_as_ssd_only(name, make_offloader):
     ``write_behind_bytes=0`` and ``prefetch_bytes=0`` make it exact in both), the SSD
     gets about half the bytes (within one record of half), RAM the rest, and gradients
     are bitwise equal (which records: the chain tests below). Tier off: ``bytes_written`` is
-    every offloaded byte."""
+    every offloaded byte. Every tensor backward gets is checked against the saved one
+    (``UnpackCheck``), so a mismatch says whether a record came back wrong or the
+    gradients were computed from the right bytes (tests/test_load_paths.py)."""
     torch.manual_seed(0)
     model, inputs = ALL_MODELS[name]()
     ref = run_step(model, inputs)
+    again = functools.partial(run_step, model, inputs)  # a second reference, on a mismatch
     cfg = dict(write_behind_bytes=0, prefetch_bytes=0)
     ssd = _offloader(make_offloader, LoopbackDevice(claim_host_tensors=True), **cfg)
+    check = UnpackCheck(ssd)
     got, recs = _step(model, inputs, ssd)
-    assert_same(ref, got)
+    assert not check.problems, check.problems
+    assert_same(ref, got, again)
     base = ssd.stats()
     total = base.offloaded_bytes
     assert base.bytes_written == total > 0 and {s for _, s in recs} == {"on_disk"}
 
     off = _offloader(make_offloader, LoopbackDevice(claim_host_tensors=True),
                      host_budget_bytes=total // 2, **cfg)
+    check = UnpackCheck(off)
     got, recs = _step(model, inputs, off)
-    assert_same(ref, got)
+    assert not check.problems, check.problems
+    assert_same(ref, got, again)
     st_ = off.stats()
     assert st_.offloaded_bytes == total
     assert st_.peak_resident_bytes == base.peak_resident_bytes
