@@ -493,11 +493,16 @@ class DeviceTransfers:
             lease.after(done)                                 # rule 4
         return lease, done
 
-    def after(self, event, submit) -> Future:
+    def after(self, event, submit, owner=None) -> Future:
         """``submit()`` (which returns a future) once ``event`` has completed, on the
-        waiter thread; the returned future completes with that future's outcome (rule 2)."""
-        ready = self._waiter.submit(event.synchronize)  # releases the GIL while it waits
-        return then(ready, submit)
+        waiter thread; the returned future completes with that future's outcome (rule 2).
+        ``owner`` (what the copy and the request use) is bound into what is queued, from
+        the wait's work item on, and let go of once ``submit`` has handed it to the
+        engine (NOTE [ Requests own their memory ] in io/base.py): an interrupt between
+        the two queues loses nothing the copy or the request can touch."""
+        held = [owner]
+        ready = self._waiter.submit(_synchronize, event, held)  # releases the GIL while it waits
+        return then(ready, submit, owner)
 
     # ------------------------------------------------------------------- probe
     def time_copies(self, nbytes: int, repeats: int):
@@ -606,6 +611,15 @@ class DeviceTransfers:
     def close(self) -> None:
         self._waiter.shutdown(wait=True)  # writes waiting for a copy are submitted first
         self.pool.release()
+
+
+def _synchronize(event, held):
+    """The waiter thread's wait (:meth:`DeviceTransfers.after`): the copy has ended once
+    ``event`` has, so what ``held`` keeps for it is let go of."""
+    try:
+        event.synchronize()
+    finally:
+        held.clear()
 
 
 # ------------------------------------------------------------------ the device map

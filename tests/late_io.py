@@ -52,10 +52,11 @@ class _Clock:
                 self._thread = threading.Thread(target=self._run, name="late-io", daemon=True)
                 self._thread.start()
 
-    def later(self, seconds, src, dst):
+    def later(self, seconds, src, dst, held):
         self.start()
         with self._cv:
-            heapq.heappush(self._heap, (time.monotonic() + seconds, next(self._n), src, dst))
+            heapq.heappush(self._heap, (time.monotonic() + seconds, next(self._n), src, dst,
+                                        held))
             self._cv.notify()
 
     def _run(self):
@@ -64,7 +65,8 @@ class _Clock:
                 while not self._heap or self._heap[0][0] > time.monotonic():
                     self._cv.wait(None if not self._heap else
                                   max(0.0, self._heap[0][0] - time.monotonic()))
-                _, _, src, dst = heapq.heappop(self._heap)
+                _, _, src, dst, held = heapq.heappop(self._heap)
+            held.clear()  # the request's owner, let go of before it ends (as engines do)
             exc = src.exception()
             if exc is None:
                 dst.set_result(src.result())
@@ -73,7 +75,7 @@ class _Clock:
             # Not kept until the next request is due: a done future keeps its callbacks,
             # and theirs keep what the store gave the request (a staging lease, a
             # record), which would then outlive the request here and nowhere else.
-            del src, dst, exc
+            del src, dst, exc, held
 
 
 _CLOCK = _Clock()
@@ -87,15 +89,20 @@ class LateEngine(EngineWrapper):
         self.seconds = seconds
 
     def write(self, file, offset, address, nbytes, **kw):
-        return self._late(self.inner.write(file, offset, address, nbytes, **kw))
+        return self._late(self.inner.write(file, offset, address, nbytes, **kw),
+                          kw.get("owner"))
 
     def read(self, file, offset, address, nbytes, **kw):
-        return self._late(self.inner.read(file, offset, address, nbytes, **kw))
+        return self._late(self.inner.read(file, offset, address, nbytes, **kw),
+                          kw.get("owner"))
 
-    def _late(self, src):
+    def _late(self, src, owner):
+        """The request ends late, and its ``owner`` is held until then (NOTE [ Requests
+        own their memory ] in ssdtrain/io/base.py)."""
         dst = Future()
         dst.set_running_or_notify_cancel()
-        src.add_done_callback(lambda f: _CLOCK.later(self.seconds, f, dst))
+        held = [owner]
+        src.add_done_callback(lambda f: _CLOCK.later(self.seconds, f, dst, held))
         return dst
 
 

@@ -40,7 +40,9 @@ class Request:
         id: its number, counted from 0 per engine, in submission order.
         op: ``"write"`` or ``"read"``.
         file, offset, address, nbytes: the arguments the store passed.
-        kw: extra keyword arguments (``device=True``), passed on to the inner engine.
+        kw: extra keyword arguments (``device=True``), passed on to the inner engine;
+            ``owner`` (NOTE [ Requests own their memory ] in ssdtrain/io/base.py) is held
+            here while the request is pending, and let go of before it is settled.
         future: the future the store holds; settled by :meth:`ManualEngine.complete`.
     """
 
@@ -139,11 +141,15 @@ class ManualEngine(EngineWrapper):
             _settle_failed(req, err, f"{os.strerror(err)} (injected by ManualEngine)")
             return req
         do = self.inner.write if req.op == "write" else self.inner.read
-        try:
-            value = do(req.file, req.offset, req.address, req.nbytes, **req.kw).result()
+        kw = dict(req.kw)
+        req.kw = {k: v for k, v in kw.items() if k != "owner"}
+        try:  # the owner goes to the inner engine, which lets go of it when it is done
+            value = do(req.file, req.offset, req.address, req.nbytes, **kw).result()
         except BaseException as e:  # the real request failed: the store must see that
+            kw = None
             req.future.set_exception(e)
         else:
+            kw = None
             req.future.set_result(value)
         return req
 
@@ -173,19 +179,19 @@ class ManualEngine(EngineWrapper):
             return fut
         req = Request(next(self._ids), op, file, offset, address, nbytes, kw)
         with self._lock:
-            self.log.append(req)
-            if self._shut:
-                shut = True
-            else:
-                shut = False
+            shut = self._shut
+            if not shut:  # pending first: an interrupt after it loses no request's owner
                 self._pending.append(req)
+                self.log.append(req)
         if shut:
             _settle_failed(req, _errno.ESHUTDOWN, "submitted after the engine was shut down "
                                                   "(ManualEngine)")
+            self.log.append(req)
         return req.future
 
 
 def _settle_failed(req, err, message):
+    req.kw = {k: v for k, v in req.kw.items() if k != "owner"}  # let go of before it ends
     if not req.future.done():
         req.future.set_exception(io_error(req.verb, req.file, req.offset, req.nbytes, err,
                                           message))

@@ -78,11 +78,13 @@ class LaggingDisk(EngineWrapper):
                 if not self.queue:
                     return
                 fut, file, offset, address, nbytes, kw = self.queue.popleft()
-            try:
+            try:  # the request's owner goes with it to the inner engine, which lets go
                 result = self.inner.write(file, offset, address, nbytes, **kw).result()
             except BaseException as e:  # noqa: BLE001 - handed to the store as the disk's
+                kw = None
                 fut.set_exception(e)
             else:
+                kw = None
                 fut.set_result(result)
             self.landed += 1
             n += 1

@@ -19,11 +19,15 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import inject
 from ssdtrain import _records
 from ssdtrain._records import Record, State
 
@@ -165,6 +169,9 @@ def test_every_engine_class_declares_its_capabilities():
             "ManualEngine", "GatedEngine", "SlowEngine"} <= names, names
     bad = []
     for cls in classes:
+        for op in (cls.write, cls.read):  # NOTE [ Requests own their memory ] in io/base.py
+            if not _takes(op, "owner"):
+                bad.append(f"{cls.__qualname__}.{op.__name__}() takes no owner=")
         declared = [k for k in cls.__mro__ if k is not Engine and "capabilities" in k.__dict__]
         if not declared:
             bad.append(f"{cls.__qualname__}: no capabilities")
@@ -191,7 +198,7 @@ def test_an_engine_class_without_capabilities_cannot_be_made():
     from ssdtrain.io.base import Engine
 
     class Bare(Engine):
-        def write(self, file, offset, address, nbytes):
+        def write(self, file, offset, address, nbytes, *, owner=None):
             raise AssertionError
 
         read = write
@@ -340,3 +347,334 @@ def _walk_scoped(tree, scope=()):
                                                           ast.AsyncFunctionDef)) else scope
         yield ".".join(inner), node
         yield from _walk_scoped(node, inner)
+
+
+# ------------------------------------------ NOTE [ Requests own their memory ] (io/base.py)
+# Every engine class and wrapper, each as the store drives it: a request's ``owner`` is
+# held from before the request is queued until the request has ended, and let go of
+# before its future is settled, whether or not the caller ever receives the future.
+# Each engine runs with one worker, blocked by the test (a "gate") until it says so, so
+# that "queued, not yet run" lasts as long as the test needs; the owner is an object
+# the test observes through a weak reference, holding nothing the request needs (the
+# test keeps the memory mapped): what is checked is the engine's reference alone.
+OWNED_BYTES = 3 * 4096 + 100
+PATTERN = 0x5A
+SWEEP_DIRS = ("ssdtrain/io/", "/concurrent/futures/", "tests/manual_engine.py",
+              "tests/late_io.py", "tests/test_bounded.py", "tests/test_fork.py",
+              "tests/test_timeouts.py")
+
+
+class _Owner:
+    """What a request is handed as ``owner``: observed by weak reference only."""
+
+
+class _Gate:
+    """Blocks an engine's only worker until :meth:`open` (the request then waits behind
+    it in the engine's queue)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.hooks = []   # what else opens with it (a wrapper's own queue)
+
+    def block_pool(self, pool):
+        started = threading.Event()
+        pool.submit(lambda: (started.set(), self.event.wait(60)))
+        assert started.wait(10)
+
+    def block_native(self, engine, spill_file):
+        import mmap
+        started = threading.Event()
+        buf = mmap.mmap(-1, 4096)
+        address = ctypes_address(buf)
+        engine._engine.submit_write(spill_file.fd, spill_file.direct, 0, address, 1,
+                                    spill_file.name,
+                                    lambda *a: (started.set(), self.event.wait(60)), False)
+        assert started.wait(10)
+        self.keep = buf  # what the blocking request writes from: mapped while it runs
+
+    def open(self):
+        self.event.set()
+        for hook in self.hooks:
+            hook()
+
+
+def ctypes_address(buf):
+    import ctypes
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+class _FakeCuFile:
+    """What ``KvikioEngine`` needs of kvikio's ``CuFile`` (host memory only), over
+    ``os.pwrite``/``os.preadv``: the engine's own code runs, on a machine without kvikio."""
+
+    def __init__(self, path, mode):
+        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+
+    def pwrite(self, buf, nbytes, offset):
+        return _Got(os.pwrite(self.fd, memoryview(buf).cast("B")[:nbytes], offset))
+
+    def pread(self, buf, nbytes, offset):
+        return _Got(os.preadv(self.fd, [memoryview(buf).cast("B")[:nbytes]], offset))
+
+    def close(self):
+        os.close(self.fd)
+
+
+class _Got:
+    def __init__(self, n):
+        self.n = n
+
+    def get(self):
+        return self.n
+
+
+def _kvikio_engine():
+    import types
+
+    from ssdtrain.io.base import start_pool
+    from ssdtrain.io.gds import KvikioEngine
+    engine = KvikioEngine.__new__(KvikioEngine)  # no probe: a fake kvikio, host memory
+    engine._kvikio = types.SimpleNamespace(CuFile=_FakeCuFile)
+    engine._files = {}
+    engine._lock = threading.Lock()
+    engine._pool = start_pool(1, "ssdtrain-gds", "kvikio engine")
+    return engine
+
+
+OWNER_KINDS = ("posix", "native", "kvikio", "EngineWrapper", "FaultyEngine",
+               "FaultyEngine-corrupt", "FaultyEngine-hang", "ManualEngine", "GatedEngine",
+               "LaggingDisk", "SlowEngine", "LateEngine")
+
+
+def _make_engine(kind, spill_file):
+    """``(engine, gate, finish)``: ``kind`` over a gated inner engine with one worker;
+    ``gate.open()`` lets everything run; ``finish()`` ends every request and shuts the
+    engine down."""
+    from ssdtrain.io import native
+    from ssdtrain.io.base import EngineWrapper
+    from ssdtrain.io.faulty import Fault, FaultyEngine
+    from ssdtrain.io.posix import PosixEngine
+    gate = _Gate()
+    if kind == "native":
+        if not native.available():
+            pytest.skip(native.unavailable_reason())
+        engine = native.NativeEngine(io_threads=1)
+        gate.block_native(engine, spill_file)
+    elif kind == "kvikio":
+        engine = _kvikio_engine()
+        gate.block_pool(engine._pool)
+    else:
+        inner = PosixEngine(io_threads=1)
+        gate.block_pool(inner._pool)
+    if kind in ("posix", "native", "kvikio"):
+        engine = inner if kind == "posix" else engine
+    elif kind == "EngineWrapper":
+        engine = EngineWrapper(inner)
+    elif kind == "FaultyEngine":
+        engine = FaultyEngine(inner)
+    elif kind == "FaultyEngine-corrupt":
+        engine = FaultyEngine(inner, [Fault("write", "corrupt", times=None),
+                                      Fault("read", "corrupt", times=None)])
+    elif kind == "FaultyEngine-hang":
+        engine = FaultyEngine(inner, [Fault("write", "hang", times=None),
+                                      Fault("read", "hang", times=None)])
+    elif kind == "ManualEngine":
+        import manual_engine
+        engine = manual_engine.ManualEngine(inner)
+        gate.hooks.append(engine.complete_all)
+    elif kind == "GatedEngine":
+        import test_fork
+        engine = test_fork.GatedEngine(inner)
+        gate.hooks.append(engine.release)
+    elif kind == "LaggingDisk":
+        import test_bounded
+        engine = test_bounded.LaggingDisk(inner)
+        gate.hooks.append(engine.land)
+    elif kind == "SlowEngine":
+        import test_timeouts
+        engine = test_timeouts.SlowEngine(inner, 0.02)
+    elif kind == "LateEngine":
+        import late_io
+        engine = late_io.LateEngine(inner, 0.02)
+    else:
+        raise AssertionError(kind)
+
+    def finish():
+        gate.open()
+        engine.shutdown()
+    return engine, gate, finish
+
+
+def _request(engine, op, slot, address, owner):
+    do = engine.write if op == "write" else engine.read
+    return do(slot.file, slot.offset, address, OWNED_BYTES, owner=owner)
+
+
+def _owned_setup(tmp_path, op):
+    """A spill file whose slot holds ``PATTERN`` for a read (zeros for a write), and the
+    memory a request moves: ``PATTERN`` for a write, zeros for a read."""
+    import mmap
+
+    from ssdtrain.tools import SpillSet
+    spill = SpillSet([str(tmp_path)], "off")
+    slot = spill.alloc(OWNED_BYTES, 100)
+    mm = mmap.mmap(-1, OWNED_BYTES + 4096)
+    address = ctypes_address(mm) + 100
+    if op == "read":
+        os.pwrite(slot.file.fd, bytes([PATTERN]) * OWNED_BYTES, slot.offset)
+    else:
+        ctypes_memset(address, PATTERN, OWNED_BYTES)
+    return spill, slot, mm, address
+
+
+def ctypes_memset(address, value, n):
+    import ctypes
+    ctypes.memset(address, value, n)
+
+
+def _landed(op, slot, address):
+    """Whether the request moved its bytes (a corrupted one: all but one)."""
+    import ctypes
+    if op == "write":
+        got = os.pread(slot.file.fd, OWNED_BYTES, slot.offset)
+    else:
+        got = ctypes.string_at(address, OWNED_BYTES)
+    return got.count(PATTERN) >= OWNED_BYTES - 1
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("kind", OWNER_KINDS)
+def test_every_engine_holds_a_requests_owner_until_it_ends(tmp_path, kind, op):
+    """Queued behind a blocked worker (or held by the wrapper), the request keeps its
+    owner alive though the caller dropped it; when it ends, the owner is gone before the
+    future is settled (a done-callback sees it gone), and a caller that keeps the future
+    keeps nothing."""
+    import weakref
+    spill, slot, mm, address = _owned_setup(tmp_path, op)
+    engine, gate, finish = _make_engine(kind, slot.file)
+    try:
+        owner = _Owner()
+        ref = weakref.ref(owner)
+        fut = _request(engine, op, slot, address, owner)
+        del owner
+        seen = []
+        fut.add_done_callback(lambda f: seen.append(ref() is None))
+        time.sleep(0.05)  # a request that ran now would be a worker the gate missed
+        assert not fut.done() and ref() is not None, f"{kind}: the owner went while queued"
+        if kind == "FaultyEngine-hang":
+            finish()  # a hung request ends at shutdown
+            assert fut.exception(timeout=30) is not None
+        else:
+            gate.open()
+            assert fut.exception(timeout=30) is None
+            assert _landed(op, slot, address)
+        assert seen == [True], f"{kind}: the owner outlived the request's future: {seen}"
+        assert ref() is None, f"{kind}: a future kept by its caller keeps the owner"
+    finally:
+        finish()
+        spill.close()
+
+
+def _sweep_lines(run):
+    """``{(file, line): runs}`` of the lines ``run()`` runs on this thread in the engine
+    and wrapper code (``SWEEP_DIRS``): where an interrupt can land in a submission."""
+    import collections
+    import sys
+    counts = collections.Counter()
+
+    def tracer(frame, event, arg):
+        if any(d in frame.f_code.co_filename for d in SWEEP_DIRS):
+            return local
+        return None
+
+    def local(frame, event, arg):
+        if event == "line" and inject._is_signal_point(frame):
+            counts[(frame.f_code.co_filename, frame.f_lineno)] += 1
+        return local
+    sys.settrace(tracer)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+class _InterruptAt:
+    """Raises KeyboardInterrupt at the first run of ``file:line`` (as a SIGINT there)."""
+
+    def __init__(self, file, line):
+        self.file, self.line, self.fired = file, line, False
+
+    def __call__(self, frame, event, arg):
+        if self.fired or frame.f_code.co_filename != self.file:
+            return None
+        return self._local
+
+    def _local(self, frame, event, arg):
+        if event == "line" and frame.f_lineno == self.line and not self.fired \
+                and inject._is_signal_point(frame):
+            self.fired = True
+            raise KeyboardInterrupt(f"injected at {self.file}:{self.line}")
+        return self._local
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("kind", [k for k in OWNER_KINDS if k != "FaultyEngine-hang"])
+def test_an_interrupt_anywhere_in_a_submission_never_loses_the_owner(tmp_path, kind, op):
+    """KeyboardInterrupt at each line the submission runs on the caller's thread (the
+    engine's and the wrapper's code, and ``ThreadPoolExecutor.submit``: an interrupt
+    after its queue put loses the future, not the request): a request that was queued
+    and then ran had its owner alive until it ran, though the caller never got the
+    future; and once every request has ended, the owner is gone (nothing keeps it)."""
+    import gc
+    import sys
+    import weakref
+
+    def one(target):
+        spill, slot, mm, address = _owned_setup(tmp_path, op)
+        engine, gate, finish = _make_engine(kind, slot.file)
+        try:
+            owner = _Owner()
+            ref = weakref.ref(owner)
+            injector = None if target is None else _InterruptAt(*target)
+            fired = False
+            counts = None
+            try:
+                if injector is None:
+                    counts = _sweep_lines(lambda: _request(engine, op, slot, address, owner))
+                else:
+                    sys.settrace(injector)
+                    try:
+                        _request(engine, op, slot, address, owner)
+                    finally:
+                        sys.settrace(None)
+            except KeyboardInterrupt:
+                fired = True
+            del owner
+            gc.collect()  # the interrupt's traceback and frames are gone
+            alive = ref() is not None
+            finish()
+            landed = _landed(op, slot, address)
+            problems = []
+            if landed and not alive:
+                problems.append("the request ran after its owner was let go of")
+            deadline = time.monotonic() + 5  # a late engine ends its requests after shutdown
+            while ref() is not None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if ref() is not None:
+                problems.append("the owner outlived every request")
+            return counts, fired, problems
+        finally:
+            finish()
+            spill.close()
+
+    counts, _, problems = one(None)
+    assert not problems, problems
+    assert counts, "no line of the engine's code traced"
+    bad, fired = [], 0
+    for file, line in sorted(counts):
+        _, hit, problems = one((file, line))
+        fired += hit
+        bad += [f"{file}:{line}: {p}" for p in problems]
+    assert not bad, f"{kind} {op}:\n" + "\n".join(bad)
+    assert fired >= len(counts) // 2, (fired, len(counts))

@@ -113,8 +113,10 @@ class GatedEngine(EngineWrapper):
         with self._lock:
             self._open = True
             held, self.held = self.held, []
-        for do, args, kw, fut in held:
+        while held:  # each request's owner goes to the inner engine, which lets go of it
+            do, args, kw, fut = held.pop(0)
             do(*args, **kw).add_done_callback(lambda f, fut=fut: _copy_outcome(f, fut))
+            del kw
 
     def shutdown(self):
         self.release()

@@ -74,14 +74,17 @@ def _clean(off):
     off._store.check_invariants()
 
 
-def _fail_hung(inj, err):
-    hung = list(inj._hung)
-    assert len(hung) == K, f"expected {K} hung writes, got {len(hung)}"
-    for fut, file, offset, nbytes, verb in hung:
+def _fail_hung(inj, err, n=K):
+    """Fail the hung writes as a device would, late: each lets go of its owner (its
+    memory and slot) first, as an engine does (NOTE [ Requests own their memory ])."""
+    hung, inj._hung = inj._hung, []
+    assert len(hung) == n, f"expected {n} hung writes, got {len(hung)}"
+    while hung:
+        fut, file, offset, nbytes, verb, owner = hung.pop(0)
+        del owner
         fut.set_exception(ssdtrain.SpillIOError(
             f"ssdtrain: {verb} {nbytes} bytes of {file.name} failed (injected late "
             f"{errno.errorcode[err]})", errno=err, filename=file.directory))
-    inj._hung.clear()
 
 
 @pytest.mark.parametrize("kind,where", CASES)
@@ -154,13 +157,9 @@ def test_failures_after_the_error_was_raised_do_not_raise_again(make_offloader):
     # The later writes of that step hang; they fail now, after its error was raised.
     loss = None  # noqa: F841
     gc.collect()
-    hung = list(inj._hung)
-    assert len(hung) == K - 1
     off._store._paused = False
-    inj._hung.clear()
     inj.faults.clear()
-    for fut, file, offset, nbytes, verb in hung:
-        fut.set_exception(ssdtrain.SpillIOError("ssdtrain: injected late EIO", errno=5))
+    _fail_hung(inj, errno.EIO, K - 1)
     _clean(off)
     ref = _reference(SMALL)
     for _ in range(LATER_STEPS):

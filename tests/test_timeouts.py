@@ -107,25 +107,25 @@ class SlowEngine(EngineWrapper):
         self._threads = []
         self._lock = threading.Lock()
 
-    def write(self, file, offset, address, nbytes):
+    def write(self, file, offset, address, nbytes, *, owner=None):
         if "write" not in self.ops:
-            return self.inner.write(file, offset, address, nbytes)
+            return self.inner.write(file, offset, address, nbytes, owner=owner)
         before = _snapshot(address, nbytes)
-        inner = self.inner.write(file, offset, address, nbytes)
+        inner = self.inner.write(file, offset, address, nbytes, owner=owner)
         return self._later(inner, lambda: self._check_source(file, offset, address, nbytes,
-                                                             before))
+                                                             before), owner)
 
-    def read(self, file, offset, address, nbytes):
+    def read(self, file, offset, address, nbytes, *, owner=None):
         if "read" not in self.ops:
-            return self.inner.read(file, offset, address, nbytes)
+            return self.inner.read(file, offset, address, nbytes, owner=owner)
         skew = address % 4096
         bounce = mmap.mmap(-1, skew + nbytes + 4096)
         bounce_address = ctypes.addressof(ctypes.c_char.from_buffer(bounce)) + skew
-        inner = self.inner.read(file, offset, bounce_address, nbytes)
+        inner = self.inner.read(file, offset, bounce_address, nbytes, owner=(owner, bounce))
 
         def land():
             ctypes.memmove(address, bounce_address, nbytes)  # the destination, touched now
-        return self._later(inner, land, keep=bounce)
+        return self._later(inner, land, (owner, bounce))
 
     def _check_source(self, file, offset, address, nbytes, before):
         if _snapshot(address, nbytes) != before:
@@ -134,7 +134,10 @@ class SlowEngine(EngineWrapper):
             self.violations.append(msg)
             print(msg, file=sys.stderr, flush=True)
 
-    def _later(self, inner: Future, touch, keep=None) -> Future:
+    def _later(self, inner: Future, touch, owner) -> Future:
+        """``owner`` (the request's: NOTE [ Requests own their memory ] in
+        ssdtrain/io/base.py) is held until the memory was touched, and let go of before
+        the future is settled, as an engine does."""
         outer = Future()
         outer.set_running_or_notify_cancel()
 
@@ -148,13 +151,13 @@ class SlowEngine(EngineWrapper):
                     exc = e
             with self._lock:
                 self.completed += 1
+            del keep_alive[:]
             if exc is None:
                 outer.set_result(inner.result())
             else:
                 outer.set_exception(exc)
-            del keep_alive[:]
 
-        keep_alive = [keep]
+        keep_alive = [owner]
         t = threading.Thread(target=run, name="slow-engine", daemon=False)
         with self._lock:
             self._threads.append(t)
@@ -162,10 +165,13 @@ class SlowEngine(EngineWrapper):
         return outer
 
     def join(self):
-        """Waits until every request made so far has completed."""
+        """Waits until every request made so far has completed (one whose thread an
+        interrupt kept from starting is completed now: its owner is let go of then)."""
         with self._lock:
             threads = list(self._threads)
         for t in threads:
+            if t.ident is None:
+                t.start()
             t.join()
 
     def shutdown(self):

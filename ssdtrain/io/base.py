@@ -13,6 +13,22 @@ name and back end and forwards the keyword arguments, so a wrapped engine is dri
 exactly as the bare one (the same CRC path); a wrapper that cannot take what its inner
 engine takes declares narrower ``capabilities`` itself. ``tests/test_contracts.py``
 checks every engine class.
+
+NOTE [ Requests own their memory ]
+
+Every engine's ``write``/``read`` takes ``owner=`` (any object: what holds the memory
+the request reads or writes, and its disk slot). The engine keeps a reference to it
+from before the request is queued until the request has ended, and lets go of it just
+before it settles the request's future: a caller that never receives the future (an
+interrupt between the engine's queue and its ``return``) loses nothing, and one that
+keeps the future keeps nothing. Native: the ``_Completion`` the C++ side holds carries
+it; posix and kvikio: the work item queued holds it; a wrapper that holds a request
+(fault injection's ``hang``, tests' manual and slow engines) holds it with the request,
+and one that touches the memory after its inner engine is done (a corrupted read, a
+CRC behind the request: :func:`then`) holds it until it has. Why the store relies on
+it: NOTE [ Memory owned by requests ] in ``ssdtrain/_store.py``; ``tests/test_contracts.py``
+checks every engine class and wrapper, an interrupt at every line of its submission
+included.
 """
 
 import abc
@@ -82,12 +98,14 @@ class Engine(abc.ABC):
         return self.capabilities.device_memory
 
     @abc.abstractmethod
-    def write(self, file, offset: int, address: int, nbytes: int) -> Future:
-        """Write ``nbytes`` from memory at ``address`` to ``file`` at ``offset``."""
+    def write(self, file, offset: int, address: int, nbytes: int, *, owner=None) -> Future:
+        """Write ``nbytes`` from memory at ``address`` to ``file`` at ``offset``; ``owner``
+        is held until the request has ended (NOTE [ Requests own their memory ])."""
 
     @abc.abstractmethod
-    def read(self, file, offset: int, address: int, nbytes: int) -> Future:
-        """Read ``nbytes`` from ``file`` at ``offset`` into memory at ``address``."""
+    def read(self, file, offset: int, address: int, nbytes: int, *, owner=None) -> Future:
+        """Read ``nbytes`` from ``file`` at ``offset`` into memory at ``address``; ``owner``
+        is held until the request has ended (NOTE [ Requests own their memory ])."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -201,23 +219,29 @@ def abandoned(engine: Engine, verb: str, file, offset: int, nbytes: int) -> Futu
     return fut
 
 
-def then(inner: Future, fn) -> Future:
+def then(inner: Future, fn, owner=None) -> Future:
     """A future that completes with ``fn()`` once ``inner`` has succeeded.
 
     ``fn`` runs on the thread that completes ``inner``. An exception from ``inner`` or
     from ``fn`` becomes the returned future's exception; if ``fn`` returns a future,
-    the returned future completes with that one's outcome instead.
+    the returned future completes with that one's outcome instead. ``owner`` (the
+    memory ``fn`` touches: NOTE [ Requests own their memory ]) and ``fn`` itself are
+    held until ``fn`` has returned, or ``inner`` failed, and let go of before the
+    returned future is settled.
     """
     outer = Future()
     outer.set_running_or_notify_cancel()
+    held = [fn, owner]
 
     def settle(fut):
         try:
             fut.result()
-            value = fn()
+            value = held[0]()
         except BaseException as e:  # never leave outer pending: a waiter would hang
+            held.clear()
             outer.set_exception(e)
             return
+        held.clear()
         if isinstance(value, Future):
             value.add_done_callback(lambda f: _copy_outcome(f, outer))
         else:

@@ -17,7 +17,8 @@ corrupt    succeeds, but one byte is flipped: on disk after a write, in memory a
            a read (on disk during a read whose engine takes the CRC, ``crc=True``)
            (``verify=True`` must catch it; without it the data is wrong)
 hang       never completes until :meth:`FaultyEngine.shutdown` (a hung device:
-           ``io_timeout_s`` must end the wait)
+           ``io_timeout_s`` must end the wait); it holds the request's ``owner``
+           until then, as a hung device's request would
 ========== ==========================================================================
 
 It is a debugging tool, not part of the training path: install it on an open
@@ -96,7 +97,10 @@ class FaultyEngine(EngineWrapper):
     ``inner`` (with the native engine, the CRC is taken by its workers: ``crc=True``).
     A corrupted request with ``crc=True`` returns the CRC a device would report: of the
     bytes written before the flip on disk; of the flipped bytes a read delivered (the
-    byte is flipped on disk for that read, and restored after it).
+    byte is flipped on disk for that read, and restored after it). Every request's
+    ``owner`` is held as an engine holds it (NOTE [ Requests own their memory ] in
+    base.py): by the inner engine, by the wrapper for a hung request until
+    :meth:`shutdown`, and until the flip for a read corrupted in memory.
 
     Attributes:
         calls: ``{"write": n, "read": n}``, requests seen so far.
@@ -123,7 +127,9 @@ class FaultyEngine(EngineWrapper):
         """Fails the hung requests (nothing may wait forever), then shuts ``inner`` down."""
         with self._lock:
             hung, self._hung = self._hung, []
-        for fut, file, offset, nbytes, verb in hung:
+        while hung:
+            fut, file, offset, nbytes, verb, _owner = hung.pop()  # its owner goes first
+            del _owner
             if not fut.done():
                 fut.set_exception(io_error(verb, file, offset, nbytes, _errno.EIO,
                                            "injected hang, ended by shutdown"))
@@ -158,7 +164,7 @@ class FaultyEngine(EngineWrapper):
             fut = Future()
             fut.set_running_or_notify_cancel()
             with self._lock:
-                self._hung.append((fut, file, offset, nbytes, verb))
+                self._hung.append((fut, file, offset, nbytes, verb, kw.get("owner")))
             return fut
         if kind == "short":
             half = nbytes // 2
@@ -182,7 +188,9 @@ class FaultyEngine(EngineWrapper):
         inner = do(file, offset, address, nbytes, **kw)
         if op == "write":  # the result (byte count or CRC) is of the bytes written
             return then(inner, lambda: _flip_on_disk(file, offset + at) or inner.result())
-        return then(inner, lambda: _flip_in_memory(address + at) or inner.result())
+        # The flip touches the memory after the inner engine let go of it: held till then.
+        return then(inner, lambda: _flip_in_memory(address + at) or inner.result(),
+                    kw.get("owner"))
 
 
 def install(offloader, *faults: Fault) -> FaultyEngine:

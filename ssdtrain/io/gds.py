@@ -215,11 +215,15 @@ class KvikioEngine(Engine):
         self._lock = threading.Lock()
         self._pool = start_pool(io_threads, "ssdtrain-gds", "kvikio engine")  # or ResourceError
 
-    def write(self, file, offset, address, nbytes, device=False):
-        return self._pool.submit(self._run, "writing", file, offset, address, nbytes, device)
+    def write(self, file, offset, address, nbytes, device=False, *, owner=None):
+        # The work item queued holds ``owner`` (NOTE [ Requests own their memory ] in
+        # base.py): in a list that _run empties before the pool settles the future.
+        return self._pool.submit(self._run, "writing", file, offset, address, nbytes, device,
+                                 [owner])
 
-    def read(self, file, offset, address, nbytes, device=False):
-        return self._pool.submit(self._run, "reading", file, offset, address, nbytes, device)
+    def read(self, file, offset, address, nbytes, device=False, *, owner=None):
+        return self._pool.submit(self._run, "reading", file, offset, address, nbytes, device,
+                                 [owner])
 
     def shutdown(self):
         self._pool.shutdown(wait=True)
@@ -255,19 +259,25 @@ class KvikioEngine(Engine):
                 f = self._files[file] = self._kvikio.CuFile(f"/proc/self/fd/{file.fd}", "r+")
             return f
 
-    def _run(self, verb, file, offset, address, nbytes, device):
-        buf = _DeviceBuffer(address, nbytes) if device else _host_buffer(address, nbytes)
+    def _run(self, verb, file, offset, address, nbytes, device, owner):
+        """One request on a pool thread; ``owner`` (a list holding the request's owner)
+        is emptied once kvikio is done with the memory, before the pool settles the
+        future (NOTE [ Requests own their memory ] in base.py)."""
         try:
-            f = self._cufile(file)
-            op = f.pwrite if verb == "writing" else f.pread
-            done = op(buf, nbytes, offset).get()
-        except OSError as e:
-            raise io_error(verb, file, offset, nbytes, e.errno or _errno.EIO, str(e)) from None
-        except (RuntimeError, ValueError) as e:  # kvikio reports cuFile errors this way
-            raise io_error(verb, file, offset, nbytes, _errno.EIO, f"kvikio: {e}") from None
+            buf = _DeviceBuffer(address, nbytes) if device else _host_buffer(address, nbytes)
+            try:
+                f = self._cufile(file)
+                op = f.pwrite if verb == "writing" else f.pread
+                done = op(buf, nbytes, offset).get()
+            except OSError as e:
+                raise io_error(verb, file, offset, nbytes, e.errno or _errno.EIO,
+                               str(e)) from None
+            except (RuntimeError, ValueError) as e:  # kvikio reports cuFile errors this way
+                raise io_error(verb, file, offset, nbytes, _errno.EIO, f"kvikio: {e}") from None
+        finally:
+            owner.clear()
         if done != nbytes:
             err = _errno.ENODATA if verb == "reading" else _errno.ENOSPC
             raise io_error(verb, file, offset, nbytes, err,
                            f"kvikio moved {done} of {nbytes} bytes")
         return nbytes
-

@@ -62,15 +62,21 @@ def unavailable_reason() -> str:
 
 
 class _Completion:
-    """The callback of one request: runs on an engine worker and settles the future."""
+    """The callback of one request: runs on an engine worker and settles the future.
 
-    __slots__ = ("future", "verb", "file", "offset", "nbytes")
+    The C++ engine holds it from before the request is queued until it has run (or, in
+    a forked child, forever), and it holds ``owner`` (NOTE [ Requests own their memory ]
+    in base.py), let go of before the future is settled."""
 
-    def __init__(self, future, verb, file, offset, nbytes):
+    __slots__ = ("future", "verb", "file", "offset", "nbytes", "owner")
+
+    def __init__(self, future, verb, file, offset, nbytes, owner):
         self.future, self.verb, self.file = future, verb, file
         self.offset, self.nbytes = offset, nbytes
+        self.owner = owner
 
     def __call__(self, err: int, message: str, crc=None) -> None:
+        self.owner = None  # the request has ended: its memory is the owner's again
         if err == 0:
             self.future.set_result(self.nbytes if crc is None else crc)
             return
@@ -145,13 +151,13 @@ class NativeEngine(Engine):
         self._finalizer = weakref.finalize(self, engine.shutdown)
         self._abandoned = False  # last: abandon() skips an engine not fully made
 
-    def write(self, file, offset, address, nbytes, *, crc=False):
+    def write(self, file, offset, address, nbytes, *, crc=False, owner=None):
         return self._submit(self._engine.submit_write, "writing", file, offset, address, nbytes,
-                            crc)
+                            crc, owner)
 
-    def read(self, file, offset, address, nbytes, *, crc=False):
+    def read(self, file, offset, address, nbytes, *, crc=False, owner=None):
         return self._submit(self._engine.submit_read, "reading", file, offset, address, nbytes,
-                            crc)
+                            crc, owner)
 
     def shutdown(self):
         self._finalizer()
@@ -166,7 +172,7 @@ class NativeEngine(Engine):
         self._finalizer.detach()
         self._engine.abandon()
 
-    def _submit(self, submit, verb, file, offset, address, nbytes, crc):
+    def _submit(self, submit, verb, file, offset, address, nbytes, crc, owner):
         if self._abandoned:
             return abandoned(self, verb, file, offset, nbytes)
         if file.direct and offset % BLOCK != address % BLOCK:
@@ -175,6 +181,8 @@ class NativeEngine(Engine):
         future = Future()
         future.set_running_or_notify_cancel()
         # A closed SpillFile has fd -1: the system call then fails with EBADF, as in posix.
+        # The completion carries the owner into the C++ queue (NOTE [ Requests own their
+        # memory ] in base.py); a refused call drops it, nothing queued.
         submit(file.fd, file.direct, offset, address, nbytes, file.name,
-               _Completion(future, verb, file, offset, nbytes), crc)
+               _Completion(future, verb, file, offset, nbytes, owner), crc)
         return future

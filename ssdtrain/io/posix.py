@@ -33,11 +33,16 @@ def memory_at(address: int, nbytes: int) -> memoryview:
 
 
 class _Request:
-    """One engine request split into pieces; completes its future when the last piece ends."""
+    """One engine request split into pieces; completes its future when the last piece ends.
 
-    __slots__ = ("future", "remaining", "error", "lock", "file", "offset", "nbytes", "on_done")
+    Every piece queued holds it, and it holds ``owner`` (NOTE [ Requests own their
+    memory ] in base.py): an interrupt after the pool took a piece loses nothing a piece
+    can touch. The last piece lets go of ``owner`` before it settles the future."""
 
-    def __init__(self, file, offset, nbytes, pieces, on_done):
+    __slots__ = ("future", "remaining", "error", "lock", "file", "offset", "nbytes", "on_done",
+                 "owner")
+
+    def __init__(self, file, offset, nbytes, pieces, on_done, owner):
         self.future = Future()
         self.future.set_running_or_notify_cancel()
         self.remaining = pieces
@@ -45,6 +50,7 @@ class _Request:
         self.lock = threading.Lock()
         self.file, self.offset, self.nbytes = file, offset, nbytes
         self.on_done = on_done
+        self.owner = owner
 
     def piece_done(self, error):
         with self.lock:
@@ -63,6 +69,7 @@ class _Request:
                     f"{self.file.name} out of the page cache failed: {e.strerror or e} (errno "
                     f"{e.errno}). Check the device's health.", errno=e.errno,
                     filename=self.file.directory)
+        self.owner = None  # every piece has ended: the memory is the owner's again
         if self.error is None:
             self.future.set_result(self.nbytes)
         else:
@@ -90,13 +97,13 @@ class PosixEngine(Engine):
         self._local = threading.local()
         self._abandoned = False
 
-    def write(self, file, offset, address, nbytes):
+    def write(self, file, offset, address, nbytes, *, owner=None):
         return self._submit(self._write_piece, file, offset, address, nbytes,
-                            None if file.direct else _drop_from_page_cache)
+                            None if file.direct else _drop_from_page_cache, owner)
 
-    def read(self, file, offset, address, nbytes):
+    def read(self, file, offset, address, nbytes, *, owner=None):
         return self._submit(self._read_piece, file, offset, address, nbytes,
-                            None if file.direct else _drop_clean_pages)
+                            None if file.direct else _drop_clean_pages, owner)
 
     def shutdown(self):
         if self._abandoned:
@@ -112,7 +119,7 @@ class PosixEngine(Engine):
         self._abandoned = True
         self._pool = None
 
-    def _submit(self, fn, file, offset, address, nbytes, on_done):
+    def _submit(self, fn, file, offset, address, nbytes, on_done, owner):
         if self._abandoned:
             return abandoned(self, "writing" if fn == self._write_piece else "reading", file,
                              offset, nbytes)
@@ -127,7 +134,7 @@ class PosixEngine(Engine):
             start = end
         if not pieces:
             pieces = [(address, address)]
-        req = _Request(file, offset, nbytes, len(pieces), on_done)
+        req = _Request(file, offset, nbytes, len(pieces), on_done, owner)
         for a, b in pieces:
             self._pool.submit(self._run, fn, req, file, offset + (a - address), a, b - a)
         return req.future
