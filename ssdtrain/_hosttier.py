@@ -88,7 +88,7 @@ from ._records import State
 from ._spill import BLOCK
 from ._events import _without_frames
 from ._limits import host_memory
-from ._writeback import _WRITTEN, _owning, failed_future, free_slot
+from ._writeback import _WRITTEN, failed_future
 
 __all__ = ["HostBudget", "HostTier", "default_host_budget", "budget_bytes", "resolve_budget",
            "has_ssd_tier"]
@@ -288,14 +288,14 @@ class HostTier:
                 "(%s: %s); such records stay in device memory.", type(e).__name__, e)
             return
         rec.host = lease
-        rec.submitted = False
         self._table.move(rec, State.HOSTING)
+        owners = (rec.source, rec.storage, lease)  # the copy's, until it has ended
         try:
-            rec.submitted = True; fut = dev.after(done, _landed)  # noqa: E702
+            fut = dev.after(done, _landed, owners)
         except Exception as e:  # noqa: BLE001 - the waiter thread is gone (closing)
             fut = failed_future(e)
-        rec.future = _owning(fut, (rec.source, rec.storage, lease))
-        rec.future.add_done_callback(self._callback(rec, _WRITTEN))
+        rec.future = fut
+        fut.add_done_callback(self._callback(rec, _WRITTEN))
 
     def hosted_locked(self, rec, fut):
         """The copy of ``rec`` to RAM ended (``WritePath.write_done_locked`` dispatches
@@ -341,15 +341,15 @@ class HostTier:
         address = rec.host.view.data_ptr()
         writes = self._writes
         rec.slot = writes.spill.alloc(rec.nbytes, address % BLOCK)
-        rec.submitted = False
         self._table.move(rec, State.SPILLING)
         rec.writes += 1
+        owners = (rec.host, rec.slot)
         try:
-            fut = writes.submit_write(rec, rec.slot, address, rec.nbytes, False)
+            fut = writes.submit_write(rec.slot, address, rec.nbytes, False, owners)
         except Exception as e:  # noqa: BLE001 - refused: nothing in flight
             fut = failed_future(e)
-        rec.future = _owning(fut, (rec.host,))
-        rec.future.add_done_callback(self._callback(rec, _WRITTEN))
+        rec.future = fut
+        fut.add_done_callback(self._callback(rec, _WRITTEN))
 
     def spilled_locked(self, rec, fut):
         """The write of an evicted record ended. Idempotent: clears ``rec.future`` last."""
@@ -359,7 +359,7 @@ class HostTier:
             # An interrupt while it completed inline, or on_spill_error="keep": the bytes
             # are still in RAM. An interrupted one is evicted again; a failed one stays
             # in RAM, beyond the budget, as a failed write stays in memory.
-            free_slot(rec)
+            rec.slot = None
             again = not isinstance(exc, Exception)
             if not again:
                 self.stats.spill_errors += 1

@@ -216,7 +216,8 @@ class TailWindow:
         KEEP_QUOTA)`` kept because the step's quota is spent (:meth:`begin_step`),
         ``(rec, KEEP_BUDGET)`` kept because the reservation would take the spill tier
         beyond ``max_spill_bytes``. ``outside``: spill bytes in use that belong to no
-        record (a bandwidth probe, quarantined slots)."""
+        record (the bandwidth probe's slot, a request's its record let go of:
+        ``SpillSet.outside_bytes``)."""
         out = []
         recs = self.records
         while self.nbytes > self.keep_bytes and recs:

@@ -28,7 +28,7 @@ from ._records import GEOMETRY_ALIGN, State
 from ._spill import BLOCK
 from .io.base import then
 from ._events import _needed_by, _without_frames, timeout_error
-from ._writeback import _READ, _owning, failed_future
+from ._writeback import _READ, failed_future
 
 
 # States prefetch brings back: being written or copied to RAM (their bytes are kept
@@ -271,39 +271,44 @@ class ReadPath:
 
     def start_read_locked(self, rec, buf=None):
         """ON_DISK -> LOADING: a read buffer (``buf``, or one made here) and the read; the
-        request owns the buffer."""
+        request owns the buffer and the slot from before it is queued (NOTE [ Memory
+        owned by requests ]): a record seen LOADING with no future falls back to ON_DISK
+        (``Store._repair_locked``)."""
         with _trace.span(_trace.READ, rec.nbytes, rec.seq):  # NOTE [ Profiler ranges ]
             storage, lead, address, owner = self._read_buffer_locked(rec) if buf is None else buf
             slot = rec.slot
             rec.storage, rec.base = storage, lead
-            rec.submitted = False
             self._table.move(rec, State.LOADING)
+            owners = (owner, slot)
             try:
-                fut = self.submit_read(rec, slot, address, owner)
+                fut = self.submit_read(rec, slot, address, owner, owners)
             except Exception as e:  # refused: nothing in flight, the read fails
                 fut = failed_future(e)
-            rec.future = _owning(fut, (owner,))
-            rec.future.add_done_callback(self._callback(rec, _READ))
+            rec.future = fut
+            fut.add_done_callback(self._callback(rec, _READ))
 
-    def submit_read(self, rec, slot, address, buf):
-        """The engine call; ``rec.submitted`` is set on the same line, just before it."""
+    def submit_read(self, rec, slot, address, buf, owner):
+        """The engine call; the request owns ``owner`` (its buffer and slot) until it has
+        ended, the CRC and the device copy behind it included."""
         dev = rec.device
         engine = self.engine
         if dev is not None and dev.direct:
-            rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, device=True)  # noqa: E501,E702
+            fut = engine.read(slot.file, slot.offset, address, rec.nbytes, device=True,
+                              owner=owner)
         elif dev is None and self.cfg.verify and engine.capabilities.checksums:
             # The engine's worker takes the CRC of the bytes read (no GIL); the result is
             # compared when the read is completed (read_done_locked).
-            rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes, crc=True)  # noqa: E501,E702
+            fut = engine.read(slot.file, slot.offset, address, rec.nbytes, crc=True,
+                              owner=owner)
             fut.ssdtrain_crc = rec.crc
         else:
-            rec.submitted = True; fut = engine.read(slot.file, slot.offset, address, rec.nbytes)  # noqa: E702
+            fut = engine.read(slot.file, slot.offset, address, rec.nbytes, owner=owner)
             if self.cfg.verify:
                 fut = then(fut, functools.partial(_verify, rec, rec.crc, slot, address,
-                                                  rec.nbytes))
+                                                  rec.nbytes), owner)
         if dev is not None:  # NOTE [ Device records ] in _device.py: rules 5-7
             fut = then(fut, functools.partial(dev.stage_in, buf,
-                                              device_misalign(rec.ptr, rec.lo)))
+                                              device_misalign(rec.ptr, rec.lo)), owner)
         return fut
 
     def read_done_locked(self, rec, fut):

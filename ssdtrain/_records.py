@@ -27,7 +27,7 @@ for any other writer::
     ON_DISK   no                yes       no              LOADING (read started)
     LOADING   landing           yes       read            LOADED  (read done)
                                                           FAILED  (read failed or corrupt)
-                                                          ON_DISK (repair: read never submitted)
+                                                          ON_DISK (repair: its future was lost)
     LOADED    yes (read copy)   yes, or   no              ON_DISK (every live handle unpacked once)
                                 in RAM                    HOSTED  (the same, loaded from RAM)
     HOSTING   yes (the tensor)  no        copy to RAM     HOSTED  (copy done: device bytes dropped)
@@ -41,7 +41,7 @@ for any other writer::
                                                                    claimed it: loaded from RAM)
                                                           HOSTED  (write failed and
                                                                    on_spill_error="keep"; or
-                                                                   its submission was undone)
+                                                                   its future was lost)
                                                           FAILED  (write failed)
     FAILED    no                -         no              -
     any       -                 -         -               FREED   (last handle gone and no I/O in
@@ -166,7 +166,7 @@ class Record:
     """One saved storage range ``[lo, hi)`` and where its bytes are."""
 
     __slots__ = ("key", "sref", "lo", "hi", "nbytes", "version", "source", "storage", "base",
-                 "ptr", "span", "slot", "future", "submitted", "_state", "seq", "tokens", "unseen",
+                 "ptr", "span", "slot", "future", "_state", "seq", "tokens", "unseen",
                  "generation", "used", "error", "prefetched", "claimed", "writes", "owner", "crc",
                  "device", "staging", "ready", "produced", "due", "reserved", "host", "tier",
                  "evict", "__weakref__")
@@ -182,7 +182,6 @@ class Record:
         self.span = self.storage.nbytes()
         self.slot = None
         self.future = None              # the request in flight (write or read), if any
-        self.submitted = False          # the engine may have the request (set before its call)
         self._state = State.PENDING     # read as ``state``; written by transition() alone
         self.seq = seq                  # pack order of the latest handle (prefetch order)
         self.tokens = set()             # weakrefs of live handles: release is idempotent

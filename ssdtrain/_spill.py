@@ -6,16 +6,35 @@ when the process ends, however it ends. Records live in *slots*: runs of whole
 4 KiB blocks, reused step to step. See NOTE [ Zero-copy O_DIRECT from unaligned
 tensors ] in docs/ARCHITECTURE.md for why a record's file offset is congruent
 to its memory address modulo the block size.
+
+NOTE [ Slots are leases ]
+
+A :class:`Slot` is held by whoever uses it: the record that lives in it and every
+engine request that writes or reads it (a request's ``owner``: NOTE [ Memory owned by
+requests ] in _store.py). Nothing frees a slot: its blocks go back to the allocator
+when the last holder drops it. Each slot has a lease (:class:`_Lease`, a weak
+reference carrying its ``(block, nblocks)``) registered with its file; the lease's
+callback is the file's ``returned`` deque's ``append`` (C code: safe inside a garbage
+collection or an interrupt, no ``__del__``), and the blocks of the leases returned are
+given back to the allocator at the file's next :meth:`SpillFile.reap`, which the store
+runs under its lock (at every allocation, ``used_bytes`` and ``problems``). So the
+allocator's truth is which slots are alive: a repair rebuilds it from the leases still
+alive (:meth:`SpillFile.rebuild`, no list of slots from anyone), and
+:meth:`SpillSet.problems` compares the two. A request a repair or ``close()`` cut
+loose from its record keeps its slot until it ends, and that slot is never handed to
+another record meanwhile.
 """
 
 import bisect
+import collections
 import errno as _errno
 import logging
 import mmap
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 from ._align import BLOCK, align_down, align_up  # re-exported: BLOCK lived here first
 from ._errors import ConfigError, SpillIOError, resource_error
@@ -45,7 +64,11 @@ class SlotAllocator:
     checks for a pending signal (nor a line event for a tracer), so the operation
     happens fully or not at all. What can still be lost is the caller's knowledge
     of the result (an interrupt right after ``alloc`` returned leaks the run);
-    :meth:`rebuild`, from the runs still referenced, reclaims such leaks.
+    :meth:`rebuild`, from the runs still referenced, reclaims such leaks. A spill
+    file's leases (NOTE [ Slots are leases ]) follow the same rule: a lease is
+    registered in one line of stores, and :meth:`SpillFile.rebuild` commits the
+    allocator's books and the leases still alive in one line (:meth:`books` computes
+    the books without committing them).
     """
 
     def __init__(self):
@@ -121,6 +144,19 @@ class SlotAllocator:
             AssertionError: a run is empty, negative, or overlaps another; nothing
                 changes then.
         """
+        starts, length, pos, used = self.books(runs)
+        self._starts, self._length, self.end, self.used = starts, length, pos, used
+
+    @staticmethod
+    def books(runs):
+        """``(free starts, free lengths, end, used)``: the books of an allocator whose
+        runs in use are ``runs`` (:meth:`rebuild` without committing them). An
+        allocator's books are always these of its runs in use (a freed tail shrinks
+        ``end``), so ``books`` of the leases alive is what a healthy one holds.
+
+        Raises:
+            AssertionError: a run is empty, negative, or overlaps another.
+        """
         runs = sorted((int(s), int(n)) for s, n in runs)
         starts, length, pos, used = [], {}, 0, 0
         for s, n in runs:
@@ -135,7 +171,7 @@ class SlotAllocator:
                 starts.append(pos)
                 length[pos] = s - pos
             pos, used = s + n, used + n
-        self._starts, self._length, self.end, self.used = starts, length, pos, used
+        return starts, length, pos, used
 
     def free_runs(self):
         return [(s, self._length[s]) for s in self._starts]
@@ -159,13 +195,32 @@ def filesystem_type(path: str) -> str:
 
 @dataclass(eq=False)
 class Slot:
-    """Where one record lives: ``nbytes`` at byte ``offset`` of ``file``, in whole blocks."""
+    """Where one record lives: ``nbytes`` at byte ``offset`` of ``file``, in whole blocks.
+    A lease (NOTE [ Slots are leases ]): its blocks are in use while it is alive, and go
+    back to the file's allocator once the last holder has dropped it."""
 
     file: "SpillFile"
     block: int
     nblocks: int
     offset: int
     nbytes: int
+    lease: "_Lease" = field(default=None, repr=False)
+
+
+class _Lease(weakref.ref):
+    """A slot's claim on its blocks: a weak reference to the :class:`Slot` that carries
+    its ``(block, nblocks)``; its callback (the file's ``returned.append``) queues it when
+    the slot dies (NOTE [ Slots are leases ])."""
+
+    __slots__ = ("block", "nblocks")
+
+    def __new__(cls, slot, callback):
+        self = super().__new__(cls, slot, callback)
+        self.block, self.nblocks = slot.block, slot.nblocks
+        return self
+
+    def __init__(self, slot, callback):
+        super().__init__(slot, callback)
 
 
 class SpillFile:
@@ -195,35 +250,77 @@ class SpillFile:
             os.close(dir_fd)
         self.fd = fd
         self.allocator = SlotAllocator()
-        # No lock of its own: the store calls alloc, free and rebuild only under its lock
+        # NOTE [ Slots are leases ]: the slots handed out and not yet reaped (id(lease) ->
+        # lease), and the leases of slots that died (appended by their callback, any
+        # thread, inside a garbage collection too).
+        self.leases = {}
+        self.returned = collections.deque()
+        # No lock of its own: the store calls alloc, reap and rebuild only under its lock
         # (a second lock here, left held by an interrupt, would hang every later step).
         self.name = f"{directory}/<anonymous spill file fd {fd}>"
 
     def alloc(self, nbytes: int, misalign: int) -> Slot:
-        """A slot for ``nbytes`` whose file offset is ``misalign`` modulo ``BLOCK``."""
+        """A slot for ``nbytes`` whose file offset is ``misalign`` modulo ``BLOCK``: a
+        lease, whose blocks come back when it dies (NOTE [ Slots are leases ]). The slots
+        that died since are reaped first, so their blocks can be reused."""
+        self.reap()
         nblocks = max(1, align_up(misalign + nbytes) // BLOCK)
         block = self.allocator.alloc(nblocks)
-        return Slot(self, block, nblocks, block * BLOCK + misalign, nbytes)
+        slot = Slot(self, block, nblocks, block * BLOCK + misalign, nbytes)
+        lease = _Lease(slot, self.returned.append)
+        key = id(lease)
+        # NOTE [ Interrupt-safe allocation ]: registered in one line of stores; cut short
+        # before it, the blocks are in use with no lease, and the next rebuild frees them.
+        slot.lease = lease; self.leases[key] = lease  # noqa: E702
+        return slot
 
-    def free(self, slot: Slot) -> None:
-        self.allocator.free(slot.block, slot.nblocks)
+    def reap(self) -> None:
+        """Give back the blocks of the slots that died (NOTE [ Slots are leases ]). A lease
+        leaves :attr:`leases` before its blocks are freed: an interrupt between leaks the
+        blocks until the next rebuild, never frees them twice; a lease a rebuild already
+        dropped (it was dead then) is skipped."""
+        returned, leases = self.returned, self.leases
+        while returned:
+            lease = returned[0]
+            if leases.pop(id(lease), None) is not None:
+                self.allocator.free(lease.block, lease.nblocks)
+            returned.popleft()
 
-    def rebuild(self, slots) -> None:
-        """Recompute the allocator from ``slots``, the slots of this file still in use.
+    def holds(self, slot) -> bool:
+        """Whether ``slot`` is one of this file's leases not reaped."""
+        lease = slot.lease
+        return slot.file is self and lease is not None and self.leases.get(id(lease)) is lease
 
-        Blocks of slots lost to an interrupt become free again (NOTE [ Interrupt-safe
-        allocation ]). The same ``Slot`` object given twice counts once.
+    def live_runs(self):
+        """``(block, nblocks)`` of the leases registered (alive, or dead and not reaped)."""
+        return [(lease.block, lease.nblocks) for lease in list(self.leases.values())]
 
-        Raises:
-            AssertionError: a slot belongs to another file, or two slots overlap.
-        """
-        runs = {}
-        for slot in slots:
-            if slot.file is not self:
-                raise AssertionError(f"ssdtrain: rebuilding {self.name} from a slot of "
-                                     f"{slot.file.name}; please report this bug.")
-            runs[id(slot)] = (slot.block, slot.nblocks)
-        self.allocator.rebuild(runs.values())
+    def rebuild(self) -> None:
+        """Recompute the allocator from the slots still alive: blocks lost to an
+        interrupt (allocated, never leased; or a lease reaped before its free) become
+        free again (NOTE [ Interrupt-safe allocation ], NOTE [ Slots are leases ]). The
+        books and the leases still alive are committed in one line of stores; a slot
+        that dies meanwhile is counted alive here and reaped later."""
+        live = {k: lease for k, lease in list(self.leases.items()) if lease() is not None}
+        starts, length, end, used = SlotAllocator.books(
+            (lease.block, lease.nblocks) for lease in live.values())
+        a = self.allocator
+        a._starts, a._length, a.end, a.used, self.leases = starts, length, end, used, live
+
+    def problems(self):
+        """What disagrees between the allocator and the leases registered: a list of
+        messages, empty when its books are those of the leases' runs."""
+        self.reap()
+        try:
+            want = SlotAllocator.books(self.live_runs())
+        except AssertionError as e:
+            return [f"{self.name}: leases overlap ({e})"]
+        a = self.allocator
+        got = (a._starts, a._length, a.end, a.used)
+        if got != want:
+            return [f"{self.name}: allocator (free {a.free_runs()}, end {a.end}, used {a.used})"
+                    f" != its {len(self.leases)} leases (end {want[2]}, used {want[3]})"]
+        return []
 
     def size_bytes(self) -> int:
         return os.fstat(self.fd).st_size if self.fd >= 0 else 0
@@ -246,6 +343,7 @@ class SpillSet:
             self.close()
             raise
         self._next = 0
+        self.outside = {}  # id(lease) -> lease of the slots no record holds (let_go)
         for f in self.files:
             kind = filesystem_type(f.directory)
             if kind in RAM_FILESYSTEMS:
@@ -254,42 +352,60 @@ class SpillSet:
             log.info("ssdtrain: spilling to %s (%s, %s)", f.directory, kind or "unknown fs",
                      "O_DIRECT" if f.direct else "buffered + sync_file_range + DONTNEED")
 
-    def alloc(self, nbytes: int, misalign: int) -> Slot:
+    def alloc(self, nbytes: int, misalign: int, outside: bool = False) -> Slot:
+        """A slot (a lease: NOTE [ Slots are leases ]) of the next file in turn;
+        ``outside``: no record will hold it (the bandwidth probe's), see
+        :meth:`outside_bytes`."""
         f = self.files[self._next % len(self.files)]
         self._next += 1
-        return f.alloc(nbytes, misalign)
+        slot = f.alloc(nbytes, misalign)
+        if outside:
+            self.let_go(slot)
+        return slot
 
-    def rebuild(self, slots) -> None:
-        """Recompute every file's allocator from ``slots``, the slots still in use
-        (grouped by file; a file none of them is in becomes empty). See
-        :meth:`SpillFile.rebuild`.
+    def let_go(self, slot) -> None:
+        """``slot`` is held by no record any more but may still be held by a request (a
+        record a repair cut loose from its request, or the probe's): it counts in
+        :meth:`outside_bytes` for as long as it lives."""
+        self.outside[id(slot.lease)] = slot.lease
 
-        Raises:
-            AssertionError: a slot belongs to no file of this set, or two slots of one
-                file overlap.
-        """
-        by_file = {id(f): [] for f in self.files}
-        for slot in slots:
-            group = by_file.get(id(slot.file))
-            if group is None:
-                raise AssertionError(f"ssdtrain: rebuilding the spill files from a slot of "
-                                     f"{slot.file.name}, which is not one of them; please "
-                                     f"report this bug.")
-            group.append(slot)
+    def outside_bytes(self) -> int:
+        """Spill bytes of live slots no record holds (:meth:`let_go`): they count against
+        ``max_spill_bytes`` too (``TailWindow.overflow``). Dead ones are forgotten."""
+        outside, n = self.outside, 0
+        for key, lease in list(outside.items()):
+            if lease() is None:
+                outside.pop(key, None)
+            else:
+                n += lease.nblocks
+        return n * BLOCK
+
+    def reap(self) -> None:
+        """Every file's :meth:`SpillFile.reap`."""
         for f in self.files:
-            f.rebuild(by_file[id(f)])
+            f.reap()
+
+    def rebuild(self) -> None:
+        """Recompute every file's allocator from its slots still alive (a repair, and
+        ``close()``): :meth:`SpillFile.rebuild`."""
+        for f in self.files:
+            f.rebuild()
 
     def used_bytes(self) -> int:
+        """Bytes of the blocks of the slots alive (the dead ones reaped first)."""
+        self.reap()
         return sum(f.allocator.used for f in self.files) * BLOCK
 
-    def problems(self, slots, kept=()):
-        """Whether the allocators' blocks in use are those of ``slots`` (the records'
-        slots) and ``kept`` (quarantined slots): a list of messages, empty when they
-        agree (``Store.check_invariants``)."""
-        used = sum(slot.nblocks for slot in slots)
-        more = sum(slot.nblocks for slot in kept)
-        alloc = sum(f.allocator.used for f in self.files)
-        return [] if alloc == used + more else [f"spill blocks {alloc} != {used} + {more}"]
+    def problems(self, slots):
+        """What disagrees between each file's allocator and its leases, and whether every
+        slot of ``slots`` (the records') is a live lease of one of the files: a list of
+        messages, empty when all agree (``Store.check_invariants``)."""
+        bad = [p for f in self.files for p in f.problems()]
+        files = self.files
+        for slot in slots:
+            if not any(f.holds(slot) for f in files):
+                bad.append(f"{slot!r} is not a lease of this store's spill files")
+        return bad
 
     def close(self):
         for f in self.files:

@@ -92,11 +92,11 @@ NOTE [ Store lock discipline ]
 * CRC32C runs on engine threads (``then`` callbacks), never under the lock (unless an
   engine completes a request inline, which none of ssdtrain's do).
 * If any exception (``KeyboardInterrupt`` included) escapes a locked region, the region
-  ends with ``_repair_locked``: every aggregate is recomputed from the records, records
-  no handle references are freed, completion callbacks are attached again, a request
-  cut short before its engine call (``Record.submitted`` false) is undone, and one cut
-  short after it is treated as possibly in flight (its memory and, for a write, its
-  slot are quarantined: kept, never reused). After it the next steps are exact.
+  ends with ``_repair_locked``: every aggregate is recomputed from the records (the
+  spill allocator from its slots alive), records no handle references are freed,
+  completion callbacks are attached again, and a record whose request's future never
+  reached it falls back to a state that does not depend on that request (NOTE [ Memory
+  owned by requests ]). After it the next steps are exact.
 
 NOTE [ The store's I/O thread ]
 
@@ -149,13 +149,31 @@ event, one error ] in _events.py).
 
 NOTE [ Memory owned by requests ]
 
-Memory an engine request reads or writes (the saved tensor, a read buffer, pinned
-staging) is referenced by the request's future (``_owning``) and the engine holds the
-future until the request completes. A timeout, ``close()`` or a repair may drop the
-record's references; the memory then lives until the request ends, never less. A
-request whose future was lost (submission interrupted) keeps its memory forever, with
-a warning (``Stats.quarantined_bytes``). The bandwidth probe's requests, outside
-records, follow the same rule (``Probe.time_io`` in _probe.py).
+One rule: an engine request holds whatever it reads from or writes into (the saved
+tensor, a read buffer, pinned staging) and the disk slot it uses, from before it is
+queued until it has ended. Every request is made with ``owner=`` those objects, and
+the engine keeps them from before its queue takes the request until the request has
+ended, whether or not the caller ever receives the future (NOTE [ Requests own their
+memory ] in io/base.py: the native engine's completion, the posix and kvikio work
+items, the device waiter's queue (``DeviceTransfers.after``), a CRC chained behind
+the request (``then``), every wrapper that holds a request). A slot is a lease too
+(NOTE [ Slots are leases ] in _spill.py): its blocks go back to the allocator when
+its last holder drops it, so a request keeps its slot's blocks from being handed to
+another record as it keeps its memory from being freed.
+
+So nothing can be freed, or reused, under an I/O: the store may drop its references
+at any time (a timeout, ``close()``, a repair, an interrupt between the engine's
+queue and the future reaching the record) and the memory and the slot then live as
+long as the request, never less, never forever. A record whose request's future
+never reached it (``Record.future`` is None in WRITING, HOSTING, SPILLING or LOADING:
+an interrupt cut the submission short, before the engine call or after it) falls back
+to a state that does not depend on the request, and forgets it
+(``Store._fall_back_locked``): a write or a copy to RAM to KEPT (its bytes are still
+in memory; FAILED if its storage was replaced meanwhile), an eviction's write to
+HOSTED (evicted again), a read to ON_DISK; the record drops the request's slot (a
+write's) and buffer (a read's). Whether the request was ever submitted no longer
+matters, and nothing is kept for the rest of the process. The bandwidth probe's
+requests, outside records, follow the same rule (``Probe.time_io`` in _probe.py).
 
 NOTE [ Bounded memory ]
 
@@ -211,18 +229,17 @@ from ._prefetch import ReadPath, _Pass
 from ._readbuf import ReadBuffers
 from ._hosttier import HostBudget, HostTier
 from ._iothread import IOThread
-from ._probe import SLOT_FREE, Probe
+from ._probe import Probe
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State, Token,
                        find_record, inplace_error, swapped, swapped_error)
 from ._events import Events, _without_frames, timeout_error
-from ._writeback import _READ, _WRITTEN, WritePath, free_slot
+from ._writeback import _READ, _WRITTEN, WritePath
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
 _IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
 _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in _trace.py
-_QUARANTINE = []   # memory and slots of requests that may still be in flight, kept forever
 
 
 class Store:
@@ -287,7 +304,7 @@ class Store:
         self._use_locked = self._reads.use_locked
         # The measurements policy "auto" and the adaptive profile make (_probe.py).
         self.probe = Probe(spill, self._devices, self._host is not None, engine, config,
-                           _weakly(self._locked), _weakly(self._settle), self._callback)
+                           _weakly(self._locked))
         self._staging_failed = False           # the last _reserve_staging could not allocate
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
@@ -371,18 +388,6 @@ class Store:
         self._buffers.trim()
         self._current = _Pass()
         self._window.begin_step(self.quota, self.quota_floor)
-        for slot, owners in self.probe.reclaim_locked():  # a probe cut short (_probe.py)
-            # Quarantined first, out of the probe's slots after: an interrupt between
-            # leaves it in both (counted once), never in neither.
-            if not any(q[3] is slot for q in _QUARANTINE):
-                _QUARANTINE.append((owners, None, None, slot))
-                self.stats.quarantined_bytes += slot.nblocks * BLOCK
-                self._events.warn_once(
-                    "quarantine", "ssdtrain: an interrupt cut short the submission of a "
-                    "request (the bandwidth probe's); its buffer and disk slot are kept for "
-                    "the rest of the process so that the request, if it was submitted, "
-                    "cannot touch freed memory (Stats.quarantined_bytes).")
-            self.probe.slots.pop(slot, None)
 
     def _end_pass_locked(self):
         """Forward ended: writes the I/O thread has not started yet start now, the tail
@@ -530,10 +535,11 @@ class Store:
         return handle  # records due to be written: written by the I/O thread
 
     def _outside_spill_bytes(self):
-        """Spill bytes in use that belong to no record: the bandwidth probe's slot and
-        quarantined slots (they count against ``max_spill_bytes`` too)."""
-        slots = list(self.probe.slots) + self._quarantined_slots()
-        return sum(slot.nblocks for slot in slots) * BLOCK
+        """Spill bytes of live slots no record holds (they count against
+        ``max_spill_bytes`` too): the bandwidth probe's while its requests run, and the
+        slot of a request a repair cut loose from its record, until it ends
+        (``SpillSet.outside_bytes``)."""
+        return self.spill.outside_bytes()
 
     # ----------------------------------------------------------------- throttle
     def _throttle(self):
@@ -808,8 +814,6 @@ class Store:
                     self._table.uncount_passed(ev)
                 elif ev[0] is _WRITTEN:
                     self._writes.write_done_locked(ev[1], ev[2])
-                elif ev[0] is SLOT_FREE:
-                    self.probe.free_slot_locked(ev[1])
                 else:
                     self._reads.read_done_locked(ev[1], ev[2])
             except Exception:
@@ -845,17 +849,16 @@ class Store:
         locked region short (NOTE [ Store lock discipline ]). Never raises on its own."""
         recs = self._table.records()
         for rec in recs:
-            if rec.state in (State.PENDING, State.KEPT, State.HOSTED, State.HOSTING):
-                rec.slot = None  # a write cut short before it moved the record: no slot
-            elif rec.state in OUTBOUND or rec.state is State.LOADING:
+            state = rec.state
+            if state in OUTBOUND or state is State.LOADING:
                 fut = rec.future
-                if fut is None and not rec.submitted:  # cut short before the engine call
-                    self._unsubmit_locked(rec)
-                elif fut is None:
-                    self._quarantine_locked(rec)
+                if fut is None:  # its future never reached it (NOTE [ Memory owned by requests ])
+                    self._fall_back_locked(rec)
                 else:  # callbacks may have been lost with the region: attach again
                     fut.add_done_callback(self._callback(
-                        rec, _WRITTEN if rec.state in OUTBOUND else _READ))
+                        rec, _WRITTEN if state in OUTBOUND else _READ))
+            if rec.state in (State.PENDING, State.KEPT, State.HOSTED, State.HOSTING):
+                rec.slot = None  # a write cut short before it moved the record: no slot
         for rec in recs:
             rec.tokens = {r for r in rec.tokens if r() is not None}
             rec.unseen &= rec.tokens
@@ -875,78 +878,42 @@ class Store:
         if self._events.pending:
             self._events.sweep()
 
-    def _unsubmit_locked(self, rec):
-        """A request of ``rec`` was being prepared but never reached the engine: undo it.
-        A write or a copy to RAM falls back to KEPT (the bytes are in memory), a read
-        to ON_DISK, an eviction's write to HOSTED (evicted again)."""
-        if rec.state is State.HOSTING:
-            rec.host = None
-            self._move_locked(rec, State.KEPT)
-        elif rec.state is State.SPILLING:
-            free_slot(rec)
-            rec.evict = True
-            self._move_locked(rec, State.HOSTED)
-        elif rec.state is State.WRITING:
-            free_slot(rec)
-            rec.staging = None
-            self._window.release(rec)
-            self._move_locked(rec, State.KEPT)
-        else:
-            self._move_locked(rec, State.ON_DISK)
-            rec.storage = rec.ready = None
-
-    def _quarantine_locked(self, rec):
-        """A request of ``rec`` may be in flight but its future was lost: keep its memory
-        and slot forever and fall back to a state that does not depend on it."""
-        writing = rec.state is State.WRITING or rec.state is State.HOSTING
-        # A write may still read the tensor and land in the slot; a read may still land in
-        # its buffer (the slot's bytes stay good: the record can be read again); a copy
-        # to RAM may still land in its pinned buffer; an eviction's write may still read
-        # the pinned copy (which stays good: the record stays HOSTED) and land in its slot.
-        if rec.state is State.SPILLING:
-            owners = (rec.host, None, None, rec.slot)
-        elif writing:
-            owners = (rec.source, rec.storage, rec.staging or rec.host, rec.slot)
-        else:
-            owners = (rec.storage, None, None, None)
-        _QUARANTINE.append(owners)
-        slot = owners[3]
-        self.stats.quarantined_bytes += rec.nbytes + (0 if slot is None else slot.nblocks * BLOCK)
-        self._events.warn_once(
-            "quarantine", "ssdtrain: an interrupt cut short the submission of a request (%r); "
-            "its memory%s is kept for the rest of the process so that the request, if it was "
-            "submitted, cannot touch freed memory (Stats.quarantined_bytes).",
-            rec, " and disk slot" if writing else "")
+    def _fall_back_locked(self, rec):
+        """A request of ``rec`` was being made but its future never reached the record (an
+        interrupt, before the engine call or after it): the request, if it is in flight,
+        owns what it uses (NOTE [ Memory owned by requests ]), so the record falls back to
+        a state that does not depend on it and forgets it. A write or a copy to RAM: KEPT,
+        its bytes still in memory (FAILED if its storage was replaced meanwhile); an
+        eviction's write: HOSTED, evicted again (its pinned copy is intact: the write
+        only reads it); a read: ON_DISK (read again when needed). The record lets go of
+        the request's slot (a write's: it may still be held by the request, and counts
+        against ``max_spill_bytes`` until it ends) and buffer (a read's). Idempotent."""
+        slot = rec.slot if rec.state is not State.LOADING else None
+        if slot is not None:
+            self.spill.let_go(slot)
         if rec.state is State.SPILLING:
             rec.slot = None
             rec.evict = True
-            self._move_locked(rec, State.HOSTED)  # its pinned copy is intact: read only
-        elif writing:
-            rec.slot = rec.host = None
+            self._move_locked(rec, State.HOSTED)
+        elif rec.state is State.WRITING or rec.state is State.HOSTING:
+            rec.slot = rec.staging = None
+            if rec.state is State.HOSTING:
+                rec.host = None
             if rec.storage is not None and not rec.storage_changed():
-                self._move_locked(rec, State.KEPT)   # the bytes are still in memory: exact
+                self._move_locked(rec, State.KEPT)  # the bytes are still in memory: exact
             else:
-                rec.error = SpillIOError(f"ssdtrain: the write of {rec!r} was interrupted and "
-                                         f"its bytes are gone.")
-                self._move_locked(rec, State.FAILED)
-                rec.storage = rec.source = None
+                self._writes.fail_locked(rec, SpillIOError(
+                    f"ssdtrain: the write of {rec!r} was interrupted and its bytes are gone "
+                    f"(its storage was resized or replaced after it was saved)."))
         else:
             self._move_locked(rec, State.ON_DISK)
             rec.storage = rec.ready = None
 
     def _recount_locked(self):
         """Recompute every aggregate from the records: the record table's, and the spill
-        allocator's."""
-        recs = self._table.records()
-        self._table.recount(recs)
-        slots = [r.slot for r in recs if r.slot is not None] + list(self.probe.slots)
-        self.spill.rebuild(slots + self._quarantined_slots())
-
-    def _quarantined_slots(self):
-        """The slots of this store's spill files kept by quarantined requests (they may
-        still be in flight: never reused)."""
-        files = self.spill.files
-        return [q[3] for q in _QUARANTINE if q[3] is not None and q[3].file in files]
+        allocator's from the slots alive (NOTE [ Slots are leases ] in _spill.py)."""
+        self._table.recount(self._table.records())
+        self.spill.rebuild()
 
     def headroom(self):
         """``(free, total)`` for ``policy="auto"``'s memory floor (NOTE [ The offload
@@ -973,19 +940,19 @@ class Store:
     def check_invariants(self):
         """Raise ``AssertionError`` if an aggregate disagrees with the records (tests): the
         record table's (``RecordTable.problems``) and the spill allocators'
-        (``SpillSet.problems``: the records' slots, the quarantined ones and a bandwidth
-        probe's while its requests run)."""
+        (``SpillSet.problems``: each file's books against its slots alive, and every
+        record's slot a live one of them)."""
         with self._lock:
-            self._drain_locked()
-            self._sweep_locked()
-            recs = self._table.records()
-            bad = self._table.problems(recs)  # NOTE [ Record table ] in _table.py
-            bad += self.spill.problems([r.slot for r in recs if r.slot is not None],
-                                       list(self._quarantined_slots()) +
-                                       list(self.probe.slots))  # the probe's, in flight
+            bad = self._guarded_locked(self._problems_locked)
         self._settle()
         if bad:
             raise AssertionError("ssdtrain store invariants broken: " + "; ".join(bad))
+
+    def _problems_locked(self):
+        self._sweep_locked()
+        recs = self._table.records()
+        bad = self._table.problems(recs)  # NOTE [ Record table ] in _table.py
+        return bad + self.spill.problems([r.slot for r in recs if r.slot is not None])
 
     # -------------------------------------------------------------------- misc
     def records(self):
@@ -1023,11 +990,14 @@ class Store:
         the I/O completes (``_released_locked``): it is not live, but its memory and
         slot are still held and counted in the other two (``flush()`` settles them)."""
         with self._lock:
-            self._guarded_locked(self._sweep_locked)
-            live = sum(1 for group in self._table.registry.values() for r in group if r.tokens)
-            out = live, self._table.resident, self.spill.used_bytes()
+            out = self._guarded_locked(self._snapshot_locked)
         self._settle()  # what the sweep released goes with the I/O thread
         return out
+
+    def _snapshot_locked(self):
+        self._sweep_locked()
+        live = sum(1 for group in self._table.registry.values() for r in group if r.tokens)
+        return live, self._table.resident, self.spill.used_bytes()  # the dead slots reaped
 
     def flush(self, timeout=None, start=True):
         """Wait until every write and read in flight has completed; one deadline
@@ -1105,11 +1075,11 @@ class Store:
                 self._reads.passes.clear()
                 self._inbox.clear()
                 # Every aggregate is recomputed from what is left, as a repair does, the
-                # spill allocator included: the records' slots go back (no slot is handed
-                # out after close, so a request still in flight keeps its blocks' bytes),
-                # the probe's and quarantined slots stay. Zeroing the counters by hand
-                # forgot the allocator, and spill_bytes_in_use() kept the slots of every
-                # record a graph held at close() for good.
+                # spill allocator from the slots alive: the records' slots go back, but a
+                # request still in flight keeps its own (and its memory) until it ends
+                # (NOTE [ Memory owned by requests ]). Zeroing the counters by hand forgot
+                # the allocator, and spill_bytes_in_use() kept the slots of every record
+                # a graph held at close() for good.
                 self._recount_locked()
                 self._buffers.trim()  # idle read buffers are memory too: not kept until GC
             self._io.stop()  # later work is done inline

@@ -96,7 +96,7 @@ class RecordTable:
         self.host = host                          # the host budget, or None (no host tier)
         self.stats = stats
         self.graveyard = graveyard                # memory released outside the lock (_iothread.py)
-        self.closed = False                       # the store is closed: slots stay where they are
+        self.closed = False                       # the store is closed: nothing starts
 
     def records(self):
         """Every registered record (a new list)."""
@@ -159,14 +159,13 @@ class RecordTable:
     def free(self, rec):
         """Any state -> FREED: memory, slot and registry entry go (no I/O in flight).
         Resumable: a free cut short (state FREED, still registered) is finished by
-        calling it again (``Store._repair_locked`` does). After ``close()`` the slot is
-        not given back (close() rebuilt the allocator from what is left)."""
+        calling it again (``Store._repair_locked`` does). The slot is a lease: its blocks
+        go back to its file when nothing holds it any more (NOTE [ Slots are leases ] in
+        _spill.py)."""
         if rec.state is not State.FREED:
             self.move(rec, State.FREED)  # it leaves the prefetch window too
         self.window.release(rec)  # a free cut short and resumed: idempotent
-        slot, rec.slot = rec.slot, None
-        if slot is not None and not self.closed:
-            slot.file.free(slot)
+        rec.slot = None
         self.drop_memory(rec)
         rec.storage = rec.source = rec.staging = rec.ready = rec.produced = rec.host = None
         self.remove(rec)

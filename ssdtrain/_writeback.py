@@ -157,9 +157,10 @@ class WritePath:
     def start_write_locked(self, rec):
         """PENDING -> WRITING: allocate a slot and submit the write.
 
-        The request owns the memory it reads (NOTE [ Memory owned by requests ]). The
-        state moves before the submission: a record seen WRITING with no future is one
-        whose submission was interrupted (``Store._repair_locked`` handles it).
+        The request owns the memory it reads and its slot, from before it is queued
+        (NOTE [ Memory owned by requests ]). The state moves before the submission: a
+        record seen WRITING with no future is one whose submission was interrupted
+        (``Store._repair_locked`` lets it fall back to KEPT).
         """
         with _trace.span(_trace.WRITE, rec.nbytes, rec.seq):  # NOTE [ Profiler ranges ]
             if rec.storage_changed():
@@ -186,37 +187,35 @@ class WritePath:
                         "(%s: %s); such records stay in device memory.", type(e).__name__, e)
                     return
             rec.slot = self.spill.alloc(rec.nbytes, address % BLOCK)
-            rec.submitted = False
             self._table.move(rec, State.WRITING)
             rec.writes += 1
-            owners = (rec.source, rec.storage, rec.staging)
+            owners = (rec.source, rec.storage, rec.staging, rec.slot)
             try:
                 if ready is None:
-                    fut = self.submit_write(rec, rec.slot, address, rec.nbytes, False)
+                    fut = self.submit_write(rec.slot, address, rec.nbytes, False, owners)
                 else:  # submitted by the device waiter thread once the copy is done
-                    rec.submitted = True
-                    fut = dev.after(ready, functools.partial(self.submit_write, None, rec.slot,
-                                                             address, rec.nbytes, dev.direct))
+                    fut = dev.after(ready, functools.partial(self.submit_write, rec.slot,
+                                                             address, rec.nbytes, dev.direct,
+                                                             owners), owners)
             except Exception as e:  # refused (e.g. the engine was shut down): nothing in flight
                 fut = failed_future(e)
-            rec.future = _owning(fut, owners)
-            rec.future.add_done_callback(self._callback(rec, _WRITTEN))
+            rec.future = fut
+            fut.add_done_callback(self._callback(rec, _WRITTEN))
 
-    def submit_write(self, rec, slot, address, nbytes, on_device):
-        """The engine call. ``rec.submitted`` is set on the same line, just before it: a
-        record seen WRITING with no future and ``submitted`` false had nothing submitted."""
+    def submit_write(self, slot, address, nbytes, on_device, owner):
+        """The engine call; the request owns ``owner`` (its memory and slot) from before
+        it is queued until it has ended, the CRC behind it included (NOTE [ Memory owned
+        by requests ])."""
         engine = self.engine
         if on_device:
-            return engine.write(slot.file, slot.offset, address, nbytes, device=True)
+            return engine.write(slot.file, slot.offset, address, nbytes, device=True,
+                                owner=owner)
         crc = self.cfg.verify  # the future's result becomes the CRC of what was written
-        if rec is None:  # the device waiter thread: the store marked it submitted
-            fut = engine.write(slot.file, slot.offset, address, nbytes)
-        elif crc and engine.capabilities.checksums:  # by the engine, without the GIL
-            rec.submitted = True; return engine.write(slot.file, slot.offset, address, nbytes, crc=True)  # noqa: E501,E702
-        else:
-            rec.submitted = True; fut = engine.write(slot.file, slot.offset, address, nbytes)  # noqa: E702
+        if crc and engine.capabilities.checksums:  # by the engine, without the GIL
+            return engine.write(slot.file, slot.offset, address, nbytes, crc=True, owner=owner)
+        fut = engine.write(slot.file, slot.offset, address, nbytes, owner=owner)
         if crc:
-            fut = then(fut, functools.partial(_checksum.crc32c, address, nbytes))
+            fut = then(fut, functools.partial(_checksum.crc32c, address, nbytes), owner)
         return fut
 
     def write_done_locked(self, rec, fut):
@@ -235,7 +234,7 @@ class WritePath:
                     and not rec.storage_changed():
                 # An interrupt while the request completed inline (its CRC on this thread):
                 # the bytes are still in memory, so keep them; no error to report.
-                free_slot(rec)
+                rec.slot = None
                 self._table.move(rec, State.KEPT)
             elif exc is not None:
                 if not self._keep_after_failed_write_locked(rec, exc):
@@ -388,7 +387,7 @@ class WritePath:
         if self.cfg.on_spill_error != "keep" or not isinstance(exc, SpillIOError) \
                 or rec.storage is None or rec.storage_changed():
             return False
-        free_slot(rec)
+        rec.slot = None  # its lease: back to the file once nothing holds it
         self._table.move(rec, State.KEPT)
         self.stats.spill_errors += 1
         self.stats.kept_bytes += rec.nbytes
@@ -431,14 +430,6 @@ _WRITTEN = "written"
 _READ = "read"
 
 
-def free_slot(rec):
-    """Give back the disk slot of ``rec``'s write that ended without its bytes on disk
-    (failed, cut short, or never submitted): the record no longer refers to it."""
-    slot, rec.slot = rec.slot, None
-    if slot is not None:
-        slot.file.free(slot)
-
-
 def failed_future(exc):
     """A completed future holding ``exc``: a request the engine refused is handled like
     one that failed (its error surfaces; it is never swallowed)."""
@@ -446,17 +437,3 @@ def failed_future(exc):
     fut.set_running_or_notify_cancel()
     fut.set_exception(exc)
     return fut
-
-
-def _owning(fut, owners):
-    """``fut``, made to hold ``owners`` (the memory its request reads or writes) until it
-    completes: the engine holds the future until then, so the memory outlives the request
-    even if the store lets go of it (timeout, close()). NOTE [ Memory owned by requests ]
-    in _store.py."""
-    fut.ssdtrain_owners = owners
-    fut.add_done_callback(_disown)  # first callback: runs before the store's, when it is over
-    return fut
-
-
-def _disown(fut):
-    fut.__dict__.pop("ssdtrain_owners", None)

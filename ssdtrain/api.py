@@ -80,9 +80,11 @@ class Stats:
     """Bytes kept in memory because writing them would exceed ``max_spill_bytes``, or
     (a host tier without an SSD tier) because host RAM was full (``host_budget_bytes``)."""
     quarantined_bytes: int = 0
-    """Bytes of records whose request submission was cut short by an interrupt: their memory
-    (and, for writes, disk slot) is kept for the rest of the process, since the request may
-    still touch it (docs/failure.md)."""
+    """Deprecated, always 0; to be removed in the next release. It counted the memory and
+    disk slots kept for the rest of the process after an interrupt cut a request's
+    submission short. Nothing is kept any more: such a request holds its memory and slot
+    until it ends, and they are released then (docs/failure.md, NOTE [ Memory owned by
+    requests ] in ``_store.py``)."""
     staging_bytes: int = 0
     """Pinned host memory held now for device records' copies (in use, and idle for reuse;
     NOTE [ Device records ] in _device.py)."""
@@ -684,7 +686,9 @@ class Offloader:
 
         ``fn`` gets the engine in use and returns the one to use from now on, normally
         a wrapper that delegates to it (same methods and attributes, see
-        ``ssdtrain/io/base.py``). It first waits for the I/O in flight (as
+        ``ssdtrain/io/base.py``: an ``EngineWrapper`` subclass; every request comes with
+        ``owner=``, which a wrapper passes on, and holds while it holds the request: NOTE
+        [ Requests own their memory ]). It first waits for the I/O in flight (as
         :meth:`wait`), which therefore finishes on the old engine. Call it between
         steps.
 

@@ -304,13 +304,14 @@ def test_the_bandwidth_probe_keeps_its_buffer_and_slot_past_a_timeout(make_offlo
     nbytes = 1 << 20
     with pytest.raises(ssdtrain.SpillIOError, match="bandwidth probe's write.*io_timeout_s=0.2"):
         measure_bandwidth(off._store, nbytes=nbytes, repeats=1)
-    (fut, *_), = inj._hung
+    (fut, *_, owner), = inj._hung
     assert off.spill_bytes_in_use() >= nbytes, "the slot was freed under a running write"
-    view, buf = fut.ssdtrain_owners  # the request owns its buffer: still mapped
+    view, buf, slot = owner  # the request owns its buffer and slot: still mapped, leased
     assert not buf.closed and int(view[nbytes - 1]) == 0x5A
-    del view, buf
-    inj._hung.clear()
-    fut.set_result(nbytes)  # the hung write ends now
+    assert slot.file.holds(slot)
+    del view, buf, slot, owner
+    inj._hung.clear()  # the hung write ends now: its owner goes, then its future
+    fut.set_result(nbytes)
     assert off.spill_bytes_in_use() == 0
     off._store.check_invariants()
     inj.faults.clear()
@@ -320,7 +321,8 @@ def test_the_bandwidth_probe_keeps_its_buffer_and_slot_past_a_timeout(make_offlo
 
 def test_engine_requests_are_made_only_where_they_own_their_memory():
     """Outside ssdtrain/io/, an engine's ``write``/``read`` is called in three functions
-    only, each of which hands the request the memory it uses (``_owning``)."""
+    only, each of which hands the request the memory and slot it uses (``owner=``, every
+    call: NOTE [ Memory owned by requests ])."""
     allowed = {("ssdtrain/_writeback.py", "WritePath.submit_write"),
                ("ssdtrain/_prefetch.py", "ReadPath.submit_read"),
                ("ssdtrain/_probe.py", "Probe.submit")}
@@ -336,9 +338,32 @@ def test_engine_requests_are_made_only_where_they_own_their_memory():
                 found.add((rel, scope, node.lineno))
     bad = [f"{p}:{line}: engine.{'write/read'} in {scope}" for p, scope, line in sorted(found)
            if (p, scope) not in allowed]
+    bad += [f"{p}:{line}: an engine request without owner= in {scope}"
+            for p, scope, line in sorted(_engine_calls_without_owner())]
     assert not bad, "an engine request outside the functions that own its memory:\n" + \
         "\n".join(bad)
     assert {(p, s) for p, s, _ in found} == allowed
+
+
+def _engine_calls_without_owner():
+    """``(path, scope, line)`` of the calls of an engine's ``write``/``read`` (or of the
+    variable a function bound one to) outside ssdtrain/io/ that pass no ``owner=``."""
+    out = []
+    for path in SOURCES:
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith("ssdtrain/io/"):
+            continue
+        tree = ast.parse(path.read_text(), rel)
+        for scope, node in _walk_scoped(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            engine_op = isinstance(fn, ast.Attribute) and fn.attr in ("write", "read") and \
+                "engine" in ast.unparse(fn.value)
+            bound_op = isinstance(fn, ast.Name) and fn.id == "do" and "Probe" in scope
+            if (engine_op or bound_op) and not any(k.arg == "owner" for k in node.keywords):
+                out.append((rel, scope, node.lineno))
+    return out
 
 
 def _walk_scoped(tree, scope=()):

@@ -132,8 +132,9 @@ def _round_trip(tmp_path, engine, spill, nbytes, misalign, seed):
     data = _payload(nbytes, seed)
     src = Buffer(nbytes, misalign)
     src.fill(data)
-    spill.alloc(1, 0)  # occupy block 0 so the record sits at a non-zero file offset
+    first = spill.alloc(1, 0)  # occupy block 0 so the record sits at a non-zero file offset
     slot = spill.alloc(nbytes, src.address % BLOCK)
+    assert first.file is spill  # held: a slot dropped is freed (NOTE [ Slots are leases ])
     assert slot.offset % BLOCK == misalign and slot.offset >= BLOCK
 
     assert engine.write(spill, slot.offset, src.address, nbytes).result(TIMEOUT) == nbytes

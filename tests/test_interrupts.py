@@ -17,7 +17,7 @@ the step level; then:
 
 1. two more steps give gradients ``torch.equal`` to a run without ssdtrain;
 2. with every graph dropped: no live record, no resident byte, no spill slot in use
-   (beyond ``Stats.quarantined_bytes``, where the store has it);
+   (a request an interrupt cut loose from its record holds its slot only until it ends);
 3. ``check_invariants()`` passes (where the store has it);
 4. ``close()`` returns within ``io_timeout_s`` + 5 s (``io_timeout_s=5``).
 
@@ -166,9 +166,9 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # default policy's controller as is over its sizing, baseline, probe and quota steps
 # (on a fake clock, so every run decides alike), "default-api" the API's lines that
 # differ under it, "default-probe" the probe it runs (_probe.py, a store module). The planner (_planner.py,
-# pure arithmetic run hundreds of times per plan) and the bandwidth probe's slot
-# bookkeeping (_profile.measure_bandwidth, its slot is not yet interrupt-safe) are in
-# the full sweep only (SSDTRAIN_TEST_INTERRUPT_FULL=1: every mode, every step module, the
+# pure arithmetic run hundreds of times per plan) and _profile.measure_bandwidth (one
+# line around the probe, whose own lines "default-probe" sweeps: its buffer and slot are
+# its requests', NOTE [ Memory owned by requests ]) are in the full sweep only (SSDTRAIN_TEST_INTERRUPT_FULL=1: every mode, every step module, the
 # first, middle and last run of every line, both engines).
 #
 # The suite's time: a mode's targets are split into ``parts`` that take turns by ISO

@@ -136,10 +136,12 @@ def _parity(tmp_path, engines, spill_files, *, direct, nbytes, misalign, workers
     src.fill(data)
     nat, pos = engines("native", workers, chunk, backend), engines("posix", workers, chunk)
     nat_file, pos_file = spill_files(direct), spill_files(direct)
-    for f in (nat_file, pos_file):
-        f.alloc(1, 0)  # occupy block 0 so the record sits at a non-zero file offset
+    # Occupy block 0 so the record sits at a non-zero file offset; held, since a slot
+    # dropped is freed (NOTE [ Slots are leases ]).
+    firsts = [f.alloc(1, 0) for f in (nat_file, pos_file)]
     slot = nat_file.alloc(nbytes, misalign)
-    assert pos_file.alloc(nbytes, misalign).offset == slot.offset >= BLOCK
+    pos_slot = pos_file.alloc(nbytes, misalign)
+    assert pos_slot.offset == slot.offset >= BLOCK and len(firsts) == 2
 
     assert nat.write(nat_file, slot.offset, src.address, nbytes).result(TIMEOUT) == nbytes
     assert pos.write(pos_file, slot.offset, src.address, nbytes).result(TIMEOUT) == nbytes

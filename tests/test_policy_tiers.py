@@ -496,18 +496,24 @@ def test_headroom_counts_a_write_that_ends_during_the_reading_once(make_offloade
 def test_a_probe_request_whose_submission_was_cut_short_keeps_its_slot_and_buffer(
         make_offloader):
     """An interrupt after the engine took a probe request but before its future reached
-    the probe (in the engine call's return): the request may be in flight, so its slot
-    is never freed for a record and its buffer stays mapped; the next pass quarantines
-    them (``Stats.quarantined_bytes``) instead of reclaiming them. Before, the probe's
-    ``finally`` freed the slot and unmapped the buffer at once (its list of requests
-    lacked the lost one): the write in flight failed with EFAULT."""
+    the probe (in the engine call's return): the request owns its buffer and slot (NOTE
+    [ Memory owned by requests ]), so the slot is never handed to a record and the
+    buffer stays mapped while the request can still touch them, and once it has ended
+    both go back: nothing is kept for the rest of the process, no pass reclaims or
+    quarantines anything. (Before the leases, the probe's ``finally`` freed the slot and
+    unmapped the buffer at once: the write in flight failed with EFAULT; then the slot
+    and buffer were quarantined for good.)"""
     import gc
+    import weakref
+
+    import manual_engine
     off = make_offloader(engine="posix")
     probe = off._store.probe
-    engine, kept = probe.engine, []
+    engine = manual_engine.install(off)
+    real, got = engine.write, []
 
-    def write(*args):
-        kept.append(type(engine).write(engine, *args))  # the engine has it
+    def write(*args, **kw):
+        got.append(real(*args, **kw))  # the engine has it, with its owner
         raise KeyboardInterrupt
     engine.write = write
     try:
@@ -515,14 +521,25 @@ def test_a_probe_request_whose_submission_was_cut_short_keeps_its_slot_and_buffe
             probe.time_io(1 << 20, repeats=1)
     finally:
         del engine.write
-    assert kept[0].exception(timeout=30) is None      # it landed, from a live buffer
-    (slot, futures), = probe.slots.items()
-    gc.collect()
+    gc.collect()                          # the interrupt's frames are gone
+    (req,) = engine.pending()
+    view, buf, slot = req.kw["owner"]     # held by the request alone
+    assert not buf.closed and view.numel() == 1 << 20 and slot.file.holds(slot)
+    ref = weakref.ref(buf)
+    del view, buf
     model, inputs = models.mlp()
-    run_step(model, inputs, off)          # the next pass: quarantined, not reclaimed
-    assert not probe.slots
-    assert off.stats().quarantined_bytes >= 1 << 20
-    assert off._store.spill.used_bytes() >= 1 << 20    # the slot is still taken
+    run_step(model, inputs, off)          # records' slots: never the probe's blocks
+    for rec in off._store.records():
+        assert rec.slot is None or rec.slot.block + rec.slot.nblocks <= slot.block or \
+            slot.block + slot.nblocks <= rec.slot.block, "the probe's slot handed to a record"
+    assert off._store.spill.outside_bytes() >= 1 << 20  # counts against max_spill_bytes
     off._store.check_invariants()
-    view, buf = futures[0].owners                       # the buffer is held, mapped
-    assert not buf.closed and view.numel() == 1 << 20
+    del slot
+    engine.complete_all()                 # the request ends: its buffer and slot go
+    assert got[0].exception(timeout=30) is None  # it landed, from a live buffer
+    assert ref() is None
+    assert off._store.spill.outside_bytes() == 0
+    assert off.stats().quarantined_bytes == 0
+    off.wait()
+    assert off.spill_bytes_in_use() == 0
+    off._store.check_invariants()
