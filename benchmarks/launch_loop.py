@@ -35,8 +35,8 @@ rounds after ``--warmup`` rounds):
   one foreign GIL acquisition per pack and per unpack on this machine, the yardstick for
   the rest.
 * ``static``: ``policy="static"``, ``keep_tail_bytes=0`` (every record is written as soon
-  as it is saved), ssdtrain's defaults otherwise (``--prefetch-records`` sets
-  ``prefetch_bytes``), ``--engine``. Every record is written and read back (NOTE [ Read
+  as it is saved), ssdtrain's defaults otherwise (``prefetch_bytes``: at least the step's
+  bytes under ``--reads before``, or ``--prefetch-records`` records), ``--engine``. Every record is written and read back (NOTE [ Read
   back ]): the second table shows ``records_written`` and ``records_read`` per step,
   each equal to the saves per step, and the prefetch hits and misses.
 * ``default``: ``Offloader(spill_dir=..., engine=...)`` and nothing else
@@ -50,9 +50,19 @@ read back (prefetch claims it and keeps its bytes). So that every record is read
 static mode's forward waits for its writes (``Offloader.wait()``) after its last save
 and before leaving ``with offloader:``; that wait is not timed (the loop before it and
 the exit after it are). The exit then starts the first prefetch window's reads, as it
-does in any run whose writes kept up. Backward runs with no wait before it. Every
-ssdtrain step ends with an untimed ``wait()`` too, so that no mode's I/O runs into
-another's step.
+does in any run whose writes kept up. With ``--reads before`` (the default) the window
+holds the whole step and an untimed wait lets every read land before backward: backward
+then finds every record in memory (a prefetch hit), at every record size, and what the
+reads cost the training thread falls in that wait (the second table's CPU columns show
+it). With ``--reads overlap`` (``prefetch_bytes`` as configured) backward follows at
+once, and the reads beyond the first window run during it, as prefetch does: their
+completions land in backward's time, and where the disk is slower than the loop
+(records of MiBs against 0.5 ms blocks here) backward waits for them, shown apart as
+the stall. Every ssdtrain step ends with
+an untimed ``wait()`` too, so that no mode's I/O runs into another's step. Under
+``--reads overlap`` and the writes' wait, the completions of writes the disk had not
+finished by the loop's end land in the untimed wait as well: the per-thread CPU
+columns say how much of each thread's work per record fell outside the timed parts.
 
 Per (record size, ``--gil-held``, mode): the added µs per saved tensor in forward and in
 backward (the mode's time minus ``none``'s in the same round, divided by the saves per
@@ -348,17 +358,21 @@ class Handoff:
         self.thread.join()
 
 
-def make_mode(mode, size, args, spill_dir):
+def make_mode(mode, size, count, args, spill_dir):
     """``{"mode", "off", "clock", "handoff"}``: the offloader (None but for static and
     default), the handoff mode's thread."""
     import ssdtrain
     from ssdtrain import tools
     off = clock = None
     if mode == "handoff":
-        return {"mode": mode, "off": None, "clock": None, "handoff": Handoff()}
+        return {"mode": mode, "off": None, "clock": None, "handoff": Handoff(),
+                "reads_before": False}
     if mode == "static":
-        extra = {} if args.prefetch_records is None else \
-            {"prefetch_bytes": args.prefetch_records * size}
+        extra = {}
+        if args.prefetch_records is not None:
+            extra["prefetch_bytes"] = args.prefetch_records * size
+        elif args.reads == "before":  # the window holds the step: every read before backward
+            extra["prefetch_bytes"] = max(count * size, ssdtrain.OffloadConfig().prefetch_bytes)
         off = ssdtrain.Offloader(spill_dir=spill_dir, policy="static", keep_tail_bytes=0,
                                  engine=args.engine, **extra)
     elif mode == "default":
@@ -366,7 +380,8 @@ def make_mode(mode, size, args, spill_dir):
         if off.config.policy == "auto":
             clock = StepClock()
             tools.set_auto_clock(off, clock)
-    return {"mode": mode, "off": off, "clock": clock, "handoff": None}
+    return {"mode": mode, "off": off, "clock": clock, "handoff": None,
+            "reads_before": mode == "static" and args.reads == "before"}
 
 
 def _identity(t):
@@ -423,6 +438,9 @@ def one_step(m, pool, Op, state, uid0):
                 off.wait()  # untimed
             tw, cw = time.perf_counter(), time.thread_time()
         t1, c1 = time.perf_counter(), time.thread_time()
+        if m["reads_before"]:
+            off.wait()  # untimed: the prefetch reads forward's exit started land now
+        t1w = time.perf_counter()
         cpu2 = thread_cpu_ns()
         t2, c2 = time.perf_counter(), time.thread_time()
         y.backward()
@@ -442,7 +460,7 @@ def one_step(m, pool, Op, state, uid0):
     step = {
         "forward_s": (tb - t0) + (t1 - tw), "forward_cpu_s": (cb - c0) + (c1 - cw),
         "enter_s": ta - t0, "loop_s": tb - ta, "exit_s": t1 - tw,
-        "wait_s": tw - tb,
+        "wait_s": tw - tb, "wait_after_s": t1w - t1,
         "backward_s": t3 - t2, "backward_cpu_s": c3 - c2,
         "final_wait_s": t4 - t3,
         "bad_markers": state["bad"], "checked_markers": state["checked"],
@@ -548,7 +566,7 @@ def measure(args, spill_dir, write, update):
         for held in args.gil_held:
             n_ops, spin, cal = calibrate(args.launch_us, held)
             state["launch"] = Launcher(n_ops, spin)
-            modes = [make_mode(m, size, args, spill_dir) for m in args.modes]
+            modes = [make_mode(m, size, count, args, spill_dir) for m in args.modes]
             runs = {m["mode"]: [] for m in modes}
             uid = 1 << 40
             try:
@@ -694,6 +712,12 @@ def build_parser():
                    help="static's prefetch_bytes in records (default: ssdtrain's default "
                         "prefetch_bytes). Every record is read back either way: the writes "
                         "land before forward ends (NOTE [ Read back ])")
+    p.add_argument("--reads", choices=("before", "overlap"), default="before",
+                   help="static's reads: 'before' (default): prefetch_bytes holds the step and "
+                        "an untimed wait lets every read land before backward, which finds "
+                        "every record in memory; 'overlap': forward's exit starts the first "
+                        "prefetch window and the rest are read during backward, as prefetch "
+                        "does (backward then waits where the disk is slower than the loop)")
     p.add_argument("--engine", choices=("native", "posix", "auto"), default="native",
                    help="OffloadConfig.engine for the ssdtrain modes (default native)")
     p.add_argument("--switch-interval-us", type=float, default=None,
@@ -759,7 +783,8 @@ def main(argv=None):
     engine = next((s.get("engine") for b in blocks for s in b["summary"].values()
                    if s.get("engine")), args.engine)
     print(f"## launch_loop: added time per saved tensor on the training thread "
-          f"({args.launch_us:g} µs launch blocks, engine {engine}, {args.rounds} rounds)")
+          f"({args.launch_us:g} µs launch blocks, engine {engine}, static reads {args.reads}, "
+          f"{args.rounds} rounds)")
     print()
     print(render(blocks, args.modes))
     print()
@@ -778,7 +803,8 @@ def main(argv=None):
         print()
         print("written (in the loop) = records whose write had landed when forward's loop "
               "ended; CPU of ssdtrain's threads per saved tensor in forward's loop, in the "
-              "untimed wait that follows it (static) and forward's exit, and in backward "
+              "untimed waits (static: for the writes, and with --reads before for the reads) "
+              "and forward's exit, and in backward "
               "(/proc/self/task/*/schedstat); training thread switches = its voluntary "
               "(it blocked: on the GIL, a lock or a read) and involuntary (preempted) context "
               "switches per saved tensor (/proc/self/task/*/status).")
@@ -805,6 +831,7 @@ def main(argv=None):
                                 "rounds": args.rounds, "warmup": args.warmup,
                                 "prefetch_records": args.prefetch_records,
                                 "engine": args.engine, "step_mib": args.step_mib,
+                                "reads": args.reads,
                                 "count": args.count, "threads": args.threads},
                    "blocks": blocks, "targets": tg}, failed)
 
