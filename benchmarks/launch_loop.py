@@ -86,7 +86,7 @@ JSON records the load average and, per step, the share of the CPUs other process
 
 Example::
 
-    PYTHONPATH=. .venv/bin/python benchmarks/launch_loop.py                 # ~10 min here
+    PYTHONPATH=. .venv/bin/python benchmarks/launch_loop.py --gil-held 0 0.5   # ~2 min here
     PYTHONPATH=. .venv/bin/python benchmarks/launch_loop.py --tiny          # seconds (the tests)
     PYTHONPATH=. .venv/bin/python benchmarks/launch_loop.py --sizes 256KiB --modes none static \\
         --gil-held 0 0.5 --engine posix --rounds 15
@@ -468,7 +468,8 @@ def one_step(m, pool, Op, state, uid0):
         "cpu_wait": cpu_by_group(cpu1, cpu2, main),
         "cpu_backward": cpu_by_group(cpu2, cpu3, main),
         "cpu_final_wait": cpu_by_group(cpu3, cpu4, main),
-        "other_cpu_share": max(0.0, busy - own) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0,
+        "other_cpu_share": min(1.0, max(0.0, busy - own) / (wall * (os.cpu_count() or 1)))
+        if wall > 0 else 0.0,
     }
     if m["handoff"] is not None:
         step["handoff_wakes"] = m["handoff"].wakes - wakes0
