@@ -36,9 +36,10 @@ rounds after ``--warmup`` rounds):
   the rest.
 * ``static``: ``policy="static"``, ``keep_tail_bytes=0`` (every record is written as soon
   as it is saved), ssdtrain's defaults otherwise (``prefetch_bytes``: at least the step's
-  bytes under ``--reads before``, or ``--prefetch-records`` records), ``--engine``. Every record is written and read back (NOTE [ Read
-  back ]): the second table shows ``records_written`` and ``records_read`` per step,
-  each equal to the saves per step, and the prefetch hits and misses.
+  bytes under ``--reads before``, or ``--prefetch-records`` records), ``--engine``.
+  Every record is written and read back (NOTE [ Read back ]): the second table shows
+  ``records_written`` and ``records_read`` per step, each equal to the saves per step,
+  and the prefetch hits and misses.
 * ``default``: ``Offloader(spill_dir=..., engine=...)`` and nothing else
   (``policy="auto"``), as a user gets it; its steps are timed by a clock that runs only
   during its own steps (``tools.set_auto_clock``). What it offloads per step is in the
