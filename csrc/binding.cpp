@@ -21,15 +21,37 @@
 // it let go, a worker waiting to run a completion took the GIL, and the pack hook then
 // waited for that whole Python callback before it could return (measured: ~200 us of
 // a 256 KiB record's pack, a p99 of milliseconds; benchmarks/hook_cost.py).
+//
+// NOTE [ Completions without the GIL ]
+// A callback per request costs the thread that launches kernels about 100 us a request
+// on this project's VM (docs/results/launch_loop_cpu_2026-11-27.md): the worker takes
+// the GIL to run it, and the training thread waits to take it back. A queued request
+// (submit_write_queued/submit_read_queued) ends in C++ only: the worker appends
+// (token, errno, message, crc) to the engine's finished list under its mutex and
+// notifies a condition variable; it never takes the GIL. Python takes the list in one
+// call (poll(), on whichever thread it chooses: ssdtrain.io.native polls on the thread
+// that runs the hooks) and waits without the GIL (wait_any: until a request ends after
+// a count the caller read, so that a completion another thread polled meanwhile is
+// never waited for again). Tokens are the caller's; `pending(token)` says whether a
+// token was submitted and has not been polled yet (a submission an interrupt cut short
+// is then told apart from one in flight). The mutex is held only to push, swap or
+// count: no thread ever holds it while it waits for the GIL or for I/O. In a forked
+// child (abandon()) the mutex may have been copied locked: poll, wait_any and pending
+// then touch nothing and report nothing.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "engine/crc32c.h"
 #include "engine/engine.h"
@@ -90,6 +112,45 @@ class PyCompletion final : public ssdtrain::Completion {
   PyObject* fn_;  // owned
 };
 
+// NOTE [ Completions without the GIL ]: what queued requests end into.
+struct Finished {
+  std::uint64_t token;
+  int err;
+  std::string message;
+  std::uint32_t crc;
+  bool has_crc;
+};
+
+struct FinishedList {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Finished> finished;               // ended, not polled yet
+  std::unordered_set<std::uint64_t> in_flight;  // submitted, not ended
+  std::uint64_t ended = 0;                      // requests ended so far (wait_any's count)
+};
+
+class QueuedCompletion final : public ssdtrain::Completion {
+ public:
+  QueuedCompletion(std::shared_ptr<FinishedList> list, std::uint64_t token, bool want_crc)
+      : list_(std::move(list)), token_(token) {
+    this->want_crc = want_crc;
+  }
+  // Takes no GIL: a push under the list's mutex, then a notification.
+  void complete(int err, const std::string& message) override {
+    {
+      std::lock_guard<std::mutex> lock(list_->mu);
+      list_->finished.push_back(Finished{token_, err, message, this->crc, this->want_crc});
+      list_->in_flight.erase(token_);
+      ++list_->ended;
+    }
+    list_->cv.notify_all();
+  }
+
+ private:
+  std::shared_ptr<FinishedList> list_;
+  std::uint64_t token_;
+};
+
 ssdtrain::Backend parse_backend(const std::string& name) {
   if (name == "auto") return ssdtrain::Backend::kAuto;
   if (name == "uring") return ssdtrain::Backend::kUring;
@@ -100,7 +161,8 @@ ssdtrain::Backend parse_backend(const std::string& name) {
 class PyEngine {
  public:
   PyEngine(int threads, std::size_t chunk_bytes, const std::string& backend)
-      : engine_(std::make_unique<ssdtrain::Engine>(threads, chunk_bytes, parse_backend(backend))) {}
+      : engine_(std::make_unique<ssdtrain::Engine>(threads, chunk_bytes, parse_backend(backend))),
+        list_(std::make_shared<FinishedList>()) {}
 
   // Runs with the GIL held (Python dropped the object), possibly on a worker thread,
   // inside a callback: there the engine only detaches its workers, which does not
@@ -125,6 +187,75 @@ class PyEngine {
     engine_->submit(op, fd, direct, offset, address, nbytes, std::move(path), std::move(done));
   }
 
+  // Keeps the GIL (NOTE [ Submitting with the GIL held ]); the request ends into the
+  // finished list (NOTE [ Completions without the GIL ]).
+  void submit_queued(ssdtrain::Op op, int fd, bool direct, std::uint64_t offset,
+                     std::uintptr_t address, std::size_t nbytes, std::string path,
+                     std::uint64_t token, bool crc) {
+    {
+      std::lock_guard<std::mutex> lock(list_->mu);
+      if (!list_->in_flight.insert(token).second) {
+        throw std::invalid_argument("token " + std::to_string(token) + " is already in flight");
+      }
+    }
+    try {
+      engine_->submit(op, fd, direct, offset, address, nbytes, std::move(path),
+                      std::make_unique<QueuedCompletion>(list_, token, crc));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(list_->mu);
+      list_->in_flight.erase(token);
+      throw;
+    }
+  }
+
+  // [(token, errno, message, crc or None)] of the requests that ended since the last
+  // poll, oldest first; with the GIL (the mutex is held for a swap only).
+  py::list poll() {
+    std::vector<Finished> got;
+    if (!engine_->abandoned()) {
+      std::lock_guard<std::mutex> lock(list_->mu);
+      got.swap(list_->finished);
+    }
+    py::list out;
+    for (auto& f : got) {
+      py::object crc = f.has_crc ? py::object(py::int_(f.crc)) : py::object(py::none());
+      out.append(py::make_tuple(f.token, f.err,
+                                py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(
+                                    f.message.data(), static_cast<Py_ssize_t>(f.message.size()),
+                                    "replace")),
+                                crc));
+    }
+    return out;
+  }
+
+  // How many queued requests have ended so far (wait_any's `since`).
+  std::uint64_t ended() {
+    if (engine_->abandoned()) return 0;
+    std::lock_guard<std::mutex> lock(list_->mu);
+    return list_->ended;
+  }
+
+  // Waits without the GIL until more than `since` requests have ended, at most
+  // `timeout` seconds (negative: no limit). Whether they had.
+  bool wait_any(std::uint64_t since, double timeout) {
+    if (engine_->abandoned()) return false;
+    py::gil_scoped_release nogil;
+    std::unique_lock<std::mutex> lock(list_->mu);
+    auto more = [&] { return list_->ended > since; };
+    if (timeout < 0) {
+      list_->cv.wait(lock, more);
+      return true;
+    }
+    return list_->cv.wait_for(lock, std::chrono::duration<double>(timeout), more);
+  }
+
+  // Whether `token` was submitted and has not ended yet.
+  bool in_flight(std::uint64_t token) {
+    if (engine_->abandoned()) return false;
+    std::lock_guard<std::mutex> lock(list_->mu);
+    return list_->in_flight.count(token) != 0;
+  }
+
   void shutdown() {
     py::gil_scoped_release nogil;
     engine_->shutdown();
@@ -136,6 +267,7 @@ class PyEngine {
 
  private:
   std::unique_ptr<ssdtrain::Engine> engine_;
+  std::shared_ptr<FinishedList> list_;  // queued requests' completions
 };
 
 // Engine.submit_write and Engine.submit_read: the operation is bound in, the Python
@@ -144,6 +276,19 @@ template <ssdtrain::Op kOp>
 void submit_op(PyEngine& self, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
                std::size_t nbytes, std::string path, py::function callback, bool crc) {
   self.submit(kOp, fd, direct, offset, address, nbytes, std::move(path), std::move(callback), crc);
+}
+
+template <ssdtrain::Op kOp>
+void submit_queued_op(PyEngine& self, int fd, bool direct, std::uint64_t offset,
+                      std::uintptr_t address, std::size_t nbytes, std::string path,
+                      std::uint64_t token, bool crc) {
+  self.submit_queued(kOp, fd, direct, offset, address, nbytes, std::move(path), token, crc);
+}
+
+template <typename Class, typename Fn>
+void def_submit_queued(Class& cls, const char* name, Fn fn, const char* doc) {
+  cls.def(name, fn, py::arg("fd"), py::arg("direct"), py::arg("offset"), py::arg("address"),
+          py::arg("nbytes"), py::arg("path"), py::arg("token"), py::arg("crc") = false, doc);
 }
 
 template <typename Class, typename Fn>
@@ -195,7 +340,22 @@ PYBIND11_MODULE(_C, m) {
   def_submit(engine, "submit_read", &submit_op<ssdtrain::Op::kRead>,
              "Read `nbytes` from `fd` at `offset` into `address`; callback as for submit_write\n"
              "(with crc=True, the CRC32C of the bytes read).");
+  def_submit_queued(engine, "submit_write_queued", &submit_queued_op<ssdtrain::Op::kWrite>,
+                    "As submit_write, but the request ends into the engine's finished list\n"
+                    "(poll()) under `token`, taking no GIL (NOTE [ Completions without the GIL ]).");
+  def_submit_queued(engine, "submit_read_queued", &submit_queued_op<ssdtrain::Op::kRead>,
+                    "As submit_read, but the request ends into the finished list (poll()).");
   engine
+      .def("poll", &PyEngine::poll,
+           "[(token, errno, message, crc or None)] of the queued requests that ended since\n"
+           "the last poll, oldest first.")
+      .def("ended", &PyEngine::ended, "How many queued requests have ended so far.")
+      .def("wait_any", &PyEngine::wait_any, py::arg("since"), py::arg("timeout") = -1.0,
+           "Wait, without the GIL, until more than `since` queued requests have ended\n"
+           "(ended() counts them), at most `timeout` seconds (negative: no limit).\n"
+           "Returns whether they had.")
+      .def("in_flight", &PyEngine::in_flight, py::arg("token"),
+           "Whether the queued request `token` was submitted and has not ended.")
       .def("shutdown", &PyEngine::shutdown,
            "Finish every queued request (each callback runs), then stop the workers.")
       .def("abandon", &PyEngine::abandon,
