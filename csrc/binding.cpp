@@ -128,7 +128,8 @@ struct FinishedList {
   std::condition_variable cv;
   std::vector<Finished> finished;  // ended, not polled yet
   std::uint64_t submitted = 0;     // requests queued so far
-  std::uint64_t ended = 0;         // requests ended so far (wait_any's count)
+  std::uint64_t completed = 0;     // requests ended so far
+  std::uint64_t ended = 0;         // requests ended so far, and wake()s (wait_any's count)
 };
 
 // Drops the references `finished` holds, taking the GIL (a list nobody will poll).
@@ -164,6 +165,7 @@ class QueuedCompletion final : public ssdtrain::Completion {
       std::lock_guard<std::mutex> lock(list_->mu);
       list_->finished.push_back(
           Finished{std::exchange(payload_, nullptr), err, message, this->crc, this->want_crc});
+      ++list_->completed;
       ++list_->ended;
     }
     list_->cv.notify_all();
@@ -274,11 +276,22 @@ class PyEngine {
     return list_->cv.wait_for(lock, std::chrono::duration<double>(timeout), more);
   }
 
+  // Counts as an ended request for wait_any, and wakes its waiters: for a future that
+  // ends elsewhere (a device copy's waiter thread) but is waited for with the engine's.
+  void wake() {
+    if (engine_->abandoned()) return;
+    {
+      std::lock_guard<std::mutex> lock(list_->mu);
+      ++list_->ended;
+    }
+    list_->cv.notify_all();
+  }
+
   // Queued requests submitted and not ended yet.
   std::uint64_t in_flight() {
     if (engine_->abandoned()) return 0;
     std::lock_guard<std::mutex> lock(list_->mu);
-    return list_->submitted - list_->ended;
+    return list_->submitted - list_->completed;
   }
 
   void shutdown() {
@@ -382,6 +395,9 @@ PYBIND11_MODULE(_C, m) {
            "Wait, without the GIL, until more than `since` queued requests have ended\n"
            "(ended() counts them), at most `timeout` seconds (negative: no limit).\n"
            "Returns whether they had.")
+      .def("wake", &PyEngine::wake,
+           "Count one more ended request for wait_any and wake its waiters (a future that\n"
+           "ends elsewhere but is waited for with the engine's).")
       .def("in_flight", &PyEngine::in_flight,
            "How many queued requests were submitted and have not ended.")
       .def("shutdown", &PyEngine::shutdown,
