@@ -509,6 +509,8 @@ class AutoQuota:
                     f"micro-batch needs less. (Said once per Offloader; "
                     f"Stats.offload_quota_reason has each step's reason: {why}.)")
             return self.floor, why
+        if self.floor > 0:
+            why = f"{why}; at or above the memory floor ({self._floor_text})"
         return quota, why
 
     def _choose_for_time(self):
