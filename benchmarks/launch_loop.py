@@ -98,6 +98,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import platform
@@ -113,7 +114,7 @@ from hook_cost import parse_size, size_text  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "launch_loop.json")
 KiB, MiB = 1 << 10, 1 << 20
-MODES = ("none", "identity", "handoff", "static", "default")
+MODES = ("none", "identity", "handoff", "static", "callbacks", "default")
 SIZES = (256 * KiB, 4 * MiB, 64 * MiB)
 TINY_SIZES = (256 * KiB, 1 * MiB)
 TARGET_US = 20.0  # added per saved tensor, forward and backward (static)
@@ -368,7 +369,7 @@ def make_mode(mode, size, count, args, spill_dir):
     if mode == "handoff":
         return {"mode": mode, "off": None, "clock": None, "handoff": Handoff(),
                 "reads_before": False}
-    if mode == "static":
+    if mode in ("static", "callbacks"):
         extra = {}
         if args.prefetch_records is not None:
             extra["prefetch_bytes"] = args.prefetch_records * size
@@ -376,13 +377,26 @@ def make_mode(mode, size, count, args, spill_dir):
             extra["prefetch_bytes"] = max(count * size, ssdtrain.OffloadConfig().prefetch_bytes)
         off = ssdtrain.Offloader(spill_dir=spill_dir, policy="static", keep_tail_bytes=0,
                                  engine=args.engine, **extra)
+        if mode == "callbacks":
+            off.wrap_engine(functools.partial(callback_engine, off.config))
     elif mode == "default":
         off = ssdtrain.Offloader(spill_dir=spill_dir, engine=args.engine)
         if off.config.policy == "auto":
             clock = StepClock()
             tools.set_auto_clock(off, clock)
     return {"mode": mode, "off": off, "clock": clock, "handoff": None,
-            "reads_before": mode == "static" and args.reads == "before"}
+            "reads_before": mode in ("static", "callbacks") and args.reads == "before"}
+
+
+def callback_engine(config, engine):
+    """The ``callbacks`` mode's engine, in place of ``engine`` (shut down): the same one,
+    but each request's future settled by a worker as the request ends, as before NOTE
+    [ Polled completions ] (ssdtrain/io/base.py); the posix engine is always so."""
+    from ssdtrain.io.native import NativeEngine
+    if engine.poller is None:
+        return engine
+    engine.shutdown()
+    return NativeEngine(io_threads=config.io_threads, chunk_bytes=config.io_chunk_bytes)
 
 
 def _identity(t):
@@ -409,7 +423,7 @@ def one_step(m, pool, Op, state, uid0):
     if clock is not None:
         clock.resume()
     timer = None
-    wait_inside = mode == "static"  # every write lands before forward's end: read back
+    wait_inside = mode in ("static", "callbacks")  # every write lands before forward's end
     try:
         cpu0 = thread_cpu_ns()
         y = torch.zeros((), requires_grad=True)

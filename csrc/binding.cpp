@@ -235,24 +235,50 @@ class PyEngine {
   }
 
   // [(payload, errno, message, crc or None)] of the requests that ended since the last
-  // poll, oldest first; with the GIL (the mutex is held for a swap only).
-  py::list poll() {
+  // poll, oldest first; with the GIL (the mutex is held for a swap only). With `sink`,
+  // each tuple is appended to it instead (sink.append, a C call for a deque: no signal
+  // handler runs between the list's swap and the last append, so an interrupt cannot
+  // lose a payload that way) and the count is returned.
+  py::object poll(py::object sink) {
     std::vector<Finished> got;
     if (!engine_->abandoned()) {
       std::lock_guard<std::mutex> lock(list_->mu);
       got.swap(list_->finished);
     }
+    const bool to_sink = !sink.is_none();
+    py::object append = to_sink ? sink.attr("append") : py::object();
     py::list out;
-    for (auto& f : got) {
-      py::object crc = f.has_crc ? py::object(py::int_(f.crc)) : py::object(py::none());
-      py::object payload = py::reinterpret_steal<py::object>(std::exchange(f.payload, nullptr));
-      out.append(py::make_tuple(std::move(payload), f.err,
-                                py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(
-                                    f.message.data(), static_cast<Py_ssize_t>(f.message.size()),
-                                    "replace")),
-                                crc));
+    std::size_t i = 0;
+    try {
+      for (; i < got.size(); ++i) {
+        Finished& f = got[i];
+        py::object crc = f.has_crc ? py::object(py::int_(f.crc)) : py::object(py::none());
+        py::object message = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(
+            f.message.data(), static_cast<Py_ssize_t>(f.message.size()), "replace"));
+        if (!message) throw py::error_already_set();
+        py::object payload = py::reinterpret_steal<py::object>(std::exchange(f.payload, nullptr));
+        py::tuple item = py::make_tuple(std::move(payload), f.err, std::move(message), crc);
+        if (to_sink) {
+          append(item);
+        } else {
+          out.append(item);
+        }
+      }
+    } catch (...) {
+      // What was not handed over goes back to the front of the list, in order, for the
+      // next poll (a payload already moved into `item` went with it).
+      std::lock_guard<std::mutex> lock(list_->mu);
+      std::vector<Finished> rest;
+      for (std::size_t j = i; j < got.size(); ++j) {
+        if (got[j].payload != nullptr) rest.push_back(std::move(got[j]));
+      }
+      rest.insert(rest.end(), std::make_move_iterator(list_->finished.begin()),
+                  std::make_move_iterator(list_->finished.end()));
+      list_->finished.swap(rest);
+      throw;
     }
-    return out;
+    if (to_sink) return py::int_(got.size());
+    return std::move(out);
   }
 
   // How many queued requests have ended so far (wait_any's `since`).
@@ -387,9 +413,10 @@ PYBIND11_MODULE(_C, m) {
   def_submit_queued(engine, "submit_read_queued", &submit_queued_op<ssdtrain::Op::kRead>,
                     "As submit_read, but the request ends into the finished list (poll()).");
   engine
-      .def("poll", &PyEngine::poll,
+      .def("poll", &PyEngine::poll, py::arg("sink") = py::none(),
            "[(payload, errno, message, crc or None)] of the queued requests that ended\n"
-           "since the last poll, oldest first.")
+           "since the last poll, oldest first; with `sink`, each is appended to it\n"
+           "(sink.append) and their count is returned.")
       .def("ended", &PyEngine::ended, "How many queued requests have ended so far.")
       .def("wait_any", &PyEngine::wait_any, py::arg("since"), py::arg("timeout") = -1.0,
            "Wait, without the GIL, until more than `since` queued requests have ended\n"

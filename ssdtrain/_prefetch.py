@@ -17,7 +17,6 @@ again until a new pack uses it (``Record.used``).
 import collections
 import functools
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -26,7 +25,7 @@ from ._device import device_misalign
 from ._errors import SSDTrainError, resource_error
 from ._records import GEOMETRY_ALIGN, State
 from ._spill import BLOCK
-from .io.base import then
+from .io.base import then, wait_futures
 from ._events import _needed_by, _without_frames, timeout_error
 from ._writeback import _READ, failed_future
 
@@ -78,6 +77,7 @@ class ReadPath:
         self._table = table
         self._buffers = buffers
         self.engine = engine
+        self.wait_for = wait_futures  # the store's _await (it polls a polled engine)
         self.cfg = cfg
         self.stats = stats
         self._events = events
@@ -231,16 +231,16 @@ class ReadPath:
         request's own: the store looks at its outcome under the lock."""
         t0 = time.perf_counter()
         try:
-            # exception(), not result(): raising the request's error here would give it a
-            # traceback whose frames hold this handle (see _without_frames).
+            # The store's wait (Store._await: it polls a polled engine); it never raises
+            # the request's error, whose traceback would hold this handle (_without_frames).
             with _trace.span(_trace.WAIT_READ, rec.nbytes, rec.seq):
-                fut.exception(timeout=self.cfg.io_timeout_s)
-        except FutureTimeout:
-            raise timeout_error(rec, "reading", f"{_needed_by()}; the device may be hung or "
-                                f"overloaded. Check the device (dmesg), or raise io_timeout_s "
-                                f"if it is only slow.", self.cfg.io_timeout_s) from None
+                late = self.wait_for([fut], self.cfg.io_timeout_s)
         finally:
             self.stats.stall_seconds += time.perf_counter() - t0
+        if late:
+            raise timeout_error(rec, "reading", f"{_needed_by()}; the device may be hung or "
+                                f"overloaded. Check the device (dmesg), or raise io_timeout_s "
+                                f"if it is only slow.", self.cfg.io_timeout_s)
 
     def promote_locked(self, rec):
         """Backward of another pass began (e.g. 1F1B): prefetch for it now."""

@@ -15,7 +15,6 @@ ended, never while one can still touch it. Until then it counts against
 
 import mmap
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -23,6 +22,7 @@ from ._errors import SpillIOError
 from ._events import _copy, _without_frames
 from ._limits import host_memory
 from ._writeback import failed_future
+from .io.base import wait_futures
 
 __all__ = ["Probe"]
 
@@ -48,6 +48,7 @@ class Probe:
         self.cfg = cfg
         self._host_tier = host_tier
         self._locked = locked
+        self.wait_for = wait_futures  # the store's _await (it polls a polled engine)
 
     def time_io(self, nbytes, repeats):
         """The best of ``repeats`` times, in seconds, to write and to read ``nbytes``
@@ -72,15 +73,14 @@ class Probe:
             for op in ("write", "read"):
                 t0 = time.perf_counter()
                 fut = self.submit(op, slot, owners[0].data_ptr(), nbytes, owners)
-                try:
-                    exc = fut.exception(timeout=self.cfg.io_timeout_s)
-                except FutureTimeout:
+                if self.wait_for([fut], self.cfg.io_timeout_s):
                     raise SpillIOError(
                         f"ssdtrain: the bandwidth probe's {op} of {nbytes} bytes at offset "
                         f"{slot.offset} of {slot.file.name} did not finish within "
                         f"io_timeout_s={self.cfg.io_timeout_s} s; the device may be hung "
                         f"or overloaded. Check the device (dmesg), or raise io_timeout_s "
-                        f"if it is only slow.", filename=slot.file.directory) from None
+                        f"if it is only slow.", filename=slot.file.directory)
+                exc = fut.exception()
                 if exc is not None:
                     raise _copy(_without_frames(exc))
                 best[op] = min(best[op], time.perf_counter() - t0)

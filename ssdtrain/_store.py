@@ -212,7 +212,6 @@ import collections
 import threading
 import time
 import weakref
-from concurrent.futures import wait as _wait_futures
 
 import torch
 
@@ -234,12 +233,14 @@ from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, Stat
                        find_record, inplace_error, swapped, swapped_error)
 from ._events import Events, _without_frames, timeout_error
 from ._writeback import _READ, _WRITTEN, WritePath
+from .io.base import wait_futures
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
 _IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
 _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in _trace.py
+_WAIT_SLICE_S = 0.05  # Store._await's longest sleep between polls (a missed wake's cost)
 
 
 class Store:
@@ -252,6 +253,9 @@ class Store:
         self.cfg = config
         self.spill = spill
         self._engine = engine                  # Store.engine: the paths see a swap
+        # NOTE [ Polled completions ] in io/base.py: the engine whose futures settle only
+        # when polled (every locked region polls it first), or None.
+        self._poller = getattr(engine, "poller", None)
         self.stats = stats
         self._lock = threading.Lock()
         self._inbox = collections.deque()      # (kind, record, arg): NOTE [ Store lock discipline ]
@@ -305,6 +309,9 @@ class Store:
         # The measurements policy "auto" and the adaptive profile make (_probe.py).
         self.probe = Probe(spill, self._devices, self._host is not None, engine, config,
                            _weakly(self._locked))
+        # Every wait for a request outside the lock polls while it waits (_await).
+        self._writes.wait_for = self._reads.wait_for = self.probe.wait_for = \
+            _weakly(self._await)
         self._staging_failed = False           # the last _reserve_staging could not allocate
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
@@ -335,6 +342,8 @@ class Store:
         the new engine from their next request on."""
         self._engine = self._reads.engine = self._writes.engine = engine
         self._devices.engine = self.probe.engine = engine
+        # A wrapper (io.base.EngineWrapper) reports its inner engine's poller.
+        self._poller = getattr(engine, "poller", None)
 
     def replace_engine(self, fn):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
@@ -672,8 +681,11 @@ class Store:
     # ----------------------------------------------------------------- events
     def _settle(self):
         """Drain the inbox (a safe point: called after every locked section of the store
-        operations but the hooks, and at the end of each backward); memory that dropped
-        goes with the I/O thread."""
+        operations but the hooks, and at the end of each backward), polling a polled
+        engine first; memory that dropped goes with the I/O thread."""
+        if self._poller is not None:
+            with self._lock:
+                self._guarded_locked(_nothing)
         while self._inbox:
             with self._lock:
                 self._guarded_locked(_nothing)
@@ -803,7 +815,15 @@ class Store:
         """Apply the queued events. Each is looked at, applied, then popped: an interrupt
         in a handler leaves the event queued and it is applied again (handlers are
         idempotent). A handler that fails otherwise (a bug) has its event dropped first,
-        so one bad event cannot stop every later store operation."""
+        so one bad event cannot stop every later store operation. A polled engine is
+        polled first (NOTE [ Polled completions ] in io/base.py): the requests that ended
+        queue their completions here, on this thread. An interrupt in a future's
+        callbacks loses the rest of them; the repair this region then runs attaches the
+        store's again (``_repair_locked``). Not after ``close()``: the engine's shutdown
+        settles what is left, and polls must not overlap."""
+        poller = self._poller
+        if poller is not None and not self.closed:
+            poller.poll()
         inbox = self._inbox
         while inbox:
             ev = inbox[0]
@@ -1018,7 +1038,7 @@ class Store:
             if not pending:
                 return
             left = deadline - time.monotonic()
-            _, not_done = _wait_futures([f for _, f in pending], timeout=max(0.0, left))
+            not_done = self._await([f for _, f in pending], left)
             if not_done:
                 rec = next(r for r, f in pending if f in not_done)
                 raise timeout_error(rec, "I/O of", f" while waiting for I/O in flight (wait() or "
@@ -1085,6 +1105,32 @@ class Store:
             self._io.stop()  # later work is done inline
             self._bury()
             self._io.release(self.engine, in_flight)
+
+    def _await(self, futures, timeout, first=False):
+        """Wait outside the lock until every future of ``futures`` (with ``first``: one)
+        is done, ``timeout`` seconds at most; the ones not done (a list). With a polled
+        engine (NOTE [ Polled completions ] in io/base.py) nobody else settles its
+        futures: this thread polls, in a locked region of its own (the inbox is drained
+        too), then sleeps without the GIL until a request ends after the count read
+        before that poll, so one that ended between the two is not waited for. A future
+        that ends elsewhere (a device copy's waiter, a wrapper's timer) wakes it through
+        a done-callback. The I/O thread does not poll while it waits for nothing."""
+        poller = self._poller
+        if poller is None:
+            return wait_futures(futures, timeout, first)
+        deadline = time.monotonic() + max(0.0, timeout)
+        for f in futures:
+            f.add_done_callback(poller.wake)
+        while True:
+            since = poller.ended()
+            self._locked(_nothing)
+            not_done = [f for f in futures if not f.done()]
+            if not not_done or (first and len(not_done) < len(futures)):
+                return not_done
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return not_done
+            poller.wait_any(since, min(left, _WAIT_SLICE_S))
 
     def _after_fork_in_child(self):
         """In a forked child: this store belongs to the parent. Never touch its engine,

@@ -13,8 +13,6 @@ import functools
 import logging
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as _wait_futures
 
 from . import _checksum, _trace
 from ._errors import SSDTrainError, SpillIOError
@@ -22,7 +20,7 @@ from ._events import _without_frames
 from ._policy import KEEP_QUOTA, slot_bound
 from ._records import State, inplace_error, swapped_error
 from ._spill import BLOCK
-from .io.base import then
+from .io.base import then, wait_futures
 
 log = logging.getLogger("ssdtrain")
 
@@ -61,6 +59,7 @@ class WritePath:
         self._window = window
         self.spill = spill
         self.engine = engine
+        self.wait_for = wait_futures  # the store's _await (it polls a polled engine)
         self.cfg = cfg
         self.stats = stats
         self._events = events
@@ -312,13 +311,11 @@ class WritePath:
                 if fut is None:
                     raise SSDTrainError(f"ssdtrain: record {oldest!r} is being written with no "
                                         f"request; please report this bug.")
-                try:
-                    fut.exception(timeout=self.cfg.io_timeout_s)
-                except FutureTimeout:
+                if self.wait_for([fut], self.cfg.io_timeout_s):
                     raise SpillIOError(
                         f"ssdtrain: writing record {oldest!r} to {oldest.slot.file.name} did not "
                         f"finish within io_timeout_s={self.cfg.io_timeout_s} s; the device may be "
-                        f"hung or overloaded.", filename=oldest.slot.file.directory) from None
+                        f"hung or overloaded.", filename=oldest.slot.file.directory)
         finally:
             span.__exit__(None, None, None)
             self.stats.write_stall_seconds += time.perf_counter() - t0
@@ -339,7 +336,7 @@ class WritePath:
         """
         futs = locked(self._retiring_locked)
         if futs:
-            _, not_done = _wait_futures(futs, timeout=self.cfg.io_timeout_s)
+            not_done = self.wait_for(futs, self.cfg.io_timeout_s)
             settle()
             if not_done:
                 log.warning("ssdtrain: %d write(s) of freed records were still in flight after "

@@ -238,7 +238,8 @@ class Offloader:
             engine = make_engine(config.engine, io_threads=config.io_threads,
                                  io_chunk_bytes=config.io_chunk_bytes,
                                  directories=[f.directory for f in spill.files],
-                                 verify=config.verify, gds_memory=GDS_PROBE_MEMORY)
+                                 verify=config.verify, gds_memory=GDS_PROBE_MEMORY,
+                                 polled=True)  # NOTE [ Polled completions ] in io/base.py
         except BaseException:
             spill.close()
             raise

@@ -57,8 +57,9 @@ def choose_engine(name: str, *, directories=(), verify: bool = False,
 
 
 def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=(),
-                verify: bool = False, gds_memory=None) -> Engine:
-    """The engine :func:`choose_engine` names for ``name``, started.
+                verify: bool = False, gds_memory=None, polled: bool = False) -> Engine:
+    """The engine :func:`choose_engine` names for ``name``, started; ``polled``: the native
+    engine's futures are settled by polling it (NOTE [ Polled completions ] in base.py).
 
     Raises:
         ConfigError: as :func:`choose_engine`; kvikio also when its probe of device
@@ -69,7 +70,8 @@ def make_engine(name: str, *, io_threads: int, io_chunk_bytes: int, directories=
         return gds.KvikioEngine(io_threads=io_threads, directories=directories,
                                 memory=gds_memory)
     if name == "native":
-        return native.NativeEngine(io_threads=io_threads, chunk_bytes=io_chunk_bytes)
+        return native.NativeEngine(io_threads=io_threads, chunk_bytes=io_chunk_bytes,
+                                   poll=polled)
     return PosixEngine(io_threads=io_threads, chunk_bytes=io_chunk_bytes)
 
 

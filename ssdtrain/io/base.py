@@ -29,13 +29,44 @@ CRC behind the request: :func:`then`) holds it until it has. Why the store relie
 it: NOTE [ Memory owned by requests ] in ``ssdtrain/_store.py``; ``tests/test_contracts.py``
 checks every engine class and wrapper, an interrupt at every line of its submission
 included.
+
+NOTE [ Polled completions ]
+
+A request's completion runs Python: its future is settled and the future's callbacks
+run (the store's queues the completion in its inbox). Run on the engine's worker, that
+Python takes the GIL from the thread that launches kernels, about 100 us a request on
+this project's VM (docs/results/launch_loop_cpu_2026-11-27.md). An engine that can end
+its requests without Python (the native engine made with ``poll=True``: NOTE
+[ Completions without the GIL ] in csrc/binding.cpp) exposes itself as ``poller``:
+
+* ``poller.poll()`` settles the futures of the requests that ended, on the calling
+  thread, and returns how many. Polls take turns (a lock); one that a future's callback
+  starts inside a poll on the same thread returns at once, and the outer one settles the
+  rest. The store polls at the start of every locked region (NOTE [ Store lock
+  discipline ] in _store.py), so the hooks settle what ended since the last one. A poll
+  cut short by an interrupt leaves the rest, and the future it was settling, to the next
+  one (settling is idempotent); the callbacks that future had not run yet are lost, and
+  the store's repair attaches its own again.
+* ``poller.ended()`` counts the requests ended so far, ``poller.wait_any(since,
+  timeout)`` waits without the GIL until that count passes ``since``, and
+  ``poller.wake()`` adds one to it: a future completed elsewhere (a device copy's
+  waiter thread, a test's wrapper) wakes a waiter through a done-callback.
+
+Until someone polls, a polled engine's future is not done, however long ago its
+request ended. Its own ``result()`` and ``exception()`` poll while they wait;
+``concurrent.futures.wait`` does not, and the store waits with ``Store._await`` (poll,
+then ``wait_any`` from the count read before the poll, so a completion between the two
+is never missed). Engines whose workers settle the futures themselves have ``poller``
+None, and a wrapper reports its inner engine's; :func:`wait_futures` is the wait for
+those.
 """
 
 import abc
 import dataclasses
 import errno as _errno
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ALL_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait
 from typing import Optional
 
 from .. import _fork
@@ -76,6 +107,10 @@ class Engine(abc.ABC):
 
     capabilities: Capabilities
     """Declared by every engine class (NOTE [ Engine capabilities ])."""
+
+    poller = None
+    """The object that settles this engine's futures when polled (NOTE [ Polled
+    completions ]); None: the engine's workers settle them."""
 
     def __new__(cls, *args, **kwargs):
         if not any("capabilities" in k.__dict__ for k in cls.__mro__ if k is not Engine):
@@ -151,6 +186,11 @@ class EngineWrapper(Engine):
     def backend(self) -> Optional[str]:
         return self.inner.backend
 
+    @property
+    def poller(self):
+        """The inner engine's (NOTE [ Polled completions ])."""
+        return self.inner.poller
+
     def write(self, file, offset, address, nbytes, **kw) -> Future:
         return self.inner.write(file, offset, address, nbytes, **kw)
 
@@ -217,6 +257,15 @@ def abandoned(engine: Engine, verb: str, file, offset: int, nbytes: int) -> Futu
         f"threads do not exist here. Create a new Offloader in the child instead of using "
         f"the parent's.", filename=file.directory))
     return fut
+
+
+def wait_futures(futures, timeout: float, first: bool = False) -> list:
+    """Wait until every future of ``futures`` (with ``first``: one) is done, at most
+    ``timeout`` seconds; the ones not done. For futures that settle themselves (an engine
+    whose ``poller`` is None: NOTE [ Polled completions ])."""
+    _, not_done = _wait(futures, timeout=max(0.0, timeout),
+                        return_when=FIRST_COMPLETED if first else ALL_COMPLETED)
+    return list(not_done)
 
 
 def then(inner: Future, fn, owner=None) -> Future:

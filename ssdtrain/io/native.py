@@ -16,6 +16,9 @@ in ``csrc/binding.cpp``).
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 import weakref
 from concurrent.futures import Future
 
@@ -76,12 +79,49 @@ class _Completion:
         self.owner = owner
 
     def __call__(self, err: int, message: str, crc=None) -> None:
+        """Settle the future: on a worker (callback mode) or in ``poll`` (NOTE [ Polled
+        completions ] in base.py). Idempotent, and resumable after an interrupt at any
+        line: a poll cut short calls it again."""
         self.owner = None  # the request has ended: its memory is the owner's again
-        if err == 0:
-            self.future.set_result(self.nbytes if crc is None else crc)
+        fut = self.future
+        if fut is None:
             return
-        self.future.set_exception(io_error(self.verb, self.file, self.offset, self.nbytes, err,
+        if not fut.done():
+            if err == 0:
+                fut.set_result(self.nbytes if crc is None else crc)
+            else:
+                fut.set_exception(io_error(self.verb, self.file, self.offset, self.nbytes, err,
                                            message))
+        self.future = None
+
+
+_SLICE_S = 0.05  # the longest sleep between polls of a future's own wait (a missed wake's cost)
+
+
+class _PolledFuture(Future):
+    """A polled engine's future (NOTE [ Polled completions ] in base.py): ``result`` and
+    ``exception`` poll the engine while they wait, so whoever waits for one directly
+    (a test, a wrapper) needs nothing else. ``concurrent.futures.wait`` does not poll:
+    the store waits with ``Store._await``."""
+
+    def __init__(self, engine):
+        super().__init__()
+        # Weakly: the C++ side holds this future (in the payload) until it is polled, and
+        # a strong reference back would keep the engine alive through it.
+        self._engine = weakref.ref(engine)
+
+    def result(self, timeout=None):
+        self._settle(timeout)
+        return super().result(0)
+
+    def exception(self, timeout=None):
+        self._settle(timeout)
+        return super().exception(0)
+
+    def _settle(self, timeout):
+        engine = self._engine()
+        if engine is not None and not self.done():
+            engine.settle(self, timeout)
 
 
 def start_error(exc, backend, io_threads):
@@ -118,6 +158,10 @@ class NativeEngine(Engine):
             in CPU per byte anywhere here, NOTE [ Which native back end auto picks ]),
             ``"uring"`` (io_uring; fail if it is unusable) or ``"threads"``
             (``pread``/``pwrite``). Default ``"auto"``.
+        poll: requests end in C++ without the GIL, and their futures are settled only by
+            :meth:`poll` (the engine is its own ``poller``: NOTE [ Polled completions ] in
+            base.py; the store's, made by the Offloader, is). Default False: a worker
+            settles each future as its request ends.
 
     Raises:
         ConfigError: the module is not built, an argument is invalid, or
@@ -129,7 +173,7 @@ class NativeEngine(Engine):
     capabilities = Capabilities(checksums=True)  # NOTE [ Engine capabilities ] in base.py
 
     def __init__(self, *, io_threads: int = 4, chunk_bytes: int = 16 << 20,
-                 backend: str = "auto"):
+                 backend: str = "auto", poll: bool = False):
         if _C is None:
             raise ConfigError(f"ssdtrain: the native I/O engine is not available: {_UNAVAILABLE} "
                               f"Or use engine='posix'.")
@@ -146,21 +190,84 @@ class NativeEngine(Engine):
         self.chunk_bytes = chunk_bytes
         self.backend = engine.backend
         self._engine = engine
+        self._ended = collections.deque()  # polled, not yet settled: (payload, err, msg, crc)
+        # Polls never overlap (the store's, a waiter's); one a future's callback starts on
+        # the polling thread returns at once (a re-entered RLock).
+        self._polling = threading.RLock()
+        self._polled = bool(poll)
+        if poll:
+            self._write, self._read = engine.submit_write_queued, engine.submit_read_queued
+        else:
+            self._write, self._read = engine.submit_write, engine.submit_read
         # Drains and joins the workers at shutdown(), when this object is collected,
         # or at interpreter exit (before finalization, when callbacks can still run).
         self._finalizer = weakref.finalize(self, engine.shutdown)
         self._abandoned = False  # last: abandon() skips an engine not fully made
 
     def write(self, file, offset, address, nbytes, *, crc=False, owner=None):
-        return self._submit(self._engine.submit_write, "writing", file, offset, address, nbytes,
-                            crc, owner)
+        return self._submit(self._write, "writing", file, offset, address, nbytes, crc, owner)
 
     def read(self, file, offset, address, nbytes, *, crc=False, owner=None):
-        return self._submit(self._engine.submit_read, "reading", file, offset, address, nbytes,
-                            crc, owner)
+        return self._submit(self._read, "reading", file, offset, address, nbytes, crc, owner)
+
+    @property
+    def poller(self):
+        """This engine with ``poll=True``, else None (NOTE [ Polled completions ])."""
+        return self if getattr(self, "_polled", False) else None
+
+    def poll(self) -> int:
+        """Settle the futures of the requests that ended (poll mode; NOTE [ Polled
+        completions ] in base.py); how many. Polls take turns. The C++ side appends
+        to a deque (no interrupt can fall between its list and ours); each is settled,
+        then popped, so an interrupt leaves the rest, and the one it cut, to the next
+        call."""
+        ended = self._ended
+        n = 0
+        with self._polling:
+            if self._polling._recursion_count() > 1:
+                return 0  # from a callback of this thread's poll: that one settles the rest
+            self._engine.poll(ended)
+            while ended:
+                payload, err, message, crc = ended[0]
+                payload(err, message, crc)
+                ended.popleft()
+                n += 1
+        return n
+
+    def settle(self, fut, timeout=None):
+        """Poll until ``fut`` is done, ``timeout`` seconds at most (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            since = self._engine.ended()
+            self.poll()
+            if fut.done():
+                return
+            left = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                return
+            self._engine.wait_any(since, left)
+
+    def ended(self) -> int:
+        """Requests ended so far, and :meth:`wake` calls (:meth:`wait_any`'s count)."""
+        return self._engine.ended()
+
+    def wait_any(self, since: int, timeout: float) -> bool:
+        """Wait, without the GIL, until :meth:`ended` passes ``since``, at most ``timeout``
+        seconds; whether it had."""
+        return self._engine.wait_any(since, timeout)
+
+    def wake(self, *_) -> None:
+        """Count one more for :meth:`wait_any` and wake its waiters (a done-callback)."""
+        self._engine.wake()
+
+    def in_flight(self) -> int:
+        """Polled requests submitted and not ended."""
+        return self._engine.in_flight()
 
     def shutdown(self):
         self._finalizer()
+        if self.poller is not None and not self._abandoned:
+            self.poll()  # the requests drained at shutdown: their futures end too
 
     def abandon(self):
         """In a forked child: the C++ engine forgets the parent's workers (leaked, never
@@ -178,11 +285,12 @@ class NativeEngine(Engine):
         if file.direct and offset % BLOCK != address % BLOCK:
             raise AssertionError(f"ssdtrain: O_DIRECT request with offset {offset} not congruent "
                                  f"to address {address:#x} modulo {BLOCK}; please report.")
-        future = Future()
+        future = _PolledFuture(self) if self._polled else Future()
         future.set_running_or_notify_cancel()
         # A closed SpillFile has fd -1: the system call then fails with EBADF, as in posix.
         # The completion carries the owner into the C++ queue (NOTE [ Requests own their
         # memory ] in base.py); a refused call drops it, nothing queued.
+        # Polled: the same object is the payload poll() hands back.
         submit(file.fd, file.direct, offset, address, nbytes, file.name,
                _Completion(future, verb, file, offset, nbytes, owner), crc)
         return future
