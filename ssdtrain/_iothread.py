@@ -103,6 +103,28 @@ class IOThread:
                     unmap_now(item)
                 item = None
 
+    def bury_records(self):
+        """Release the host memory records dropped (tensors), oldest first, up to the first
+        read buffer's mapping, which is left to the thread (NOTE [ Unmapping off the
+        training thread ] in _readbuf.py): the hooks' own release with a polled engine
+        (NOTE [ The data path on the hooks' thread ] in _store.py). Whether a mapping is
+        left (the caller wakes the thread for it)."""
+        grave = self.graveyard
+        while grave:
+            try:
+                item = grave[0]
+            except IndexError:  # another thread took the last one
+                return False
+            if type(item) is mmap.mmap:
+                return True
+            try:
+                if grave.popleft() is not item:  # another thread popped it meanwhile
+                    continue
+            except IndexError:
+                return False
+            item = None
+        return False
+
     def dropped_bytes(self):
         """Bytes of the host storages in the graveyard: let go of, not yet released
         (NOTE [ Measured memory ] in _adaptive.py). Idle read buffers' mappings, also

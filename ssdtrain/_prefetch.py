@@ -113,11 +113,14 @@ class ReadPath:
             if queue and 0 < used.seq - queue[0].seq <= _NEAR:
                 self.pump_locked(1)
 
-    def pump_locked(self, limit=None):
+    def pump_locked(self, limit=None, inline=False):
         """Start reads from the queue of the pass whose backward runs while fewer than
         ``prefetch_bytes`` are held ahead of use, at most ``limit`` of them (all with
         None). Returns whether it stopped at ``limit`` with more to do. The store's I/O
-        thread calls it (NOTE [ The store's I/O thread ] in _store.py), and ``flush()``."""
+        thread calls it (NOTE [ The store's I/O thread ] in _store.py), and ``flush()``;
+        unpack too, ``inline`` (NOTE [ The data path on the hooks' thread ] there): up to
+        the first device record, whose read the I/O thread starts (its staging may need
+        an allocation)."""
         budget = self.cfg.prefetch_bytes
         started = 0
         while self.passes and self._table.ahead < budget:
@@ -134,6 +137,8 @@ class ReadPath:
                 elif rec.state is State.ON_DISK:
                     if limit is not None and started >= limit:
                         return True
+                    if inline and rec.device is not None:
+                        return False
                     try:
                         buf = self._read_buffer_locked(rec)
                     except Exception as e:  # noqa: BLE001 - no memory for a read buffer now
@@ -149,6 +154,8 @@ class ReadPath:
                 elif rec.state is State.HOSTED:  # a copy from RAM, queued now
                     if limit is not None and started >= limit:
                         return True
+                    if inline:  # a device record's
+                        return False
                     self._load_host(rec)
                     self._table.count_ahead(rec)
                     started += 1

@@ -302,7 +302,8 @@ class Store:
                                self._callback, self._tier.load_locked)
         # What the hooks call on every pack and unpack: bound once (the per-tensor path
         # looks up no more than it did when the paths were mixins).
-        self._write_overdue = self._writes.overdue
+        self._write_overdue = self._writes.overdue if self._poller is None else \
+            self._writes.waiting  # NOTE [ The data path on the hooks' thread ]
         self._over_write_behind = self._writes.over_write_behind
         self._read_due = self._reads.due
         self._use_locked = self._reads.use_locked
@@ -344,6 +345,8 @@ class Store:
         self._devices.engine = self.probe.engine = engine
         # A wrapper (io.base.EngineWrapper) reports its inner engine's poller.
         self._poller = getattr(engine, "poller", None)
+        self._write_overdue = self._writes.overdue if self._poller is None else \
+            self._writes.waiting
 
     def replace_engine(self, fn):
         """``Offloader.wrap_engine``: the engine becomes ``fn(engine)``. The I/O thread is
@@ -531,6 +534,8 @@ class Store:
                 if window.nbytes > window.keep_bytes:  # decided now (NOTE [ The pack decision ])
                     self._writes.decide_locked(
                         0 if window.limit is None else self._outside_spill_bytes())
+                    if self._poller is not None and table.due:  # NOTE [ The data path on
+                        self._writes.start_due_locked(inline=True)  # the hooks' thread ]
         else:
             self.stats.deduplicated_bytes += nbytes
             rec.seq = self._seq
@@ -541,7 +546,7 @@ class Store:
             rec.owner = self._current
         handle = Handle(rec, t, extent[0], version, self._inbox.append)
         rec.tokens.add(handle.token); rec.unseen.add(handle.token)  # noqa: E702 (NOTE [ Store lock discipline ])
-        return handle  # records due to be written: written by the I/O thread
+        return handle  # due writes left: the I/O thread's (NOTE [ The store's I/O thread ])
 
     def _outside_spill_bytes(self):
         """Spill bytes of live slots no record holds (they count against
@@ -571,7 +576,7 @@ class Store:
         if type(handle) is QuotaKept:
             if handle.nbytes:  # its bytes leave the prefetch window: reads may start
                 with self._lock:
-                    self._guarded_locked(self._use_passed_locked, handle)
+                    self._guarded_locked(self._use_passed_hook_locked, handle)
                 self._after_hook(self._read_due())
             if _PROFILER._is_profiler_enabled:
                 with _trace.begin(_trace.UNPACK, {"kept": 1}):
@@ -601,7 +606,7 @@ class Store:
                 raise swapped_error(t if t is not None else base, "its storage was resized or "
                                     "replaced (untyped_storage().resize_() or set_)")
             with self._lock:
-                view, fut = self._guarded_locked(self._unpack_locked, rec, handle)
+                view, fut = self._guarded_locked(self._unpack_hook_locked, rec, handle)
             self._after_hook(self._read_due())
             # LOADING and this handle not yet unpacked in this generation: nothing can drop
             # the bytes between the read's end and their use below. SPILLING (NOTE [ Host
@@ -616,6 +621,20 @@ class Store:
         finally:
             if span is not None:
                 _trace.end(span)
+
+    def _unpack_hook_locked(self, rec, handle):
+        """unpack's locked section: :meth:`_unpack_locked`, then, with a polled engine,
+        the reads the window has room for (NOTE [ The data path on the hooks' thread ])."""
+        got = self._unpack_locked(rec, handle)
+        if self._poller is not None and self._reads.passes:
+            self._reads.pump_locked(inline=True)
+        return got
+
+    def _use_passed_hook_locked(self, handle):
+        """:meth:`_use_passed_locked`, then the reads, as :meth:`_unpack_hook_locked`."""
+        self._use_passed_locked(handle)
+        if self._poller is not None and self._reads.passes:
+            self._reads.pump_locked(inline=True)
 
     def _use_passed_locked(self, handle):
         """The first unpack of a tensor passed through with bytes of its own: they leave
@@ -712,21 +731,37 @@ class Store:
     def _after_hook(self, due):
         """After a hook's locked section: wake the I/O thread if a request is ``due`` or
         memory waits for it (events in the inbox wait for the next locked section or the
-        end of backward). Costs a ``SimpleQueue.put`` (C code) at most."""
-        if due or self._graveyard:
+        end of backward). Costs a ``SimpleQueue.put`` (C code) at most. With a polled
+        engine the memory is released here, on this thread: the hooks settled the
+        requests that dropped it, and a wake per request would hand the GIL to the I/O
+        thread per request (NOTE [ The data path on the hooks' thread ])."""
+        if self._poller is not None:
+            if self._graveyard and self._io.bury_records():
+                due = True  # a read buffer's mapping: unmapped by the I/O thread
+            if due:
+                self._kick()
+        elif due or self._graveyard:
             self._kick()
 
     def _background_round(self):
         """One round of the I/O thread: start what is due one request per lock hold, so
         that the hooks get the lock between requests, and release the graveyard outside
         the lock, until nothing is left."""
+        poller = self._poller
         while True:
+            since = 0 if poller is None else poller.ended()
             self._reserve_staging()  # a pinned allocation, if one is due, outside the lock
             with self._lock:
                 more = self._guarded_locked(self._start_one_locked)
             self._bury()
             if not (more or self._inbox):
-                return
+                if poller is None or self.closed or self._paused or not self._writes.waiting():
+                    return
+                # Writes wait for room, and only a poll notices the write that makes it
+                # (NOTE [ The data path on the hooks' thread ]): wait for one to end,
+                # without the GIL; the hooks poll meanwhile too.
+                poller.wait_any(since, _WAIT_SLICE_S)
+                continue
             time.sleep(0)  # hand the GIL to a thread that waits for it (the training thread)
 
     def _start_one_locked(self):

@@ -103,7 +103,7 @@ class WritePath:
             else:
                 self.over_budget_locked(rec)
 
-    def start_due_locked(self, limit=None):
+    def start_due_locked(self, limit=None, inline=False):
         """Start the writes pack decided (``RecordTable.due``), oldest first, at most ``limit``
         of them (all with None) and only while there is :meth:`room` in flight. Returns
         whether it stopped at ``limit`` with more due and room for it. The store's I/O
@@ -111,15 +111,23 @@ class WritePath:
         call it for all (NOTE [ The store's I/O thread ] in _store.py); a write that ends
         makes room, and its completion wakes the I/O thread for the next
         (``Store._settle``). What is written was decided already: when this runs changes
-        nothing of it (NOTE [ Bounded memory ] in _store.py)."""
+        nothing of it (NOTE [ Bounded memory ] in _store.py). ``inline``: the hooks'
+        own starts (NOTE [ The data path on the hooks' thread ] in _store.py): host
+        records only, oldest first, up to the first device record or eviction, which the
+        I/O thread starts (their staging or pinned copy may need an allocation)."""
         done = 0
         table = self._table
         due = table.due
         while due and self.room():
             if limit is not None and done >= limit:
                 return True
-            self.start_write_locked(next(iter(due)))  # it leaves ``due`` (RecordTable.move)
+            rec = next(iter(due))
+            if inline and (rec.device is not None or rec.tier):
+                return False
+            self.start_write_locked(rec)  # it leaves ``due`` (RecordTable.move)
             done += 1
+        if inline:
+            return False
         spill = table.spill_due  # evicted from the host tier (NOTE [ Host tier ])
         while spill and self.room():
             if limit is not None and done >= limit:
@@ -144,6 +152,13 @@ class WritePath:
         without the lock: a hint for waking the I/O thread."""
         table = self._table
         return (table.due_bytes > 0 or bool(table.spill_due)) and self.room()
+
+    def waiting(self):
+        """Whether writes are due and not started, room or not: with a polled engine
+        nothing but a poll notices the write that makes room, so the I/O thread is woken
+        to wait for it (``Store._background_round``). Read without the lock: a hint."""
+        table = self._table
+        return table.due_bytes > 0 or bool(table.spill_due)
 
     def next_hint(self):
         """The oldest due write, or None. Read without the lock: a hint
