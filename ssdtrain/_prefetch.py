@@ -113,14 +113,15 @@ class ReadPath:
             if queue and 0 < used.seq - queue[0].seq <= _NEAR:
                 self.pump_locked(1)
 
-    def pump_locked(self, limit=None, inline=False):
+    def pump_locked(self, limit=None, inline=False, device_only=False):
         """Start reads from the queue of the pass whose backward runs while fewer than
         ``prefetch_bytes`` are held ahead of use, at most ``limit`` of them (all with
         None). Returns whether it stopped at ``limit`` with more to do. The store's I/O
         thread calls it (NOTE [ The store's I/O thread ] in _store.py), and ``flush()``;
         unpack too, ``inline`` (NOTE [ The data path on the hooks' thread ] there): up to
         the first device record, whose read the I/O thread starts (its staging may need
-        an allocation)."""
+        an allocation); the I/O thread then passes ``device_only``: it leaves a host
+        record's read to unpack, which has room for it as soon as the thread does."""
         budget = self.cfg.prefetch_bytes
         started = 0
         while self.passes and self._table.ahead < budget:
@@ -137,7 +138,8 @@ class ReadPath:
                 elif rec.state is State.ON_DISK:
                     if limit is not None and started >= limit:
                         return True
-                    if inline and rec.device is not None:
+                    if (inline and rec.device is not None) or \
+                            (device_only and rec.device is None):
                         return False
                     try:
                         buf = self._read_buffer_locked(rec)

@@ -615,7 +615,7 @@ class Store:
             while view is None:
                 self._reads.wait(rec, fut)
                 with self._lock:
-                    view, fut = self._guarded_locked(self._loaded_locked, rec, handle, fut)
+                    view, fut = self._guarded_locked(self._loaded_hook_locked, rec, handle, fut)
                 self._after_hook(self._read_due())
             return view
         finally:
@@ -626,6 +626,13 @@ class Store:
         """unpack's locked section: :meth:`_unpack_locked`, then, with a polled engine,
         the reads the window has room for (NOTE [ The data path on the hooks' thread ])."""
         got = self._unpack_locked(rec, handle)
+        if self._poller is not None and self._reads.passes:
+            self._reads.pump_locked(inline=True)
+        return got
+
+    def _loaded_hook_locked(self, rec, handle, fut):
+        """:meth:`_loaded_locked`, then the reads, as :meth:`_unpack_hook_locked`."""
+        got = self._loaded_locked(rec, handle, fut)
         if self._poller is not None and self._reads.passes:
             self._reads.pump_locked(inline=True)
         return got
@@ -780,7 +787,8 @@ class Store:
             dev = None if rec is None else rec.device
             if dev is not None and not dev.direct and not dev.pool.ready(rec.nbytes):
                 return True
-        return self._writes.start_due_locked(1) or self._reads.pump_locked(1)
+        return self._writes.start_due_locked(1) or \
+            self._reads.pump_locked(1, device_only=self._poller is not None)
 
     def _reserve_staging(self):
         """The I/O thread, before it takes the lock: when the next write or prefetch read

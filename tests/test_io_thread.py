@@ -1,12 +1,16 @@
-"""The store's I/O thread (NOTE [ The store's I/O thread ] in ssdtrain/_store.py).
+"""The store's I/O thread (NOTE [ The store's I/O thread ] in ssdtrain/_store.py) and
+who starts the requests (NOTE [ The data path on the hooks' thread ] there).
 
-The hooks run on the thread that launches every kernel on a GPU machine, so they only
-decide and record: pack never calls the engine (the I/O thread starts the writes of
-the tail's overflow), unpack calls it only for a miss or when the I/O thread lags a
-whole window. What the thread has not done yet is done by whoever needs it: the end
-of forward, the throttle, ``wait()``. The thread ends with ``close()``, with the
-store when it is collected, and does not exist in a forked child; an exception that
-escapes its round is raised at the next pack, never lost.
+The hooks run on the thread that launches every kernel on a GPU machine. With the
+Offloader's native engine (polled: NOTE [ Polled completions ] in ssdtrain/io/base.py)
+they start host records' writes and reads themselves and settle what ended, and the I/O
+thread runs no Python per record; with an engine that settles its own futures (posix)
+pack only decides and records, and the I/O thread starts the writes of the tail's
+overflow; unpack calls it only for a miss or when the I/O thread lags a whole window.
+What the thread has not done yet is done by whoever needs it: the end of forward, the
+throttle, ``wait()``. The thread ends with ``close()``, with the store when it is
+collected, and does not exist in a forked child; an exception that escapes its round is
+raised at the next pack, never lost.
 
 Each test waits for the thread with a deadline (``_until``) instead of sleeping, so
 that a slow machine makes it slower, not wrong.
@@ -149,26 +153,43 @@ def _tensors(n, nbytes=256 << 10):
 
 
 @pytest.mark.parametrize("engine", ["native", "posix"])
-def test_pack_never_calls_the_engine(make_offloader, engine):
-    """Every write of the tail's overflow is submitted by the I/O thread: forward waits
-    (after each save, untimed) until the record has left the tail, and no write is
-    submitted inside a pack, nor on the training thread at all."""
+def test_who_starts_the_writes(make_offloader, engine):
+    """Native (polled): every write of the tail's overflow is submitted inside the pack
+    that decided it, on the training thread, and the I/O thread does not run a single
+    round during forward (nothing per record is left to it). Posix (its workers settle
+    the futures): every write is submitted by the I/O thread, none inside a pack (forward
+    waits, untimed, after each save until the record has left the tail)."""
     off = make_offloader(engine=engine, keep_tail_bytes=0, min_tensor_bytes=4096)
+    polled = off._store._poller is not None
+    assert polled == (engine == "native")
     spy = Spy(off)
+    store, rounds = off._store, []
+    real = store._background_round
+
+    def counted():
+        rounds.append(threading.current_thread().name)
+        real()
+    store._background_round = counted
     xs = _tensors(12)
 
     def between(where):
-        if where == "forward":
+        if where == "forward" and not polled:
             _until(lambda: all(r.state != "PENDING" for r in off.records()),
                    "start the write of the record just saved")
 
     a, y = _chain(off, xs, between)
+    in_forward = list(rounds)
     y.backward()
     assert torch.equal(a.grad, _reference(xs))
     writes = [c for c in spy.calls if c[0] == "write"]
     assert len(writes) == len(xs)
-    assert spy.inside("pack", "write") == []
-    assert {name for _, name, _ in writes} == {"ssdtrain-store"}, writes
+    if polled:
+        assert spy.inside("pack", "write") == writes, writes
+        assert {name for _, name, _ in writes} == {threading.current_thread().name}
+        assert in_forward == [], in_forward
+    else:
+        assert spy.inside("pack", "write") == []
+        assert {name for _, name, _ in writes} == {"ssdtrain-store"}, writes
 
 
 def test_end_of_forward_starts_what_the_thread_has_not(make_offloader):
@@ -211,15 +232,18 @@ def test_throttle_starts_overdue_writes(make_offloader):
     assert torch.equal(a.grad, _reference(xs))
 
 
-def test_sliding_window_reads_come_from_the_io_thread(make_offloader):
+@pytest.mark.parametrize("engine", ["native", "posix"])
+def test_sliding_window_reads_start_as_backward_consumes(make_offloader, engine):
     """A window of 4 records over 16: the end of forward starts the first window's reads;
-    as backward consumes, the I/O thread starts the next ones. Backward waits (after
-    each op, untimed) until the thread has refilled the window: no unpack then calls
-    the engine and nothing misses."""
+    as backward consumes, the next ones start: inside unpack, on the training thread,
+    with the native engine (polled: NOTE [ The data path on the hooks' thread ]), by the
+    I/O thread with posix, none inside unpack. Backward waits (after each op, untimed)
+    until the window is refilled: nothing misses."""
     nbytes = 256 << 10
-    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096,
+    off = make_offloader(engine=engine, keep_tail_bytes=0, min_tensor_bytes=4096,
                          prefetch_bytes=4 * nbytes)
     store = off._store
+    polled = store._poller is not None
     xs = _tensors(16, nbytes)
 
     def due():  # bytes the window could still take in (racy reads: a test's poll)
@@ -240,8 +264,12 @@ def test_sliding_window_reads_come_from_the_io_thread(make_offloader):
     assert st.prefetch_misses == 0 and st.records_read == len(xs)
     reads = [c for c in spy.calls[n_forward:] if c[0] == "read"]  # those of backward
     assert len(reads) == len(xs) - 4  # the first window's were started by forward's end
-    assert spy.inside("unpack", "read") == [], reads
-    assert {name for _, name, _ in reads} == {"ssdtrain-store"}, reads
+    if polled:
+        assert spy.inside("unpack", "read") == reads, reads
+        assert {name for _, name, _ in reads} == {threading.current_thread().name}, reads
+    else:
+        assert spy.inside("unpack", "read") == [], reads
+        assert {name for _, name, _ in reads} == {"ssdtrain-store"}, reads
 
 
 def test_unpack_refills_a_window_the_thread_left_dry(make_offloader):
@@ -401,21 +429,31 @@ def test_memory_dropped_by_any_operation_is_released(make_offloader):
     _until(lambda: len(died) == 2, "release the records of a dropped graph")
 
 
-def test_no_memory_for_a_prefetch_buffer_is_not_an_error(make_offloader, caplog):
-    """A read buffer that cannot be mapped (ENOMEM) when the window slides: the read is
-    left to backward (a miss), logged once; nothing is raised, gradients are exact,
-    and later steps prefetch again."""
+@pytest.mark.parametrize("engine", ["native", "posix"])
+def test_no_memory_for_a_prefetch_buffer_is_not_an_error(make_offloader, caplog, engine):
+    """A read buffer that cannot be mapped (ENOMEM) when the window slides (whichever
+    thread slides it): the read is left to backward (a miss), logged once; nothing is
+    raised, gradients are exact, and later steps prefetch again."""
     nbytes = 256 << 10
-    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096, prefetch_bytes=4 * nbytes)
+    off = make_offloader(engine=engine, keep_tail_bytes=0, min_tensor_bytes=4096,
+                         prefetch_bytes=4 * nbytes)
     store = off._store
-    real = store._buffers.storage
-    failing = [True]
+    real, pump = store._buffers.storage, store._reads.pump_locked
+    failing, pumping = [True], threading.local()
 
     def storage(*args):
-        if failing[0] and threading.current_thread().name == "ssdtrain-store":
+        if failing[0] and getattr(pumping, "on", False):
             raise OSError(12, "Cannot allocate memory (injected)")
         return real(*args)
+
+    def pumped(*args, **kwargs):
+        pumping.on = True
+        try:
+            return pump(*args, **kwargs)
+        finally:
+            pumping.on = False
     store._buffers.storage = storage
+    store._reads.pump_locked = pumped
     xs = _tensors(12, nbytes)
     with caplog.at_level("WARNING", logger="ssdtrain"):
         a, y = _chain(off, xs, settle=True)
