@@ -179,6 +179,31 @@ class EngineCalls:
         return [(a, n) for a, n in self.writes if lo <= a and a + n <= hi]
 
 
+def gated(request, gate, timeout=60.0):
+    """``request`` (an engine's ``write`` or ``read``) made to wait for ``gate`` (a
+    ``threading.Event``): each call returns a future at once and makes the real request
+    on a thread of its own once the gate opens, the owner held meanwhile (in the call's
+    arguments). Nothing waits for the gate on the thread that settles the engine's
+    futures, which with a polled engine is whoever polls (NOTE [ Polled completions ] in
+    ssdtrain/io/base.py): a gate chained behind the request (``then``) would block the
+    training thread itself."""
+    from concurrent.futures import Future
+
+    def call(*args, **kwargs):
+        outer = Future()
+        outer.set_running_or_notify_cancel()
+
+        def go():
+            gate.wait(timeout)
+            try:
+                outer.set_result(request(*args, **kwargs).result(timeout))
+            except BaseException as e:  # noqa: BLE001 - the store sees the outcome
+                outer.set_exception(e)
+        threading.Thread(target=go, name="gated-request", daemon=True).start()
+        return outer
+    return call
+
+
 def grads(model):
     """``{name: grad}`` of ``model``'s parameters, cloned."""
     return {name: p.grad.clone() for name, p in model.named_parameters()}

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
-from helpers import assert_same, part_id, run_step, weekly_shard
+from helpers import assert_same, gated, part_id, run_step, weekly_shard
 from loopback_helpers import LoopbackDevice, SaveForBackward, UnpackCheck, attach
 from models import ALL_MODELS
 from ssdtrain import ConfigError
@@ -229,29 +229,12 @@ def _evicted_while_written(make_offloader, monkeypatch, prefetch_bytes):
     first is SPILLING and the second in RAM (HOSTED; LOADED where prefetch loaded it)."""
     import threading
     import time
-    from concurrent.futures import Future
     dev = LoopbackDevice()
     off = _offloader(make_offloader, dev, host_budget_bytes=N, prefetch_bytes=prefetch_bytes,
                      verify=False)
     engine = off._store.engine
     real, gate = engine.write, threading.Event()
-
-    def gated(*a, **k):
-        """The write starts once the gate opens, on a thread of its own: whoever settles
-        the engine's futures (a worker, or a poll on the training thread: NOTE [ Polled
-        completions ]) never waits for the gate."""
-        outer = Future()
-        outer.set_running_or_notify_cancel()
-
-        def go():
-            gate.wait(30)
-            try:
-                outer.set_result(real(*a, **k).result(30))
-            except BaseException as e:  # noqa: BLE001 - the store sees the outcome
-                outer.set_exception(e)
-        threading.Thread(target=go, daemon=True).start()
-        return outer
-    monkeypatch.setattr(engine, "write", gated)
+    monkeypatch.setattr(engine, "write", gated(real, gate))
     sink, anchor, values = [], torch.zeros((), requires_grad=True), []
     with off:
         out = anchor

@@ -31,10 +31,9 @@ import time
 import pytest
 import torch
 
-from helpers import SaveForBackward, assert_same, run_step
+from helpers import SaveForBackward, assert_same, gated, run_step
 from loopback_helpers import LoopbackDevice, UnpackCheck, attach
 from models import ALL_MODELS
-from ssdtrain.io.base import then
 
 KiB = 1 << 10
 N = 16 * KiB                 # bytes of each slice saved in the chain test
@@ -70,8 +69,7 @@ class _Gates:
     def hold_writes(self, off, monkeypatch):
         engine = off._store.engine
         real = engine.write
-        monkeypatch.setattr(engine, "write", lambda *a, **k: then(real(*a, **k),
-                                                                  lambda: self._event.wait(60)))
+        monkeypatch.setattr(engine, "write", gated(real, self._event))
 
 
 def _offloader(make_offloader, monkeypatch, path, budget, *, claim=False):
