@@ -100,8 +100,10 @@ NOTE [ Store lock discipline ]
 
 NOTE [ The store's I/O thread ]
 
-pack and unpack run on the thread that, on a GPU machine, launches every kernel. They
-decide and record (the keep/offload decision, identity and dedup, the record and its
+pack and unpack run on the thread that, on a GPU machine, launches every kernel. With a
+polled engine they also start and complete host records' requests themselves (NOTE
+[ The data path on the hooks' thread ], below), and the thread keeps the rest. Otherwise
+they decide and record (the keep/offload decision, identity and dedup, the record and its
 handle: NOTE [ The pack decision ] in _policy.py) and leave requests to the store's I/O
 thread ("ssdtrain-store", one per store): pack puts a record in the tail window and,
 when the window holds more than ``keep_tail_bytes``, decides its oldest records then
@@ -146,6 +148,40 @@ The thread holds the store only while it works (a weak reference otherwise), end
 and reports an exception escaping its round (a bug: the round's locked region has
 repaired the store) at the next pack or end of forward, as a failure event (NOTE [ One
 event, one error ] in _events.py).
+
+NOTE [ The data path on the hooks' thread ]
+
+With a polled engine (the Offloader's native engine: NOTE [ Polled completions ] in
+io/base.py) a record's requests are started and completed on the thread that runs the
+hooks, and no other thread of ssdtrain's runs Python for it. On a GPU host that thread
+launches every kernel; a foreign thread that takes the GIL per record cost it 100-200 us
+a record (docs/results/launch_loop_cpu_2026-11-27.md), where the same work on its own
+thread costs it some tens of microseconds and no wait.
+
+* pack decides, as before (NOTE [ The pack decision ] in _policy.py), and then starts
+  the writes it made due, oldest first, while the write-behind limit has room
+  (``WritePath.start_due_locked(inline=True)``): a slot, the engine call, the
+  future's callback (none while ``wrap_engine()`` swaps the engine: its pause holds
+  the hooks as it holds the I/O thread). The engine's workers write, and take the CRC,
+  in C++, and end each request into its finished list without the GIL.
+* Every locked region polls the engine first (``_drain_locked``): the hooks settle the
+  requests that ended since the last one, and a write that landed drops its record's
+  memory, which the hook then releases itself, outside the lock
+  (``IOThread.bury_records``; a read buffer's mapping is still the I/O thread's to
+  unmap: NOTE [ Unmapping off the training thread ] in _readbuf.py).
+* unpack, once it has used a record, starts the reads the prefetch window has room for
+  (``ReadPath.pump_locked(inline=True)``), as the I/O thread did.
+* Whoever waits for a request polls while it waits (``Store._await``).
+
+Left to the I/O thread: device records (staging, copies to the host tier, evictions:
+each may need a pinned allocation, milliseconds, which must not run under the lock or
+on the launching thread), the unmapping of read buffers, and writes that wait for room
+under the write-behind limit while no hook runs (forward's end to backward, say): with
+writes due and none startable, its round waits for an engine completion without the
+GIL (``wait_any``), polls and starts the next. With an engine whose workers settle
+their futures (posix, kvikio, a bare ``NativeEngine``) the I/O thread starts every
+request, as NOTE [ The store's I/O thread ] says. What is written, and when a pass
+waits, is decided as before: only which thread carries it out changed.
 
 NOTE [ Memory owned by requests ]
 
@@ -534,8 +570,9 @@ class Store:
                 if window.nbytes > window.keep_bytes:  # decided now (NOTE [ The pack decision ])
                     self._writes.decide_locked(
                         0 if window.limit is None else self._outside_spill_bytes())
-                    if self._poller is not None and table.due:  # NOTE [ The data path on
-                        self._writes.start_due_locked(inline=True)  # the hooks' thread ]
+                    if self._poller is not None and table.due and not self._paused:
+                        # NOTE [ The data path on the hooks' thread ]
+                        self._writes.start_due_locked(inline=True)
         else:
             self.stats.deduplicated_bytes += nbytes
             rec.seq = self._seq
@@ -626,21 +663,21 @@ class Store:
         """unpack's locked section: :meth:`_unpack_locked`, then, with a polled engine,
         the reads the window has room for (NOTE [ The data path on the hooks' thread ])."""
         got = self._unpack_locked(rec, handle)
-        if self._poller is not None and self._reads.passes:
+        if self._poller is not None and self._reads.passes and not self._paused:
             self._reads.pump_locked(inline=True)
         return got
 
     def _loaded_hook_locked(self, rec, handle, fut):
         """:meth:`_loaded_locked`, then the reads, as :meth:`_unpack_hook_locked`."""
         got = self._loaded_locked(rec, handle, fut)
-        if self._poller is not None and self._reads.passes:
+        if self._poller is not None and self._reads.passes and not self._paused:
             self._reads.pump_locked(inline=True)
         return got
 
     def _use_passed_hook_locked(self, handle):
         """:meth:`_use_passed_locked`, then the reads, as :meth:`_unpack_hook_locked`."""
         self._use_passed_locked(handle)
-        if self._poller is not None and self._reads.passes:
+        if self._poller is not None and self._reads.passes and not self._paused:
             self._reads.pump_locked(inline=True)
 
     def _use_passed_locked(self, handle):
