@@ -110,7 +110,7 @@ SANITIZE         := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sa
 ASAN_PRELOAD      = $(shell $(CXX) -print-file-name=libasan.so) $(shell $(CXX) -print-file-name=libstdc++.so)
 ASAN_PYTEST_ARGS ?= -q
 ASAN_TESTS       ?= tests/test_native_engine.py tests/test_timeouts.py tests/test_fork.py \
-                    tests/test_io_thread.py
+                    tests/test_io_thread.py tests/test_polled.py
 asan-test: $(STAMP)
 	@mkdir -p build/asan
 	$(CXX) -std=c++17 -O1 -g $(SANITIZE) -Wall -Wextra -Icsrc csrc/engine/*.cpp \

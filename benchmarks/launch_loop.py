@@ -40,6 +40,9 @@ rounds after ``--warmup`` rounds):
   Every record is written and read back (NOTE [ Read back ]): the second table shows
   ``records_written`` and ``records_read`` per step, each equal to the saves per step,
   and the prefetch hits and misses.
+* ``callbacks``: ``static`` with the engine swapped (``wrap_engine``) for a native engine
+  whose workers settle each future as its request ends: the data path before NOTE
+  [ Polled completions ] (ssdtrain/io/base.py), measured beside the new one.
 * ``default``: ``Offloader(spill_dir=..., engine=...)`` and nothing else
   (``policy="auto"``), as a user gets it; its steps are timed by a clock that runs only
   during its own steps (``tools.set_auto_clock``). What it offloads per step is in the
