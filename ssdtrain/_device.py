@@ -562,7 +562,9 @@ class DeviceTransfers:
     def stage_in(self, buf, misalign: int):
         """After the read into ``buf`` ended: ``(device storage, byte offset, event or
         None)``; the record's bytes start at that offset, at ``misalign`` modulo
-        :data:`ALIGN` (rule 6). Runs on the engine thread that finished the read.
+        :data:`ALIGN` (rule 6). Runs where the read's future is settled: on the engine
+        thread that finished the read, or, with a polled engine, on the thread that polls
+        it, in the store's locked region (NOTE [ Polled completions ] in io/base.py).
 
         Staged data is copied to device memory allocated for the compute stream (rule
         5); the event marks the copy's end (rule 7).
