@@ -112,16 +112,13 @@ class IOThread:
         grave = self.graveyard
         while grave:
             try:
-                item = grave[0]
+                if type(grave[0]) is mmap.mmap:
+                    return True
+                item = grave.popleft()
             except IndexError:  # another thread took the last one
                 return False
-            if type(item) is mmap.mmap:
-                return True
-            try:
-                if grave.popleft() is not item:  # another thread popped it meanwhile
-                    continue
-            except IndexError:
-                return False
+            if type(item) is mmap.mmap:  # the I/O thread took the head meanwhile
+                unmap_now(item)
             item = None
         return False
 

@@ -289,9 +289,6 @@ class Store:
         self.cfg = config
         self.spill = spill
         self._engine = engine                  # Store.engine: the paths see a swap
-        # NOTE [ Polled completions ] in io/base.py: the engine whose futures settle only
-        # when polled (every locked region polls it first), or None.
-        self._poller = getattr(engine, "poller", None)
         self.stats = stats
         self._lock = threading.Lock()
         self._inbox = collections.deque()      # (kind, record, arg): NOTE [ Store lock discipline ]
@@ -338,8 +335,7 @@ class Store:
                                self._callback, self._tier.load_locked)
         # What the hooks call on every pack and unpack: bound once (the per-tensor path
         # looks up no more than it did when the paths were mixins).
-        self._write_overdue = self._writes.overdue if self._poller is None else \
-            self._writes.waiting  # NOTE [ The data path on the hooks' thread ]
+        self._poll_with(engine)
         self._over_write_behind = self._writes.over_write_behind
         self._read_due = self._reads.due
         self._use_locked = self._reads.use_locked
@@ -379,7 +375,14 @@ class Store:
         the new engine from their next request on."""
         self._engine = self._reads.engine = self._writes.engine = engine
         self._devices.engine = self.probe.engine = engine
-        # A wrapper (io.base.EngineWrapper) reports its inner engine's poller.
+        self._poll_with(engine)
+
+    def _poll_with(self, engine):
+        """NOTE [ Polled completions ] in io/base.py: ``_poller``, the engine whose
+        futures settle only when polled (every locked region polls it first; a wrapper,
+        ``io.base.EngineWrapper``, reports its inner engine's), or None; and what tells
+        the hooks that writes are left for the I/O thread (NOTE [ The data path on the
+        hooks' thread ]: with a polled engine, any write due, room or not)."""
         self._poller = getattr(engine, "poller", None)
         self._write_overdue = self._writes.overdue if self._poller is None else \
             self._writes.waiting
@@ -659,26 +662,28 @@ class Store:
             if span is not None:
                 _trace.end(span)
 
-    def _unpack_hook_locked(self, rec, handle):
-        """unpack's locked section: :meth:`_unpack_locked`, then, with a polled engine,
-        the reads the window has room for (NOTE [ The data path on the hooks' thread ])."""
-        got = self._unpack_locked(rec, handle)
+    def _read_ahead_locked(self):
+        """With a polled engine, the hook that slid the prefetch window starts the reads
+        it has room for (NOTE [ The data path on the hooks' thread ])."""
         if self._poller is not None and self._reads.passes and not self._paused:
             self._reads.pump_locked(inline=True)
+
+    def _unpack_hook_locked(self, rec, handle):
+        """unpack's locked section: :meth:`_unpack_locked`, then the reads ahead."""
+        got = self._unpack_locked(rec, handle)
+        self._read_ahead_locked()
         return got
 
     def _loaded_hook_locked(self, rec, handle, fut):
-        """:meth:`_loaded_locked`, then the reads, as :meth:`_unpack_hook_locked`."""
+        """:meth:`_loaded_locked`, then the reads ahead."""
         got = self._loaded_locked(rec, handle, fut)
-        if self._poller is not None and self._reads.passes and not self._paused:
-            self._reads.pump_locked(inline=True)
+        self._read_ahead_locked()
         return got
 
     def _use_passed_hook_locked(self, handle):
-        """:meth:`_use_passed_locked`, then the reads, as :meth:`_unpack_hook_locked`."""
+        """:meth:`_use_passed_locked`, then the reads ahead."""
         self._use_passed_locked(handle)
-        if self._poller is not None and self._reads.passes and not self._paused:
-            self._reads.pump_locked(inline=True)
+        self._read_ahead_locked()
 
     def _use_passed_locked(self, handle):
         """The first unpack of a tensor passed through with bytes of its own: they leave
@@ -1186,9 +1191,9 @@ class Store:
             self._bury()
             self._io.release(self.engine, in_flight)
 
-    def _await(self, futures, timeout, first=False):
-        """Wait outside the lock until every future of ``futures`` (with ``first``: one)
-        is done, ``timeout`` seconds at most; the ones not done (a list). With a polled
+    def _await(self, futures, timeout):
+        """Wait outside the lock until every future of ``futures`` is done, ``timeout``
+        seconds at most; the ones not done (a list). With a polled
         engine (NOTE [ Polled completions ] in io/base.py) nobody else settles its
         futures: this thread polls, in a locked region of its own (the inbox is drained
         too), then sleeps without the GIL until a request ends after the count read
@@ -1197,7 +1202,7 @@ class Store:
         a done-callback. The I/O thread does not poll while it waits for nothing."""
         poller = self._poller
         if poller is None:
-            return wait_futures(futures, timeout, first)
+            return wait_futures(futures, timeout)
         deadline = time.monotonic() + max(0.0, timeout)
         for f in futures:
             f.add_done_callback(poller.wake)
@@ -1205,7 +1210,7 @@ class Store:
             since = poller.ended()
             self._locked(_nothing)
             not_done = [f for f in futures if not f.done()]
-            if not not_done or (first and len(not_done) < len(futures)):
+            if not not_done:
                 return not_done
             left = deadline - time.monotonic()
             if left <= 0:

@@ -327,15 +327,10 @@ def test_engine_requests_are_made_only_where_they_own_their_memory():
                ("ssdtrain/_prefetch.py", "ReadPath.submit_read"),
                ("ssdtrain/_probe.py", "Probe.submit")}
     found = set()
-    for path in SOURCES:
-        rel = str(path.relative_to(ROOT))
-        if rel.startswith("ssdtrain/io/"):
-            continue
-        tree = ast.parse(path.read_text(), rel)
-        for scope, node in _walk_scoped(tree):
-            if isinstance(node, ast.Attribute) and node.attr in ("write", "read") and \
-                    "engine" in ast.unparse(node.value):
-                found.add((rel, scope, node.lineno))
+    for rel, scope, node in _nodes_outside_io():
+        if isinstance(node, ast.Attribute) and node.attr in ("write", "read") and \
+                "engine" in ast.unparse(node.value):
+            found.add((rel, scope, node.lineno))
     bad = [f"{p}:{line}: engine.{'write/read'} in {scope}" for p, scope, line in sorted(found)
            if (p, scope) not in allowed]
     bad += [f"{p}:{line}: an engine request without owner= in {scope}"
@@ -349,21 +344,25 @@ def _engine_calls_without_owner():
     """``(path, scope, line)`` of the calls of an engine's ``write``/``read`` (or of the
     variable a function bound one to) outside ssdtrain/io/ that pass no ``owner=``."""
     out = []
+    for rel, scope, node in _nodes_outside_io():
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func
+        engine_op = isinstance(fn, ast.Attribute) and fn.attr in ("write", "read") and \
+            "engine" in ast.unparse(fn.value)
+        bound_op = isinstance(fn, ast.Name) and fn.id == "do" and "Probe" in scope
+        if (engine_op or bound_op) and not any(k.arg == "owner" for k in node.keywords):
+            out.append((rel, scope, node.lineno))
+    return out
+
+
+def _nodes_outside_io():
+    """``(path, scope, node)`` for every AST node of the sources outside ssdtrain/io/."""
     for path in SOURCES:
         rel = str(path.relative_to(ROOT))
-        if rel.startswith("ssdtrain/io/"):
-            continue
-        tree = ast.parse(path.read_text(), rel)
-        for scope, node in _walk_scoped(tree):
-            if not isinstance(node, ast.Call):
-                continue
-            fn = node.func
-            engine_op = isinstance(fn, ast.Attribute) and fn.attr in ("write", "read") and \
-                "engine" in ast.unparse(fn.value)
-            bound_op = isinstance(fn, ast.Name) and fn.id == "do" and "Probe" in scope
-            if (engine_op or bound_op) and not any(k.arg == "owner" for k in node.keywords):
-                out.append((rel, scope, node.lineno))
-    return out
+        if not rel.startswith("ssdtrain/io/"):
+            for scope, node in _walk_scoped(ast.parse(path.read_text(), rel)):
+                yield rel, scope, node
 
 
 def _walk_scoped(tree, scope=()):

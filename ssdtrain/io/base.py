@@ -65,7 +65,7 @@ import abc
 import dataclasses
 import errno as _errno
 import threading
-from concurrent.futures import FIRST_COMPLETED, ALL_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait
 from typing import Optional
 
@@ -259,12 +259,11 @@ def abandoned(engine: Engine, verb: str, file, offset: int, nbytes: int) -> Futu
     return fut
 
 
-def wait_futures(futures, timeout: float, first: bool = False) -> list:
-    """Wait until every future of ``futures`` (with ``first``: one) is done, at most
-    ``timeout`` seconds; the ones not done. For futures that settle themselves (an engine
-    whose ``poller`` is None: NOTE [ Polled completions ])."""
-    _, not_done = _wait(futures, timeout=max(0.0, timeout),
-                        return_when=FIRST_COMPLETED if first else ALL_COMPLETED)
+def wait_futures(futures, timeout: float) -> list:
+    """Wait until every future of ``futures`` is done, at most ``timeout`` seconds; the
+    ones not done. For futures that settle themselves (an engine whose ``poller`` is
+    None: NOTE [ Polled completions ])."""
+    _, not_done = _wait(futures, timeout=max(0.0, timeout))
     return list(not_done)
 
 
