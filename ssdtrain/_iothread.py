@@ -103,24 +103,34 @@ class IOThread:
                     unmap_now(item)
                 item = None
 
-    def bury_records(self):
+    def bury_records(self, every=False):
         """Release the host memory records dropped (tensors), oldest first, up to the first
         read buffer's mapping, which is left to the thread (NOTE [ Unmapping off the
         training thread ] in _readbuf.py): the hooks' own release with a polled engine
-        (NOTE [ The data path on the hooks' thread ] in _store.py). Whether a mapping is
-        left (the caller wakes the thread for it)."""
-        grave = self.graveyard
-        while grave:
-            try:
-                if type(grave[0]) is mmap.mmap:
-                    return True
-                item = grave.popleft()
-            except IndexError:  # another thread took the last one
-                return False
-            if type(item) is mmap.mmap:  # the I/O thread took the head meanwhile
-                unmap_now(item)
-            item = None
-        return False
+        (NOTE [ The data path on the hooks' thread ] in _store.py). With ``every``, the
+        records behind a mapping too (the end of a backward: they go before the
+        optimizer step); the mappings go back to the graveyard's end. Whether a mapping
+        is left (the caller wakes the thread for it)."""
+        grave, maps = self.graveyard, []
+        try:
+            while grave:
+                try:
+                    if type(grave[0]) is mmap.mmap and not every:
+                        return True
+                    item = grave.popleft()
+                except IndexError:  # another thread took the last one
+                    break
+                if type(item) is mmap.mmap:
+                    if every:
+                        maps.append(item)
+                    else:  # the I/O thread took the head meanwhile
+                        unmap_now(item)
+                item = None
+        finally:
+            # Interrupted before this line, a mapping popped goes with its last reference
+            # (its deallocation unmaps it), as everywhere in _readbuf.py.
+            grave.extend(maps)
+        return bool(maps)
 
     def dropped_bytes(self):
         """Bytes of the host storages in the graveyard: let go of, not yet released

@@ -17,7 +17,8 @@ same layers read the same sizes step after step). Mapped memory is therefore
 the slabs holding a live piece, the live large mappings, and idle memory: idle
 large mappings plus wholly free slabs, at most ``limit`` bytes plus one spare
 slab (so a pool that empties and fills a slab does not map and unmap it every
-time). A single live piece pins its whole slab: the bound is in bytes
+time) plus one large mapping (a large mapping is kept idle while the idle bytes
+are below ``limit``: NOTE [ Read buffers across steps ]). A single live piece pins its whole slab: the bound is in bytes
 in use rounded up to slabs, not in the number of records.
 
 Each piece owns whole blocks: every block that the storage, or an O_DIRECT read
@@ -119,7 +120,7 @@ class ReadBuffers:
 
     Args:
         limit: idle bytes kept mapped for reuse (the store passes
-            ``prefetch_bytes``); one spare slab is kept beyond it.
+            ``prefetch_bytes``); one spare slab and one large mapping are kept beyond it.
         unmap: what is done with a mapping that leaves the pool (it has left the books
             already): by default it is unmapped at once; the store passes its
             graveyard's ``append``, so its I/O thread unmaps it outside the store's
@@ -136,6 +137,10 @@ class ReadBuffers:
         self._large = {}       # size -> idle mappings of that size
         self._idle = 0         # bytes in ``_large``
         self._out = {}         # live pieces with a mapping of their own -> None
+        # Hints for :meth:`trim_unused`, not books (an interrupt may lose an update: then
+        # one idle mapping more or less is kept until the next trim):
+        self._wanted = {}      # size -> large hand-outs of that size since the last trim
+        self._peak_slabs = 0   # the most slabs with a block in use at once since then
 
     def storage(self, misalign: int, lead: int, nbytes: int) -> torch.UntypedStorage:
         """A uint8 CPU storage of ``lead + nbytes`` bytes for a read.
@@ -192,11 +197,37 @@ class ReadBuffers:
         """Collect, then unmap (as ``unmap`` says) every idle mapping and every slab with
         no block in use."""
         self.collect()
+        self._wanted = {}; self._peak_slabs = len(self._slabs) - self._empty
         large, self._large = self._large, {}; self._idle = 0
         keep = [s for s in self._slabs if s.nused]
         drop = [s for s in self._slabs if not s.nused]
         self._slabs = keep; self._empty = 0; self._cursor = 0
         for mm in [mm for idle in large.values() for mm in idle] + [s.mm for s in drop]:
+            self._unmap(mm)
+
+    def trim_unused(self) -> None:
+        """Collect, then unmap the idle memory the time since the last trim did not use
+        (NOTE [ Read buffers across steps ]): of each size, the idle mappings beyond the
+        number handed out since then; the wholly free slabs beyond the most slabs in use
+        at once since then, less those in use now."""
+        self.collect()
+        wanted, peak = self._wanted, self._peak_slabs
+        used = len(self._slabs) - self._empty
+        self._wanted = {}; self._peak_slabs = used
+        large, gone, idle = {}, [], 0
+        for size, group in self._large.items():
+            n = min(len(group), wanted.get(size, 0))
+            if n:
+                large[size] = group[:n]; idle += n * size
+            gone += group[n:]
+        empties = [s for s in self._slabs if not s.nused]
+        drop = {id(s) for s in empties[max(0, peak - used):]}
+        keep = [s for s in self._slabs if id(s) not in drop]
+        if not gone and not drop:
+            return
+        self._large, self._idle, self._slabs, self._empty, self._cursor = \
+            large, idle, keep, len(empties) - len(drop), 0
+        for mm in gone + [s.mm for s in empties if id(s) in drop]:
             self._unmap(mm)
 
     def mapped_bytes(self) -> int:
@@ -208,7 +239,8 @@ class ReadBuffers:
         return len(self._slabs) + len(self._out) + sum(len(idle) for idle in self._large.values())
 
     def idle_bytes(self) -> int:
-        """Mapped bytes no storage uses and no slab pins: at most ``limit`` plus one slab."""
+        """Mapped bytes no storage uses and no slab pins: at most ``limit`` plus one slab
+        and one large mapping."""
         return self._idle + self._empty * SLAB_BYTES
 
     def check_invariants(self) -> None:
@@ -258,15 +290,25 @@ class ReadBuffers:
             piece.mm = slab.mm; piece.slab = slab
             slab.used[:n] = _USED[n]; slab.nused = n; slabs += (slab,); piece.live = True
             self._cursor = k
+            self._note_slabs()
             return
         piece.mm = slab.mm; piece.slab = slab; piece.offset = i * BLOCK
         was_empty = not slab.nused
         slab.used[i:i + n] = _USED[n]; slab.nused += n; self._empty -= was_empty; piece.live = True
         self._cursor = (c + j) % k
+        if was_empty:
+            self._note_slabs()
+
+    def _note_slabs(self):
+        """Raise the hint of the most slabs in use at once (:meth:`trim_unused`)."""
+        used = len(self._slabs) - self._empty
+        if used > self._peak_slabs:
+            self._peak_slabs = used
 
     def _take_large(self, piece):
         """A mapping of exactly ``piece.size`` bytes: an idle one, else a new one."""
         size = piece.size
+        self._wanted[size] = self._wanted.get(size, 0) + 1  # a hint (trim_unused)
         idle = self._large.get(size)
         if idle:
             piece.mm = idle[-1]  # not live yet: a give-back now does nothing
@@ -291,7 +333,7 @@ class ReadBuffers:
         if not piece.live:
             return
         size = piece.size
-        if self.idle_bytes() + size <= self._limit:
+        if self.idle_bytes() < self._limit:
             idle = self._large.get(size)
             if idle is None:
                 idle = self._large[size] = []
@@ -308,6 +350,29 @@ class ReadBuffers:
         self._slabs = rest; self._empty -= 1
         self._unmap(slab.mm)
 
+
+# NOTE [ Read buffers across steps ]
+# The store trims the pool at the start of each forward. Unmapping every idle buffer
+# there, as it once did, freed the pages backward had just read into and faulted
+# fresh, zeroed ones in for the next backward: with 64 MiB records, some 96 ms of
+# unmapping per step on the I/O thread and up to 13 ms of page faults per buffer at
+# forward's end, 2.6-3.1 ms per saved tensor added to a launch-like loop's forward on
+# this project's 2-core VM, against 0.24 ms with the buffers kept
+# (docs/results/launch_loop_polled_cpu_2026-11-27.md). Steps repeat their sizes, so
+# the start of a forward unmaps only what the step before did not use
+# (ReadBuffers.trim_unused): of each size, the idle mappings beyond the number
+# handed out since the last trim, and the free slabs beyond the most in use at once.
+# A large mapping given back is kept idle while the idle bytes are below ``limit``,
+# so the idle memory may pass ``limit`` by one mapping: the read-ahead window holds
+# up to ``prefetch_bytes`` plus one record (INV-BOUNDED), and its mappings are a few
+# KiB larger than its records (the misalignment), so a strict ``limit`` unmapped one
+# buffer at every backward's end and mapped it again at the next forward's end. In a
+# steady run nothing is unmapped or mapped again; a step that reads nothing (the hooks
+# off, a quota of 0) frees the pool at the next forward's start; close() frees all.
+# The cost is memory at forward's peak: the idle buffers backward will reuse (at most
+# ``limit``, the store's ``prefetch_bytes``, plus a slab and one buffer) are held
+# through forward. Only host records read into this pool; a device record reads into
+# pinned staging (NOTE [ Bounded staging ] in _device.py).
 
 # NOTE [ Unmapping off the training thread ]
 # Unmapping is the kernel freeing every page: about 65 ms for 256 MiB on this

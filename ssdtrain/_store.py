@@ -434,9 +434,10 @@ class Store:
     def _begin_pass_locked(self):
         self._check_open()
         self._sweep_locked()
-        # Idle read buffers would only add to forward's peak; unmapped by the I/O thread
-        # (NOTE [ Unmapping off the training thread ] in _readbuf.py).
-        self._buffers.trim()
+        # Idle read buffers the last step did not use would only add to forward's peak
+        # (NOTE [ Read buffers across steps ] in _readbuf.py); unmapped by the I/O
+        # thread (NOTE [ Unmapping off the training thread ]).
+        self._buffers.trim_unused()
         self._current = _Pass()
         self._window.begin_step(self.quota, self.quota_floor)
 
@@ -856,9 +857,12 @@ class Store:
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
         freed are applied, and their memory is let go here, so that it is back before
-        the optimizer step (on a GPU, in the caching allocator)."""
+        the optimizer step (on a GPU, in the caching allocator). Idle read buffers'
+        mappings are left to the I/O thread (NOTE [ Unmapping off the training thread ]
+        in _readbuf.py): unmapping them here cost 7 ms a step with 64 MiB records."""
         self._settle()
-        self._bury()
+        if self._io.bury_records(every=True):
+            self._kick()
 
     def held_bytes(self):
         """Bytes of saved storages in memory, and of those let go of but not yet released

@@ -417,6 +417,37 @@ def test_memory_is_back_when_backward_returns(make_offloader):
         assert len(died) == 4, f"{4 - len(died)} kept tensors outlived backward"
 
 
+@pytest.mark.parametrize("engine", ["native", "posix"])
+def test_read_buffers_are_unmapped_off_the_training_thread(make_offloader, monkeypatch, engine):
+    """Read buffers given back beyond the idle limit are unmapped by the I/O thread,
+    never by the hooks' thread, the end of backward included (with 64 MiB records that
+    cost 7 ms a step; NOTE [ Unmapping off the training thread ] in _readbuf.py), while
+    the records the end of backward frees are still released before it returns, those
+    behind a mapping in the graveyard included."""
+    from ssdtrain import _iothread
+    unmapped, real = [], _iothread.unmap_now
+
+    def spy(mm):
+        unmapped.append(threading.current_thread().name)
+        real(mm)
+    monkeypatch.setattr(_iothread, "unmap_now", spy)
+    # 1 MiB records, a window and idle limit of two: most give-backs unmap; a kept tail.
+    off = make_offloader(engine=engine, keep_tail_bytes=2 << 20, min_tensor_bytes=4096,
+                         prefetch_bytes=2 << 20)
+    for step in range(3):
+        xs = _tensors(10, 1 << 20)
+        died = _deaths(xs[-2:])  # the tail: freed by the end of backward
+        a, y = _chain(off, xs, settle=True)
+        assert [r.state for r in off.records()][-2:] == ["KEPT"] * 2
+        del xs
+        y.backward()
+        assert len(died) == 2, f"step {step}: {2 - len(died)} kept tensors outlived backward"
+        assert torch.equal(a.grad, _reference(_tensors(10, 1 << 20)))
+    _until(lambda: not off._store._graveyard, "unmap the idle read buffers")
+    assert unmapped, "no read buffer was unmapped: the test is void"
+    assert set(unmapped) == {"ssdtrain-store"}, unmapped
+
+
 def test_memory_dropped_by_any_operation_is_released(make_offloader):
     """A graph dropped without backward, then only ``live_records()``: the records it
     frees let go of their memory (through the I/O thread) with no later call."""

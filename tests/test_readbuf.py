@@ -20,12 +20,12 @@ import threading
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ssdtrain import _readbuf
-from ssdtrain._readbuf import SLAB_BYTES, SMALL_BYTES, ReadBuffers
+from ssdtrain._readbuf import SLAB_BYTES, SMALL_BYTES, ReadBuffers, unmap_now
 from ssdtrain._spill import BLOCK, align_down, align_up
 
 _SOURCE = _readbuf.__file__
@@ -276,6 +276,13 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.trim()
         assert self.pool.idle_bytes() == 0
 
+    @rule()
+    def trim_unused(self):
+        self.pool.collect()
+        before = self.pool.idle_bytes()
+        self.pool.trim_unused()
+        assert self.pool.idle_bytes() <= before
+
     @invariant()
     def consistent(self):
         self.pool.check_invariants()
@@ -341,12 +348,13 @@ def test_idle_memory_bounded_by_limit(limit):
     live = [pool.storage(*_random_request(rng)) for _ in range(3000)]
     live += [pool.storage(0, 0, (1 << 20) + rng.randrange(3) * BLOCK) for _ in range(30)]
     in_use = pool.mapped_bytes()
+    spare = SLAB_BYTES + max(p.size for p in pool._out)  # a slab and one large mapping
     rng.shuffle(live)
     while live:
         del live[-50:]
         pool.collect()
-        assert pool.idle_bytes() <= limit + SLAB_BYTES
-        assert pool.mapped_bytes() <= in_use + limit + SLAB_BYTES
+        assert pool.idle_bytes() <= limit + spare
+        assert pool.mapped_bytes() <= in_use + limit + spare
     assert pool.mapped_bytes() == pool.idle_bytes()  # nothing in use: only idle memory left
     pool.trim()
     assert pool.mapped_bytes() == 0 and pool.mappings() == 0
@@ -388,6 +396,83 @@ def test_reuse_instead_of_fresh_mappings():
         del s
     assert pool.mappings() == 1  # one slab served them all
     pool.check_invariants()
+
+
+class _Unmaps(list):
+    """An ``unmap=`` that records what leaves the pool, then unmaps it."""
+
+    def __call__(self, mm):
+        self.append(len(mm))
+        unmap_now(mm)
+
+
+def _piece(i, n):
+    """The bytes the pool cuts for ``_step``'s ``i``-th read of ``n`` bytes."""
+    misalign, lead = i % BLOCK, i % 16
+    return align_up((misalign - lead) % BLOCK + lead + n)
+
+
+def _step(pool, sizes):
+    """One backward's reads: take a storage of each size (in flight together), let all die.
+    Returns how many mappings of their own it took, by size."""
+    live = [pool.storage(i % BLOCK, i % 16, n) for i, n in enumerate(sizes)]
+    del live
+    pool.collect()
+    return collections.Counter(_piece(i, n) for i, n in enumerate(sizes)
+                               if _piece(i, n) > SMALL_BYTES)
+
+
+def test_steps_that_repeat_their_reads_map_and_unmap_nothing_after_the_first():
+    """NOTE [ Read buffers across steps ]: the start of each forward (trim_unused) keeps what
+    the last step read into, so a steady run neither unmaps nor maps a buffer again."""
+    unmaps = _Unmaps()
+    pool = ReadBuffers(limit=64 << 20, unmap=unmaps)
+    sizes = [4 << 20] * 3 + [1 << 20, 300_000] + [5000, 70_000, 100] * 20
+    _step(pool, sizes)
+    mapped, addresses = pool.mapped_bytes(), pool.mappings()
+    for _ in range(5):
+        pool.trim_unused()
+        _step(pool, sizes)
+        assert unmaps == [] and pool.mapped_bytes() == mapped and pool.mappings() == addresses
+    pool.check_invariants()
+
+
+def test_trim_unused_unmaps_what_the_last_step_did_not_read_into():
+    unmaps = _Unmaps()
+    pool = ReadBuffers(limit=64 << 20, unmap=unmaps)
+    first = _step(pool, [4 << 20, 4 << 20, 2 << 20, 5000])
+    assert sum(first.values()) == 3
+    pool.trim_unused()
+    assert unmaps == []
+    assert _step(pool, [4 << 20, 5000]) == {4 << 20: 1}  # one 4 MiB read, no 2 MiB one
+    pool.trim_unused()
+    assert sorted(unmaps) == sorted(set(first) - {4 << 20})  # the slab stays: in use once
+    assert pool.idle_bytes() == (4 << 20) + SLAB_BYTES
+    pool.trim_unused()                           # a step that read nothing
+    assert pool.idle_bytes() == 0 and pool.mappings() == 0
+    pool.check_invariants()
+
+
+@given(st.lists(st.lists(st.sampled_from([100, 5000, SMALL_BYTES, 1 << 20, 3 << 20]), max_size=12),
+                min_size=1, max_size=6),
+       st.sampled_from([0, 2 << 20, 64 << 20]))
+@settings(max_examples=60, deadline=None)
+def test_trim_unused_keeps_at_most_what_the_last_step_read_into(steps, limit):
+    """Whatever the steps read, what trim_unused keeps idle is no more, of each size, than
+    the last step handed out, and within ``limit`` plus a slab; repeating a step after
+    it maps nothing new when the limit held all of it."""
+    pool = ReadBuffers(limit=limit)
+    for sizes in steps:
+        large = _step(pool, sizes)
+        pool.trim_unused()
+        assert pool.idle_bytes() <= limit + SLAB_BYTES + max(large, default=0)
+        for size, group in pool._large.items():
+            assert len(group) <= large[size], (size, len(group), large)
+        if sum(large.values()) == len(sizes):
+            assert pool._empty == 0  # the step used no slab: none kept
+        pool.check_invariants()
+    pool.trim_unused()
+    assert pool.mappings() == 0
 
 
 def test_storages_outlive_the_pool():
@@ -506,6 +591,10 @@ def _scenario(pool, held):
     pool.mapped_bytes(), pool.mappings(), pool.idle_bytes()
     held.append(pool.storage(2, 2, SMALL_BYTES))
     held.pop()
+    held.append(pool.storage(0, 0, 300_000))
+    held.pop()
+    pool.trim_unused()                           # what the step used stays mapped
+    pool.trim_unused()                           # a step with no reads: all unmapped
     pool.trim()
 
 
