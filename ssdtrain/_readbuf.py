@@ -137,10 +137,11 @@ class ReadBuffers:
         self._large = {}       # size -> idle mappings of that size
         self._idle = 0         # bytes in ``_large``
         self._out = {}         # live pieces with a mapping of their own -> None
-        # Hints for :meth:`trim_unused`, not books (an interrupt may lose an update: then
-        # one idle mapping more or less is kept until the next trim):
-        self._wanted = {}      # size -> large hand-outs of that size since the last trim
-        self._peak_slabs = 0   # the most slabs with a block in use at once since then
+        # What :meth:`trim_unused` keeps: hints, not books (an interrupt may lose an
+        # update: then one idle mapping more or less is kept until the next trim).
+        self.watching = False  # set by the store around forward's first read-ahead
+        self._wanted = {}      # size -> large hand-outs of that size while watching
+        self._peak_slabs = 0   # the most slabs with a block in use at once while watching
 
     def storage(self, misalign: int, lead: int, nbytes: int) -> torch.UntypedStorage:
         """A uint8 CPU storage of ``lead + nbytes`` bytes for a read.
@@ -197,7 +198,7 @@ class ReadBuffers:
         """Collect, then unmap (as ``unmap`` says) every idle mapping and every slab with
         no block in use."""
         self.collect()
-        self._wanted = {}; self._peak_slabs = len(self._slabs) - self._empty
+        self._wanted = {}; self._peak_slabs = 0
         large, self._large = self._large, {}; self._idle = 0
         keep = [s for s in self._slabs if s.nused]
         drop = [s for s in self._slabs if not s.nused]
@@ -206,14 +207,14 @@ class ReadBuffers:
             self._unmap(mm)
 
     def trim_unused(self) -> None:
-        """Collect, then unmap the idle memory the time since the last trim did not use
-        (NOTE [ Read buffers across steps ]): of each size, the idle mappings beyond the
-        number handed out since then; the wholly free slabs beyond the most slabs in use
-        at once since then, less those in use now."""
+        """Collect, then unmap the idle memory beyond what was handed out while
+        ``watching`` since the last trim (NOTE [ Read buffers across steps ]): of each
+        size, the idle mappings beyond the number handed out then; the wholly free slabs
+        beyond the most slabs in use at once then, less those in use now."""
         self.collect()
         wanted, peak = self._wanted, self._peak_slabs
         used = len(self._slabs) - self._empty
-        self._wanted = {}; self._peak_slabs = used
+        self._wanted = {}; self._peak_slabs = 0
         large, gone, idle = {}, [], 0
         for size, group in self._large.items():
             n = min(len(group), wanted.get(size, 0))
@@ -290,13 +291,14 @@ class ReadBuffers:
             piece.mm = slab.mm; piece.slab = slab
             slab.used[:n] = _USED[n]; slab.nused = n; slabs += (slab,); piece.live = True
             self._cursor = k
-            self._note_slabs()
+            if self.watching:
+                self._note_slabs()
             return
         piece.mm = slab.mm; piece.slab = slab; piece.offset = i * BLOCK
         was_empty = not slab.nused
         slab.used[i:i + n] = _USED[n]; slab.nused += n; self._empty -= was_empty; piece.live = True
         self._cursor = (c + j) % k
-        if was_empty:
+        if self.watching:
             self._note_slabs()
 
     def _note_slabs(self):
@@ -308,7 +310,8 @@ class ReadBuffers:
     def _take_large(self, piece):
         """A mapping of exactly ``piece.size`` bytes: an idle one, else a new one."""
         size = piece.size
-        self._wanted[size] = self._wanted.get(size, 0) + 1  # a hint (trim_unused)
+        if self.watching:  # a hint (trim_unused)
+            self._wanted[size] = self._wanted.get(size, 0) + 1
         idle = self._large.get(size)
         if idle:
             piece.mm = idle[-1]  # not live yet: a give-back now does nothing
@@ -354,25 +357,33 @@ class ReadBuffers:
 # NOTE [ Read buffers across steps ]
 # The store trims the pool at the start of each forward. Unmapping every idle buffer
 # there, as it once did, freed the pages backward had just read into and faulted
-# fresh, zeroed ones in for the next backward: with 64 MiB records, some 96 ms of
-# unmapping per step on the I/O thread and up to 13 ms of page faults per buffer at
-# forward's end, 2.6-3.1 ms per saved tensor added to a launch-like loop's forward on
-# this project's 2-core VM, against 0.24 ms with the buffers kept
-# (docs/results/launch_loop_polled_cpu_2026-11-27.md). Steps repeat their sizes, so
-# the start of a forward unmaps only what the step before did not use
-# (ReadBuffers.trim_unused): of each size, the idle mappings beyond the number
-# handed out since the last trim, and the free slabs beyond the most in use at once.
+# fresh, zeroed ones in at forward's end, when the first window's reads start: with
+# 64 MiB records, some 96 ms of unmapping per step on the I/O thread and up to 13 ms
+# of page faults per buffer at forward's end, 2.6-3.1 ms per saved tensor added to a
+# launch-like loop's forward on this project's 2-core VM, against 0.24 ms with the
+# buffers kept (docs/results/launch_loop_polled_cpu_2026-11-27.md).
+#
+# Keeping every idle buffer through forward is no answer: memory is what ssdtrain
+# is for, and a step whose backward starts on kept records (the default's quota
+# keeps the last ones) reads nothing at forward's end, so its idle buffers would
+# add to forward's peak (a CPU model in a cgroup 160 MiB above torch's own use was
+# killed so, tests/test_limits.py). What forward's end maps anyway costs nothing to
+# keep: the store sets ``watching`` around the first window's reads
+# (Store._end_pass_locked), and the start of the next forward (trim_unused) keeps,
+# of each size, as many idle mappings as were handed out then, and as many free
+# slabs as were then in use at once, less those in use now; the rest is unmapped.
+# In a steady run the first window maps and unmaps nothing after the first step; a
+# step whose forward's end read nothing frees the pool at the next forward's start;
+# close() frees all. Memory held through forward is at most what the last forward's
+# end mapped (its window: ``prefetch_bytes`` plus one record), which that end will
+# map again when forward's memory is at its height.
+#
 # A large mapping given back is kept idle while the idle bytes are below ``limit``,
-# so the idle memory may pass ``limit`` by one mapping: the read-ahead window holds
-# up to ``prefetch_bytes`` plus one record (INV-BOUNDED), and its mappings are a few
-# KiB larger than its records (the misalignment), so a strict ``limit`` unmapped one
-# buffer at every backward's end and mapped it again at the next forward's end. In a
-# steady run nothing is unmapped or mapped again; a step that reads nothing (the hooks
-# off, a quota of 0) frees the pool at the next forward's start; close() frees all.
-# The cost is memory at forward's peak: the idle buffers backward will reuse (at most
-# ``limit``, the store's ``prefetch_bytes``, plus a slab and one buffer) are held
-# through forward. Only host records read into this pool; a device record reads into
-# pinned staging (NOTE [ Bounded staging ] in _device.py).
+# so they may pass ``limit`` by one mapping: the window holds up to
+# ``prefetch_bytes`` plus one record (INV-BOUNDED), and its mappings are a few KiB
+# larger than its records (the misalignment), so a strict ``limit`` unmapped one
+# buffer at every backward's end. Only host records read into this pool; a device
+# record reads into pinned staging (NOTE [ Bounded staging ] in _device.py).
 
 # NOTE [ Unmapping off the training thread ]
 # Unmapping is the kernel freeing every page: about 65 ms for 256 MiB on this

@@ -434,9 +434,9 @@ class Store:
     def _begin_pass_locked(self):
         self._check_open()
         self._sweep_locked()
-        # Idle read buffers the last step did not use would only add to forward's peak
-        # (NOTE [ Read buffers across steps ] in _readbuf.py); unmapped by the I/O
-        # thread (NOTE [ Unmapping off the training thread ]).
+        # Idle read buffers beyond what the last forward's end mapped would only add to
+        # forward's peak (NOTE [ Read buffers across steps ] in _readbuf.py); unmapped by
+        # the I/O thread (NOTE [ Unmapping off the training thread ]).
         self._buffers.trim_unused()
         self._current = _Pass()
         self._window.begin_step(self.quota, self.quota_floor)
@@ -459,7 +459,13 @@ class Store:
         if p.passed is not None:  # passed through after the quota was spent: the same
             ranges, p.passed = p.passed, None  # (only its tensors keep it alive now)
             self._table.count_passed(ranges, self._inbox.append)
-        self._reads.queue_pass_locked(p)
+        # What the first window maps is kept for the next forward's end (NOTE [ Read
+        # buffers across steps ] in _readbuf.py).
+        self._buffers.watching = True
+        try:
+            self._reads.queue_pass_locked(p)
+        finally:
+            self._buffers.watching = False
 
     def end_pass(self):
         """Forward ended: the tail stays in memory; prefetch starts in reverse pack order."""

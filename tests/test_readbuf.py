@@ -276,6 +276,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.trim()
         assert self.pool.idle_bytes() == 0
 
+    @rule(on=st.booleans())
+    def watch(self, on):
+        self.pool.watching = on
+
     @rule()
     def trim_unused(self):
         self.pool.collect()
@@ -415,7 +419,9 @@ def _piece(i, n):
 def _step(pool, sizes):
     """One backward's reads: take a storage of each size (in flight together), let all die.
     Returns how many mappings of their own it took, by size."""
+    pool.watching = True  # the store watches forward's first read-ahead; all of it here
     live = [pool.storage(i % BLOCK, i % 16, n) for i, n in enumerate(sizes)]
+    pool.watching = False
     del live
     pool.collect()
     return collections.Counter(_piece(i, n) for i, n in enumerate(sizes)
@@ -450,6 +456,20 @@ def test_trim_unused_unmaps_what_the_last_step_did_not_read_into():
     assert pool.idle_bytes() == (4 << 20) + SLAB_BYTES
     pool.trim_unused()                           # a step that read nothing
     assert pool.idle_bytes() == 0 and pool.mappings() == 0
+    pool.check_invariants()
+
+
+def test_trim_unused_unmaps_what_was_handed_out_unwatched():
+    """Reads later in backward (not watched) map what backward's freed memory makes room
+    for; the next forward's start unmaps them, so they never add to forward's peak."""
+    pool = ReadBuffers(limit=64 << 20)
+    _step(pool, [4 << 20])                                       # forward's end: watched
+    later = [pool.storage(0, 0, 4 << 20), pool.storage(0, 0, 2 << 20)]
+    del later
+    pool.trim_unused()
+    assert pool.mappings() == 1 and pool.idle_bytes() == 4 << 20  # the watched one
+    pool.trim_unused()                                           # nothing watched since
+    assert pool.mappings() == 0
     pool.check_invariants()
 
 
@@ -591,9 +611,12 @@ def _scenario(pool, held):
     pool.mapped_bytes(), pool.mappings(), pool.idle_bytes()
     held.append(pool.storage(2, 2, SMALL_BYTES))
     held.pop()
+    pool.watching = True
     held.append(pool.storage(0, 0, 300_000))
-    held.pop()
-    pool.trim_unused()                           # what the step used stays mapped
+    held.append(pool.storage(0, 0, 5000))
+    pool.watching = False
+    held.pop(); held.pop()
+    pool.trim_unused()                           # what was watched stays mapped
     pool.trim_unused()                           # a step with no reads: all unmapped
     pool.trim()
 
