@@ -102,6 +102,11 @@ class State(enum.Enum):
     SPILLING = "spilling"  # evicted from host RAM: its write to the SSD is in flight
     FREED = "freed"        # no handle left (final)
 
+    # Members are singletons compared by identity: hashing them by identity, in C, keeps
+    # every set and dict of states off Enum.__hash__, a Python call (six per record in
+    # the hooks' state moves: NOTE [ The data path on the hooks' thread ] in _store.py).
+    __hash__ = object.__hash__
+
 
 _S = State
 TRANSITIONS = {
