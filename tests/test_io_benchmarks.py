@@ -297,3 +297,28 @@ def test_launch_breakdown_runs(tmp_path, spill_dir):
     assert "what-if: bury-inline, one-round, submit-in-pack" in proc.stdout
     assert "records written 8, read 8, prefetch hits 8, misses 0, markers wrong 0" in proc.stdout
     assert list(spill_dir.iterdir()) == []
+
+
+def test_cpu_per_gb_tiny(tmp_path):
+    """The side-by-side CPU benchmark runs its native rows (DeepSpeed only where its op is
+    built), every round of every configuration moved every byte and read it back right,
+    and each median is a CPU time per GB that was measured (positive)."""
+    out, work = tmp_path / "cpu.json", tmp_path / "cpu"
+    work.mkdir()
+    proc = _run(REPO_ROOT / "benchmarks" / "cpu_per_gb.py", "--size", "8MiB", "--record-size",
+                "4MiB", "--chunk-size", "1MiB", "--rounds", "2", "--no-deepspeed", "--dir", work,
+                "--json", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| config | CPU s/GB write [min, max] | CPU s/GB read [min, max] |" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["errors"] == [] and not res["deepspeed"] and res["targets"] == []
+    assert set(res["summary"]) == {"native"}
+    assert len(res["cpu_s_per_gb"]["native/write"]) == 2
+    assert all(v > 0 for v in res["summary"]["native"].values()), res["summary"]
+    assert list(work.iterdir()) == []  # the spill files are anonymous; nothing left behind
+
+
+def test_cpu_per_gb_refuses_records_deepspeed_cannot_split(tmp_path):
+    proc = _run(REPO_ROOT / "benchmarks" / "cpu_per_gb.py", "--size", "8MiB", "--record-size",
+                "5000", "--no-deepspeed", "--json", tmp_path / "x.json")
+    assert proc.returncode != 0 and "--record-size must be a positive multiple" in proc.stderr
