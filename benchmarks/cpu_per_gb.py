@@ -45,6 +45,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import command_line, finish, median, progress, work_dir  # noqa: E402
+from io_bandwidth import parse_size  # noqa: E402
 
 MiB = 1 << 20
 
@@ -52,11 +53,6 @@ MiB = 1 << 20
 def _cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def _parse_size(text):
-    from ssdtrain._config import parse_bytes
-    return parse_bytes(text, name="a size")
 
 
 def _deepspeed(build):
@@ -83,7 +79,7 @@ class Native:
     """The native engine on a set of source tensors, its own slots and read buffers."""
 
     def __init__(self, engine, spill, sources, dests):
-        from ssdtrain._spill import BLOCK
+        from ssdtrain.tools import BLOCK
         self.engine, self.sources, self.dests = engine, sources, dests
         self.slots = [spill.alloc(t.numel(), t.data_ptr() % BLOCK) for t in sources]
 
@@ -135,14 +131,14 @@ def _records(sizes, seed):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="1GiB", help="bytes written and read per configuration "
+    p.add_argument("--size", type=parse_size, default=1 << 30, help="bytes written and read per configuration "
                    "and round (default 1GiB)")
-    p.add_argument("--record-size", default="64MiB", help="bytes per record (default 64MiB)")
+    p.add_argument("--record-size", type=parse_size, default=64 * MiB, help="bytes per record (default 64MiB)")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5), after "
                    "one warm-up round")
     p.add_argument("--io-threads", type=int, default=4, help="engine workers; DeepSpeed "
                    "intra_op_parallelism (default 4)")
-    p.add_argument("--chunk-size", default="16MiB", help="engine io_chunk_bytes; DeepSpeed "
+    p.add_argument("--chunk-size", type=parse_size, default=16 * MiB, help="engine io_chunk_bytes; DeepSpeed "
                    "block size (default 16MiB)")
     p.add_argument("--backend", choices=["threads", "uring"], default="threads",
                    help="the native engine's back end (default threads, ssdtrain's default)")
@@ -156,12 +152,10 @@ def main(argv=None):
 
     import torch
 
-    from ssdtrain._spill import BLOCK
     from ssdtrain.io.native import NativeEngine
-    from ssdtrain.tools import ReadBuffers, SpillSet, crc32c
+    from ssdtrain.tools import BLOCK, ReadBuffers, SpillSet, crc32c
 
-    size, record, chunk = (_parse_size(args.size), _parse_size(args.record_size),
-                           _parse_size(args.chunk_size))
+    size, record, chunk = args.size, args.record_size, args.chunk_size
     if record <= 0 or size < record or record % (args.io_threads * 4096):
         raise SystemExit(f"cpu_per_gb.py: --record-size must be a positive multiple of "
                          f"io_threads x 4096 = {args.io_threads * 4096} (DeepSpeed splits each "
