@@ -372,3 +372,60 @@ def test_the_host_tier_holds_its_budget_plus_write_behind_whatever_link_and_disk
         off._store.check_invariants()
     finally:
         off.close()
+
+
+# -- read buffers held through forward ------------------------------------------------------
+
+class _Probe(torch.autograd.Function):
+    """Reads ``look()`` inside forward, after every save before it: what the store holds
+    while forward runs."""
+
+    @staticmethod
+    def forward(ctx, a, look, seen):
+        seen.append(look())
+        return a * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+@given(steps=st.lists(st.lists(st.sampled_from([5000, 100_000, 1 << 20, 3 << 20, 100]),
+                                min_size=1, max_size=6), min_size=2, max_size=5),
+       tail=st.sampled_from([0, 1 << 20, 8 << 20]),
+       prefetch=st.sampled_from([0, 1 << 20, 4 << 20]),
+       engine=st.sampled_from(["native", "posix"]))
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_forward_holds_no_more_read_buffers_than_the_last_forwards_end_took(
+        spill_dir, steps, tail, prefetch, engine):
+    """NOTE [ Read buffers across steps ] in _readbuf.py: while a forward runs, the read
+    buffers ssdtrain keeps mapped are at most what the previous forward's end took for
+    its first reads (none when it read nothing there: a kept tail that fills the window,
+    a step of small tensors), whatever the steps save and read. Keeping every buffer
+    the last backward used instead raised forward's peak by up to ``prefetch_bytes``
+    and got the default killed in a tight cgroup (tests/test_limits.py). Gradients stay
+    exact."""
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), policy="static", engine=engine,
+                             keep_tail_bytes=tail, prefetch_bytes=prefetch,
+                             min_tensor_bytes=4096)
+    pool = off._store._buffers
+    try:
+        taken_at_end = 0  # what the previous forward's end had mapped for reads
+        for sizes in steps:
+            g = torch.Generator().manual_seed(len(sizes))
+            xs = [torch.rand(max(1, n // 4), generator=g) for n in sizes]
+            a, sink, seen = torch.ones((), requires_grad=True), [], []
+            with off:
+                y = a
+                for x in xs:
+                    y = SaveForBackward.apply(y, sink, x.clone())
+                y = _Probe.apply(y, pool.mapped_bytes, seen)
+            assert seen[0] <= taken_at_end, (seen[0], taken_at_end, sizes)
+            taken_at_end = pool.mapped_bytes() - pool.idle_bytes()
+            y.backward()
+            got = [t[0] for t in reversed(sink)]
+            assert all(torch.equal(u, x) for u, x in zip(got, xs))
+            del y, sink, got
+    finally:
+        off.close()
