@@ -7,6 +7,7 @@
 #   make asan-test [ASAN_PYTEST_ARGS=...]   native engine under ASan+UBSan (see below)
 #   make zero-infinity                  DeepSpeed's async_io op built, then the recipe's test
 #   make gpu-check [GPU_PYTHON=python3] GPU acceptance on an NVIDIA GPU (see below)
+#   make gpu-trace                       profiler traces of a GPU step at three quotas (below)
 #
 # torch is installed first and only if the venv cannot import it, so a torch
 # you put in .venv yourself (e.g. a CUDA build) is kept. Override the default
@@ -28,7 +29,7 @@ STAMP := $(VENV)/.ssdtrain-installed
 
 .DEFAULT_GOAL := test
 .DELETE_ON_ERROR:
-.PHONY: venv test demo bench soak clean distclean asan-test zero-infinity gpu-check
+.PHONY: venv test demo bench soak clean distclean asan-test zero-infinity gpu-check gpu-trace
 
 # The native engine ssdtrain._C (csrc/) is built by the editable install below.
 NATIVE_SRCS := $(wildcard csrc/*.cpp csrc/engine/*.cpp csrc/engine/*.h)
@@ -89,6 +90,15 @@ zero-infinity: $(STAMP)
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) tools/gpu_check.py
+
+# gpu-trace: where a GPU step's time goes when 1/16, 1/8 and 1/4 of its offloadable
+# bytes go to pinned RAM (tools/gpu_trace.py: a profiler trace per quota, every thread,
+# and a summary of each: device gaps, copies, the launching thread's time in ssdtrain
+# and in CUDA runtime calls). Same machine requirements as gpu-check; after it (it uses
+# the ssdtrain._C that gpu-check built). Writes into $$GPU_TRACE_DIR.
+GPU_TRACE_DIR ?= /tmp/ssdtrain-gpu_trace
+gpu-trace:
+	$(GPU_PYTHON) tools/gpu_trace.py --out $(GPU_TRACE_DIR) $(GPU_TRACE_ARGS)
 
 # asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
 #  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;
