@@ -42,6 +42,14 @@ the kernel throttles the cgroup to reclaim: as good as a wall for a training ste
 cannot see; "no limit" is written as LONG_MAX rounded down to a page, so every value
 from 2^60 up is none.
 
+**Cost.** ``policy="auto"`` reads the room at every forward's end, on the training
+thread. A full read is about seven files (150 µs on this project's VM), so on the real
+root the layout (mountinfo, the levels, ``memory.use_hierarchy``) and the limits are
+read again at most once a second, or at once when ``/proc/self/cgroup`` changes (the
+process moved); the usage and ``memory.stat`` of each level with a limit, which the
+room is made of, are read at every call. A limit changed while the job runs is seen
+within a second. A fake tree (``root=``, tests) is read whole every time.
+
 **Never a crash.** A missing or unreadable file, a value that is not a number, an
 unknown layout: that level (or the whole cgroup) says nothing, and the kernel's numbers
 stand alone. Nothing here raises; :meth:`HostMemory.describe` says where the numbers
@@ -61,8 +69,9 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 __all__ = ["ROOT", "CgroupMemory", "HostMemory", "Mount", "cgroup_memory", "host_memory",
            "parse_proc_cgroup", "parse_mountinfo", "cgroup_levels", "meminfo"]
@@ -72,6 +81,11 @@ UNLIMITED = 1 << 60  # at or above: "no limit" (v1 writes LONG_MAX rounded to a 
 _OCTAL = re.compile(r"\\([0-7]{3})")
 _MEMINFO_KEYS = ("MemTotal:", "MemFree:", "MemAvailable:")
 _MOUNTS = ("", [])  # the last mountinfo text read and its cgroup mounts
+_PLAN_TTL_S = 1.0   # how long the real root's layout and limits are trusted (cgroup_memory)
+_PLAN = (0.0, None, None)  # (expires, /proc/self/cgroup text, plan) of the real root
+_STAT_KEYS = {}     # memory.stat key -> its compiled pattern (_stat_value)
+_V2_INACTIVE = ("inactive_file",)
+_V1_INACTIVE = ("total_inactive_file", "inactive_file")
 
 
 @dataclass(frozen=True)
@@ -153,14 +167,21 @@ def _number(text: Optional[str]) -> Optional[int]:
     return int(text.strip())
 
 
-def _stat(text: Optional[str]) -> Dict[str, int]:
-    """``memory.stat`` as a dict (lines of "key value"); what does not parse is left out."""
-    out = {}
-    for line in (text or "").splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            out[parts[0]] = int(parts[1])
-    return out
+def _stat_value(text: Optional[str], keys) -> Optional[int]:
+    """The value of the first of ``keys`` that ``memory.stat``'s ``text`` has (as
+    lines ``key value``, the value all digits), or None; a regular expression, not a
+    parse of every line (the file has dozens)."""
+    if not text:
+        return None
+    for key in keys:
+        pattern = _STAT_KEYS.get(key)
+        if pattern is None:
+            pattern = _STAT_KEYS[key] = re.compile(rf"^[ \t]*{re.escape(key)}[ \t]+(\d+)[ \t]*$",
+                                                   re.M)
+        m = pattern.search(text)
+        if m is not None:
+            return int(m.group(1))
+    return None
 
 
 def parse_proc_cgroup(text: str) -> Tuple[Optional[str], Optional[str]]:
@@ -257,20 +278,47 @@ def _room(directory: str, limit: int, usage_file: str, inactive_keys) -> Optiona
     usage = _number(_read(os.path.join(directory, usage_file)))
     if usage is None:
         return None
-    stat = _stat(_read(os.path.join(directory, "memory.stat")))
-    inactive = next((stat[k] for k in inactive_keys if k in stat), 0)
+    inactive = _stat_value(_read(os.path.join(directory, "memory.stat")), inactive_keys) or 0
     return max(0, min(limit, limit - usage + inactive))
 
 
 def cgroup_memory(root: Optional[str] = None) -> Optional[CgroupMemory]:
     """The memory cgroup this process is in, its effective limit and room (NOTE [ Memory
     limits ]); None where there is none to be found (no ``/proc/self/cgroup``, no memory
-    hierarchy). ``root``: where ``/proc`` and ``/sys`` are (default :data:`ROOT`)."""
-    global _MOUNTS
+    hierarchy). ``root``: where ``/proc`` and ``/sys`` are (default :data:`ROOT`).
+
+    On the real root the layout and the limits are read again at most every
+    ``_PLAN_TTL_S`` seconds, or as soon as ``/proc/self/cgroup`` changes; the usage and
+    ``memory.stat`` behind the room are read at every call (``policy="auto"`` reads
+    this at every forward's end: NOTE [ Memory limits ], "Cost")."""
+    global _PLAN
     root = ROOT if root is None else root
     text = _read(_under(root, "/proc/self/cgroup"))
     if text is None:
         return None
+    cached = root == "/"
+    expires, seen, plan = _PLAN if cached else (0.0, None, None)
+    now = time.monotonic()
+    if seen != text or now >= expires:
+        plan = _plan(root, text)
+        if cached:
+            _PLAN = (now + _PLAN_TTL_S, text, plan)  # one store: threads read it whole
+    if plan is None:
+        return None
+    version, path, directory, limits = plan
+    if not limits:
+        return CgroupMemory(version, path, directory, None, "", None)
+    rooms = [r for r in (_room(d, limit, usage, keys) for limit, _, d, usage, keys in limits)
+             if r is not None]
+    limit, where = min(((lim, w) for lim, w, _, _, _ in limits), key=lambda x: x[0])
+    return CgroupMemory(version, path, directory, limit, where, min(rooms) if rooms else None)
+
+
+def _plan(root: str, text: str):
+    """What :func:`cgroup_memory` reads the room from: ``(version, path, directory,
+    limits)``, each limit ``(bytes, where, directory, usage file, inactive keys)``; None
+    without a memory hierarchy."""
+    global _MOUNTS
     v1, v2 = parse_proc_cgroup(text)
     info = _read(_under(root, "/proc/self/mountinfo")) or ""
     seen = _MOUNTS  # one read of the pair: another thread may replace it
@@ -288,34 +336,30 @@ def cgroup_memory(root: Optional[str] = None) -> Optional[CgroupMemory]:
         return None
     levels = cgroup_levels(path, mount, root)
     directory = levels[0][1]
-    limits = []  # (limit, where, room)
+    limits = []  # (limit, where, directory, usage file, inactive keys)
     if version == 2:
         for cg, d in levels:
             found = _level_v2(d)
             if found is not None:
-                limits.append((found[0], f"{found[1]} of {cg}",
-                               _room(d, found[0], "memory.current", ("inactive_file",))))
+                limits.append((found[0], f"{found[1]} of {cg}", d, "memory.current",
+                               _V2_INACTIVE))
     else:
-        keys = ("total_inactive_file", "inactive_file")
         # 1 on every kernel since 5.11 (it cannot be 0 there): missing counts as 1
         hierarchical = (_read(os.path.join(directory, "memory.use_hierarchy")) or "1").strip() \
             == "1"
         for cg, d in levels if hierarchical else levels[:1]:
             value = _limit(_read(os.path.join(d, "memory.limit_in_bytes")))
             if value is not None:
-                limits.append((value, f"memory.limit_in_bytes of {cg}",
-                               _room(d, value, "memory.usage_in_bytes", keys)))
-        value = _limit(str(_stat(_read(os.path.join(directory, "memory.stat")))
-                           .get("hierarchical_memory_limit", "")))
-        if value is not None and all(value < lim for lim, _, _ in limits):
+                limits.append((value, f"memory.limit_in_bytes of {cg}", d,
+                               "memory.usage_in_bytes", _V1_INACTIVE))
+        stated = _stat_value(_read(os.path.join(directory, "memory.stat")),
+                             ("hierarchical_memory_limit",))
+        value = None if stated is None else _limit(str(stated))
+        if value is not None and all(value < lim for lim, _, _, _, _ in limits):
             # set above what this process can see: its usage there is at least ours
-            limits.append((value, f"hierarchical_memory_limit of {levels[0][0]}",
-                           _room(directory, value, "memory.usage_in_bytes", keys)))
-    if not limits:
-        return CgroupMemory(version, path, directory, None, "", None)
-    limit, where, _ = min(limits, key=lambda x: x[0])
-    rooms = [r for _, _, r in limits if r is not None]
-    return CgroupMemory(version, path, directory, limit, where, min(rooms) if rooms else None)
+            limits.append((value, f"hierarchical_memory_limit of {levels[0][0]}", directory,
+                           "memory.usage_in_bytes", _V1_INACTIVE))
+    return version, path, directory, limits
 
 
 def meminfo(root: Optional[str] = None) -> Tuple[int, int]:

@@ -422,6 +422,87 @@ def test_this_machine_is_read_without_error():
         assert cg.path == (v1 if cg.version == 1 else v2)
 
 
+def _stat_oracle(text, keys):
+    """What memory.stat's first of ``keys`` is, parsed line by line (the reference)."""
+    stat = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            stat.setdefault(parts[0], int(parts[1]))
+    return next((stat[k] for k in keys if k in stat), None)
+
+
+_STAT_LINE = st.one_of(
+    st.tuples(st.sampled_from(["inactive_file", "total_inactive_file", "anon", "file",
+                               "hierarchical_memory_limit", "inactive_file_x", "x_inactive_file"]),
+              st.sampled_from([" ", "\t", "  "]),
+              st.integers(0, 2**63).map(str) | st.sampled_from(["-1", "12a", "", "max"]))
+    .map("".join),
+    st.sampled_from(["", "garbage", "inactive_file 1 2", " inactive_file 5"]))
+
+
+@given(st.lists(_STAT_LINE, max_size=12),
+       st.sampled_from([("inactive_file",), ("total_inactive_file", "inactive_file"),
+                        ("hierarchical_memory_limit",)]))
+@settings(max_examples=300, deadline=None)
+def test_stat_value_is_what_a_full_parse_finds(lines, keys):
+    """memory.stat's value is found by a pattern, not a parse of every line: the same
+    answer as the parse (first occurrence of a key, first of the keys), whatever the
+    lines around it are."""
+    text = "\n".join(lines) + "\n"
+    assert _limits._stat_value(text, keys) == _stat_oracle(text, keys), text
+
+
+def test_the_real_roots_layout_and_limits_are_read_once_a_second(monkeypatch):
+    """NOTE [ Memory limits ], "Cost": on the real root a second call within
+    ``_PLAN_TTL_S`` reads /proc/self/cgroup and, per level with a limit, its usage and
+    memory.stat only; past it, or once /proc/self/cgroup reads otherwise, everything is
+    read again. The answers are the same."""
+    reads, real = [], _limits._read
+
+    def counted(path):
+        reads.append(path)
+        return real(path)
+    monkeypatch.setattr(_limits, "_read", counted)
+    monkeypatch.setattr(_limits, "_PLAN", (0.0, None, None))
+    first = cgroup_memory()
+    if first is None:
+        pytest.skip("no memory cgroup on this machine")
+    full = len(reads)
+    del reads[:]
+    again = cgroup_memory()
+    assert (again.limit, again.limit_at, again.directory) == \
+        (first.limit, first.limit_at, first.directory)
+    assert reads[0] == "/proc/self/cgroup" and "/proc/self/mountinfo" not in reads
+    assert len(reads) < full and all(p.endswith(("memory.current", "memory.usage_in_bytes",
+                                                 "memory.stat")) for p in reads[1:]), reads
+    assert not any(p.endswith(("limit_in_bytes", "memory.max", "memory.high",
+                               "use_hierarchy")) for p in reads), reads
+    del reads[:]
+    monkeypatch.setattr(_limits, "_PLAN", (0.0,) + _limits._PLAN[1:])  # expired
+    cgroup_memory()
+    assert len(reads) == full and "/proc/self/mountinfo" in reads
+    del reads[:]
+
+    def moved(path):
+        reads.append(path)
+        text = real(path)
+        return text + "\n" if path == "/proc/self/cgroup" else text  # reads otherwise
+    monkeypatch.setattr(_limits, "_read", moved)
+    cgroup_memory()
+    assert len(reads) == full, reads
+
+
+def test_a_fake_root_is_read_whole_every_time(tmp_path):
+    """A tree given as ``root`` (tests, tools) is never cached: a limit written between two
+    calls is seen by the second."""
+    root = v2_tree(tmp_path, "/job", {
+        "/job": {"memory.max": f"{2 * GiB}\n", "memory.current": f"{GiB}\n"}})
+    assert cgroup_memory(root).limit == 2 * GiB
+    (Path(root) / "sys/fs/cgroup/job/memory.max").write_text(f"{GiB}\n")
+    assert cgroup_memory(root).limit == GiB
+
+
 # --------------------------------------------------- what "auto" makes of them
 @pytest.fixture
 def job_in_a_1gib_cgroup(tmp_path, monkeypatch):
