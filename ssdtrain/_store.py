@@ -1111,6 +1111,10 @@ class Store:
 
     def _snapshot_locked(self):
         self._sweep_locked()
+        buffers, stats = self._buffers, self.stats
+        buffers.collect()  # read buffers whose storage died are idle now, not in use
+        stats.read_buffer_bytes, stats.read_buffer_idle_bytes = \
+            buffers.mapped_bytes(), buffers.idle_bytes()
         live = sum(1 for group in self._table.registry.values() for r in group if r.tokens)
         return live, self._table.resident, self.spill.used_bytes()  # the dead slots reaped
 

@@ -95,6 +95,15 @@ class Stats:
     ``write_behind_bytes + prefetch_bytes + host_budget_bytes`` (NOTE [ Bounded staging ]
     in ``_device.py``). After :meth:`Offloader.wait` the rest of ``staging_bytes`` is
     what live records hold (the host tier's pinned copies)."""
+    read_buffer_bytes: int = 0
+    """Host memory mapped now for host records' reads from the SSD (in use, and idle for
+    reuse; NOTE [ Read buffer pool ] in ``_readbuf.py``). Device records read into
+    pinned staging instead (:attr:`staging_bytes`)."""
+    read_buffer_idle_bytes: int = 0
+    """The part of ``read_buffer_bytes`` kept idle for reuse: at most ``prefetch_bytes``
+    plus a slab and one buffer, and while forward runs at most what the last forward's
+    end mapped for its first reads (NOTE [ Read buffers across steps ] in
+    ``_readbuf.py``)."""
     bytes_written: int = 0
     """Bytes of completed writes to the SSD tier (from device, host memory or the host
     tier)."""
@@ -137,7 +146,7 @@ class Stats:
     # (:meth:`since`) they are what they are at its end: a difference of two maxima
     # or two levels means nothing.
     LEVELS = frozenset({"peak_resident_bytes", "staging_bytes", "peak_staging_bytes",
-                        "staging_idle_bytes",
+                        "staging_idle_bytes", "read_buffer_bytes", "read_buffer_idle_bytes",
                         "host_bytes", "peak_host_bytes", "offload_quota_bytes",
                         "budget_measured_bytes", "budget_exceeded_bytes"})
 

@@ -402,14 +402,16 @@ def test_forward_holds_no_more_read_buffers_than_the_last_forwards_end_took(
     """NOTE [ Read buffers across steps ] in _readbuf.py: while a forward runs, the read
     buffers ssdtrain keeps mapped are at most what the previous forward's end took for
     its first reads (none when it read nothing there: a kept tail that fills the window,
-    a step of small tensors), whatever the steps save and read. Keeping every buffer
+    a step of small tensors), whatever the steps save and read (``Stats.read_buffer_bytes``
+    and ``read_buffer_idle_bytes`` tell). Keeping every buffer
     the last backward used instead raised forward's peak by up to ``prefetch_bytes``
     and got the default killed in a tight cgroup (tests/test_limits.py). Gradients stay
     exact."""
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), policy="static", engine=engine,
                              keep_tail_bytes=tail, prefetch_bytes=prefetch,
                              min_tensor_bytes=4096)
-    pool = off._store._buffers
+    def mapped():
+        return off.stats().read_buffer_bytes
     try:
         taken_at_end = 0  # what the previous forward's end had mapped for reads
         for sizes in steps:
@@ -420,9 +422,10 @@ def test_forward_holds_no_more_read_buffers_than_the_last_forwards_end_took(
                 y = a
                 for x in xs:
                     y = SaveForBackward.apply(y, sink, x.clone())
-                y = _Probe.apply(y, pool.mapped_bytes, seen)
+                y = _Probe.apply(y, mapped, seen)
             assert seen[0] <= taken_at_end, (seen[0], taken_at_end, sizes)
-            taken_at_end = pool.mapped_bytes() - pool.idle_bytes()
+            now = off.stats()
+            taken_at_end = now.read_buffer_bytes - now.read_buffer_idle_bytes
             y.backward()
             got = [t[0] for t in reversed(sink)]
             assert all(torch.equal(u, x) for u, x in zip(got, xs))

@@ -500,3 +500,22 @@ def test_no_memory_for_a_prefetch_buffer_is_not_an_error(make_offloader, caplog,
     assert torch.equal(a.grad, _reference(xs))
     store.check_invariants()
     assert off.stats().prefetch_misses - misses < len(xs) - 4  # the thread prefetched again
+
+
+def test_stats_show_the_read_buffers_and_a_steady_run_keeps_the_first_windows(make_offloader):
+    """``Stats.read_buffer_bytes`` / ``read_buffer_idle_bytes``: after a step whose forward's
+    end read ahead, the buffers it mapped are idle, kept for the next step's (NOTE [ Read
+    buffers across steps ] in _readbuf.py), and the next step maps no more."""
+    off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096, prefetch_bytes=8 << 20)
+    seen = []
+    for _ in range(3):
+        xs = _tensors(4, 1 << 20)
+        a, y = _chain(off, xs, settle=True)
+        y.backward()
+        assert torch.equal(a.grad, _reference(xs))
+        del xs, a, y
+        off.wait()
+        s = off.stats()
+        seen.append((s.read_buffer_bytes, s.read_buffer_idle_bytes))
+    assert seen[0][1] > 0 and all(b == idle for b, idle in seen), seen  # nothing in use
+    assert seen[1] == seen[2] == seen[0], seen  # the same buffers, step after step
