@@ -30,7 +30,8 @@ fails the run. Nothing here asserts a timing: the table and JSON report what was
 measured, and the targets (native <= DeepSpeed in both directions) are reported as
 met or not.
 
-    .venv/bin/python benchmarks/cpu_per_gb.py [--size 1GiB] [--rounds 5]
+    TORCH_EXTENSIONS_DIR=$PWD/build/torch_extensions .venv/bin/python \
+        benchmarks/cpu_per_gb.py --with-deepspeed-aio [--size 1GiB] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import command_line, finish, median, progress, work_dir  # noqa: E402
-from io_bandwidth import parse_size  # noqa: E402
+from io_bandwidth import _deepspeed_op, _make_records, parse_size  # noqa: E402
 
 MiB = 1 << 20
 
@@ -53,26 +54,6 @@ MiB = 1 << 20
 def _cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def _deepspeed(build):
-    """DeepSpeed's async_io op module, or why not (a string)."""
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        builder = AsyncIOBuilder()
-        if not builder.is_compatible(verbose=False):
-            return "not compatible here (libaio-dev missing?)"
-        ext = os.environ.get("TORCH_EXTENSIONS_DIR", "")
-        built = any("async_io" in dirs for _, dirs, _ in os.walk(ext)) if ext else False
-        if not built and not build:
-            return ("its async_io op is not built: `make zero-infinity` builds it into "
-                    "build/torch_extensions (set TORCH_EXTENSIONS_DIR to it), or pass "
-                    "--with-deepspeed-aio (JIT, minutes)")
-        return builder.load(verbose=False)
-    except ImportError as e:
-        return f"not importable ({e})"
-    except Exception as e:  # noqa: BLE001 - a failed build is reported, not raised
-        return f"failed to load: {type(e).__name__}: {str(e)[-300:]}"
 
 
 class Native:
@@ -118,17 +99,6 @@ class DeepSpeed:
         return sum(b.numel() for b in self.dests)
 
 
-def _records(sizes, seed):
-    import torch
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n in sizes:
-        t = torch.empty(n, dtype=torch.uint8)
-        t.view(torch.int64).random_(generator=gen) if n % 8 == 0 else t.random_(generator=gen)
-        out.append(t)
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=1 << 30, help="bytes written and read per configuration "
@@ -145,7 +115,8 @@ def main(argv=None):
     p.add_argument("--dir", default=None, help="directory on the device to measure "
                    "(default: a fresh one under the system temp dir, removed at the end)")
     p.add_argument("--with-deepspeed-aio", action="store_true",
-                   help="load DeepSpeed's async_io op even if not built (JIT, minutes)")
+                   help="load DeepSpeed's async_io op even where it is not prebuilt (from "
+                        "TORCH_EXTENSIONS_DIR, or a JIT build: minutes)")
     p.add_argument("--no-deepspeed", action="store_true", help="native rows only")
     p.add_argument("--json", default="benchmarks/results/cpu_per_gb.json")
     args = p.parse_args(argv)
@@ -163,7 +134,7 @@ def main(argv=None):
     sizes = [record] * (size // record)
     total = sum(sizes)
     directory, own = work_dir(args.dir, "ssdtrain-cpu-gb-", "cpu_per_gb.py", "--dir")
-    op = "--no-deepspeed given" if args.no_deepspeed else _deepspeed(args.with_deepspeed_aio)
+    op = "--no-deepspeed given" if args.no_deepspeed else _deepspeed_op(args.with_deepspeed_aio)
     ds_reason = op if isinstance(op, str) else ""
 
     engine = NativeEngine(io_threads=args.io_threads, chunk_bytes=chunk, backend=args.backend)
@@ -171,7 +142,7 @@ def main(argv=None):
     pool = ReadBuffers(limit=total + MiB)
     handle, locked, configs = None, [], {}
     try:
-        sources = _records(sizes, 0)
+        sources = _make_records(sizes, 0)
         want = [crc32c(t.data_ptr(), t.numel()) for t in sources]
         native = Native(engine, spill, sources, [])
         native.dests = [torch.empty(0, dtype=torch.uint8).set_(

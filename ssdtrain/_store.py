@@ -1220,22 +1220,19 @@ class Store:
         deadline = time.monotonic() + max(0.0, timeout)
         for f in futures:
             f.add_done_callback(poller.wake)
-        not_done = list(futures)
+        pending, first = list(futures), 0
         while True:
             since = poller.ended()
             self._locked(_nothing)
-            # Requests end about in the order they started: drop the done ones from the
-            # front, and scan the rest only when the first is done (a wake per request
-            # would otherwise look at every future each time: quadratic in a flush).
-            while not_done and not_done[0].done():
-                del not_done[0]
-            if not_done and not_done[-1].done():
-                not_done = [f for f in not_done if not f.done()]
-            if not not_done:
-                return not_done
+            # All must end, so only the first not done is looked at again: a wake per
+            # request that looked at every future was quadratic in a flush.
+            while first < len(pending) and pending[first].done():
+                first += 1
+            if first == len(pending):
+                return []
             left = deadline - time.monotonic()
             if left <= 0:
-                return [f for f in not_done if not f.done()]
+                return [f for f in pending[first:] if not f.done()]
             poller.wait_any(since, min(left, _WAIT_SLICE_S))
 
     def _after_fork_in_child(self):
