@@ -185,8 +185,9 @@ ssdtrain::Backend parse_backend(const std::string& name) {
 
 class PyEngine {
  public:
-  PyEngine(int threads, std::size_t chunk_bytes, const std::string& backend)
-      : engine_(std::make_unique<ssdtrain::Engine>(threads, chunk_bytes, parse_backend(backend))),
+  PyEngine(int threads, std::size_t chunk_bytes, const std::string& backend, unsigned watch_us)
+      : engine_(std::make_unique<ssdtrain::Engine>(threads, chunk_bytes, parse_backend(backend),
+                                                   watch_us)),
         list_(std::make_shared<FinishedList>()) {}
 
   // Runs with the GIL held (Python dropped the object), possibly on a worker thread,
@@ -213,6 +214,7 @@ class PyEngine {
   }
 
   std::string backend() const { return ssdtrain::Engine::backend_name(engine_->backend()); }
+  std::uint64_t wakes() const { return engine_->wakes(); }
 
   // Keeps the GIL (NOTE [ Submitting with the GIL held ]).
   void submit(ssdtrain::Op op, int fd, bool direct, std::uint64_t offset, std::uintptr_t address,
@@ -391,10 +393,15 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PyEngine> engine(m, "Engine");
   engine
-      .def(py::init<int, std::size_t, const std::string&>(), py::arg("threads"),
-           py::arg("chunk_bytes"), py::arg("backend") = "auto",
+      .def(py::init<int, std::size_t, const std::string&, unsigned>(), py::arg("threads"),
+           py::arg("chunk_bytes"), py::arg("backend") = "auto", py::arg("watch_us") = 0,
            "A pool of `threads` workers; requests split at address multiples of `chunk_bytes`.\n"
-           "backend: 'auto' (io_uring where it works, else threads), 'uring' or 'threads'.")
+           "backend: 'auto' (io_uring where it works, else threads), 'uring' or 'threads'.\n"
+           "watch_us: while requests keep coming, an idle worker looks at the queue every\n"
+           "watch_us microseconds and a submit wakes nobody (0: every submit that finds a\n"
+           "worker asleep wakes one).")
+      .def("wakes", &PyEngine::wakes,
+           "How many submits woke a worker (a futex call on the submitting thread).")
       .def_property_readonly("backend", &PyEngine::backend,
                              "The back end in use: 'uring' or 'threads'.");
   def_submit(engine, "submit_write", &submit_op<ssdtrain::Op::kWrite>,

@@ -21,13 +21,14 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ssdtrain import ConfigError, IntegrityError, SpillIOError
-from ssdtrain._spill import BLOCK
+from ssdtrain._spill import BLOCK, SpillFile
 from ssdtrain.io import native
 from ssdtrain.io.posix import PosixEngine
 
@@ -112,10 +113,88 @@ def test_worker_threads_are_named_for_tools(engines, backend):
 
 
 @pytest.mark.parametrize("kwargs", [dict(backend="spdk"), dict(io_threads=0),
-                                    dict(chunk_bytes=1000), dict(chunk_bytes=0)])
+                                    dict(chunk_bytes=1000), dict(chunk_bytes=0),
+                                    dict(watch_us=-1), dict(watch_us=100_001),
+                                    dict(watch_us=1.5), dict(watch_us=True)])
 def test_bad_arguments_are_config_errors(kwargs):
     with pytest.raises(ConfigError, match="^ssdtrain:"):
         NativeEngine(**kwargs)
+
+
+# ------------------------------------------------------------------ waking workers
+
+def _one_at_a_time(engine, spill, n, gap_s, nbytes=4 * KiB):
+    """``n`` writes, each waited for, ``gap_s`` apart: as a training step's saves come."""
+    buf = Buffer(nbytes, 0)
+    buf.fill(bytes(range(256)) * (nbytes // 256))
+    for i in range(n):
+        assert engine.write(spill, i * nbytes, buf.address, nbytes,
+                            owner=buf).result(timeout=TIMEOUT) == nbytes
+        time.sleep(gap_s)
+
+
+@pytest.mark.parametrize("watch_us", [0, 100])
+def test_a_steady_stream_of_submits_wakes_no_worker(spill_files, watch_us):
+    """NOTE [ Waking workers ]: submits that come within the linger of the last piece
+    find the watch and make no futex call on the submitting thread (the first one may:
+    every worker waited then). Without a watch every submit finds the workers asleep and
+    wakes one: the count tells the two apart, so this fails with the watch turned off."""
+    engine, spill = NativeEngine(io_threads=2, watch_us=watch_us), spill_files(False)
+    try:
+        n = 40
+        _one_at_a_time(engine, spill, n, 0.0003)
+        if watch_us:
+            assert engine.wakes() <= n // 4  # 1 on a quiet machine; a stalled sleep may add
+        else:
+            assert engine.wakes() >= n // 2
+    finally:
+        engine.shutdown()
+
+
+@settings(max_examples=25, deadline=None)
+@given(workers=st.integers(1, 4), watch_us=st.sampled_from([0, 1, 100, 3000]),
+       plan=st.lists(st.tuples(st.integers(1, 6), st.sampled_from([0, 5e-5, 1e-3, 3e-3])),
+                     min_size=1, max_size=8))
+def test_no_request_is_left_queued_with_every_worker_asleep(tmp_path_factory, workers,
+                                                            watch_us, plan):
+    """Bursts of requests (several pieces each) with gaps shorter and longer than the
+    watch's period and its linger: every request ends, with its bytes, well within the
+    timeout. A piece left in the queue while every worker waited on `work` (a lost
+    wake) would hang here until the timeout."""
+    spill = SpillFile(str(tmp_path_factory.mktemp("wake")), "off")
+    engine = NativeEngine(io_threads=workers, chunk_bytes=4 * KiB, watch_us=watch_us)
+    try:
+        offset = 0
+        for burst, gap in plan:
+            bufs = [Buffer(12 * KiB, 0) for _ in range(burst)]  # three pieces each
+            futs = []
+            for i, b in enumerate(bufs):
+                b.fill(bytes([(offset // KiB + i) % 251]) * b.nbytes)
+                futs.append(engine.write(spill, offset + i * b.nbytes, b.address, b.nbytes,
+                                         owner=b))
+            for f in futs:
+                assert f.result(timeout=TIMEOUT) == 12 * KiB
+            time.sleep(gap)
+            offset += burst * 12 * KiB
+        back = Buffer(offset, 0)
+        assert engine.read(spill, 0, back.address, offset, owner=back).result(
+            timeout=TIMEOUT) == offset
+        got = ctypes.string_at(back.address, offset)
+        want = b"".join(bytes([(o // KiB + i) % 251]) * 12 * KiB
+                        for o, (burst, _) in zip(_starts(plan), plan) for i in range(burst))
+        assert got == want
+    finally:
+        engine.shutdown()
+        spill.close()
+
+
+def _starts(plan):
+    """The first offset of each burst of ``plan``."""
+    starts, offset = [], 0
+    for burst, _ in plan:
+        starts.append(offset)
+        offset += burst * 12 * KiB
+    return starts
 
 
 def test_shutdown_is_idempotent_and_refuses_new_requests(spill_files):

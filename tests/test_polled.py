@@ -15,6 +15,7 @@ GIL; the Offloader's engine is polled, and no engine worker runs Python for it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 
@@ -225,3 +226,105 @@ def test_the_offloaders_engine_is_polled_and_its_workers_run_no_python(tmp_path)
     assert st_.records_written == 8 and st_.records_read == 8
     assert threads and not any(name.startswith("ssdtrain-io") for name in threads), threads
     off.close()
+
+
+class _NoEngine:
+    """Stands for the engine of a future settled by hand: its polls settle nothing."""
+
+    def settle(self, fut, timeout=None):
+        pass
+
+
+def _observe(fut, ops):
+    """Run ``ops`` on ``fut`` and return everything a caller could observe: each op's
+    outcome (a value, or the exception type), and the calls of every callback."""
+    seen, calls = [], []
+
+    def callback(i, raises):
+        def fn(f):
+            calls.append((i, f is fut))
+            if raises:
+                raise ValueError("a callback that fails")
+        return fn
+
+    def outcome(fn):
+        try:
+            value = fn()
+        except BaseException as e:  # noqa: BLE001 - compared by type
+            return ("raised", type(e).__name__, e.args if isinstance(e, KeyError) else ())
+        if isinstance(value, BaseException):  # exception(): the one set, by type and args
+            return ("ok", type(value).__name__, value.args)
+        return ("ok", value)
+
+    for i, (op, arg) in enumerate(ops):
+        if op == "add":
+            seen.append(outcome(lambda: fut.add_done_callback(callback(i, arg))))
+        elif op == "set_result":
+            seen.append(outcome(lambda: fut.set_result(arg)))
+        elif op == "set_exception":
+            seen.append(outcome(lambda: fut.set_exception(KeyError(arg))))
+        elif op in ("result", "exception"):  # a read that does not wait
+            seen.append(outcome(lambda: getattr(fut, op)(0)))
+        else:
+            seen.append(outcome(getattr(fut, op)))
+        seen.append(list(calls))
+    return seen
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.booleans()),
+    st.tuples(st.sampled_from(["set_result", "set_exception"]), st.integers(0, 3)),
+    st.tuples(st.sampled_from(["done", "running", "cancelled", "cancel", "result",
+                               "exception"]), st.none())), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_OPS)
+def test_a_polled_future_behaves_as_a_future(ops):
+    """NOTE [ A future without a condition ]: whatever is done to it (callbacks added
+    before and after it is settled, callbacks that raise, a second settlement, every
+    read), a polled engine's future shows what ``concurrent.futures.Future`` shows."""
+    engine = _NoEngine()
+    polled = native._PolledFuture(engine)
+    plain = concurrent.futures.Future()
+    plain.set_running_or_notify_cancel()
+    assert _observe(polled, ops) == _observe(plain, ops)
+
+
+@settings(max_examples=20, deadline=None)
+@given(adders=st.integers(1, 4), per=st.integers(1, 50))
+def test_callbacks_added_while_it_settles_run_once(adders, per):
+    """Callbacks added from several threads while another settles the future: each runs
+    exactly once, none is lost between the check and the append."""
+    engine = _NoEngine()
+    fut = native._PolledFuture(engine)
+    ran = collections.Counter()
+    go = threading.Barrier(adders + 1)
+
+    def add(k):
+        go.wait()
+        for i in range(per):
+            fut.add_done_callback(lambda f, key=(k, i): ran.update([key]))
+
+    threads = [threading.Thread(target=add, args=(k,)) for k in range(adders)]
+    for t in threads:
+        t.start()
+    go.wait()
+    fut.set_result(1)
+    for t in threads:
+        t.join()
+    assert ran == collections.Counter({(k, i): 1 for k in range(adders) for i in range(per)})
+
+
+def test_concurrent_futures_wait_says_it_cannot_wait_for_a_polled_future(spill_files):
+    """``concurrent.futures.wait`` never polls, so it would hang: it is refused with a
+    message that says what to call instead."""
+    engine = NativeEngine(poll=True)
+    try:
+        futs, bufs = _writes(engine, spill_files(False), 1)
+        with pytest.raises(TypeError, match="result"):
+            concurrent.futures.wait(futs, timeout=1)
+        assert futs[0].result(timeout=30) == 8 * KiB
+        assert "finished returned int" in repr(futs[0])
+    finally:
+        engine.shutdown()

@@ -4,9 +4,13 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -15,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <utility>
 
 #include "engine/aligned_buffer.h"
@@ -32,6 +37,8 @@ constexpr std::size_t kMaxSyscallBytes = std::size_t{1} << 30;  // Linux caps on
 // the two back ends cost about the same (see ssdtrain/io/native.py, "auto").
 constexpr std::size_t kUringSegmentBytes = kMaxSyscallBytes;
 constexpr unsigned kRingEntries = 64;  // SQEs in flight per worker
+// NOTE [ Waking workers ]: how long after the last piece any worker took one keeps watching.
+constexpr std::chrono::milliseconds kWatchLinger{2};
 
 std::uint64_t align_down(std::uint64_t x, std::uint64_t a = kBlock) { return x - x % a; }
 std::uint64_t align_up(std::uint64_t x, std::uint64_t a = kBlock) { return align_down(x + a - 1, a); }
@@ -293,6 +300,10 @@ struct Engine::State {
   bool stopping = false;
   unsigned running = 0;  // workers not yet exited
   unsigned idle = 0;     // workers waiting on `work` (NOTE [ Waking workers ])
+  unsigned watching = 0; // a worker that looks at the queue every `watch` (same NOTE)
+  std::chrono::microseconds watch{0};  // the watch's period; 0: no watch
+  std::chrono::steady_clock::time_point last_taken{};  // when a worker last took a piece
+  std::uint64_t wakes = 0;  // notifies by submit() (the submitting thread's futex calls)
   Backend backend = Backend::kThreads;
   std::size_t chunk_bytes = 0;
   std::vector<std::unique_ptr<Worker>> workers;
@@ -306,21 +317,41 @@ thread_local const Engine::State* tls_worker_of = nullptr;
 // Holds the shared state, so a detached worker (see Engine::shutdown) keeps it alive.
 void worker_main(std::shared_ptr<Engine::State> s, std::size_t index) {
   tls_worker_of = s.get();  // named "ssdtrain-io" by the constructor (Engine::Engine)
+#ifdef __linux__
+  // The watch's sleeps end on time, not up to the default 50 us of slack later.
+  prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+#endif
   Worker& w = *s->workers[index];
+  std::unique_lock<std::mutex> lock(s->mu);
   for (;;) {
-    Piece p;
-    {
-      std::unique_lock<std::mutex> lock(s->mu);
+    if (s->queue.empty() && !s->stopping) {
+      // NOTE [ Waking workers ]: while requests keep coming, one idle worker watches
+      // the queue, so that a submit finds a watch and wakes nobody.
+      if (s->watching == 0 && s->watch.count() > 0 &&
+          std::chrono::steady_clock::now() - s->last_taken < kWatchLinger) {
+        ++s->watching;
+        lock.unlock();
+        std::this_thread::sleep_for(s->watch);
+        lock.lock();
+        --s->watching;
+        continue;
+      }
       ++s->idle;
       s->work.wait(lock, [&] { return s->stopping || !s->queue.empty(); });
       --s->idle;
-      if (s->queue.empty()) break;  // stopping, and every queued piece is done
-      p = std::move(s->queue.front());
-      s->queue.pop_front();
     }
+    if (s->queue.empty()) break;  // stopping, and every queued piece is done
+    Piece p = std::move(s->queue.front());
+    s->queue.pop_front();
+    s->last_taken = std::chrono::steady_clock::now();
+    // More queued than this worker takes (a request in several pieces, or submits that
+    // found the watch): it wakes one more, on its own time, not the submitter's.
+    const bool more = !s->queue.empty() && s->idle > 0;
+    lock.unlock();
+    if (more) s->work.notify_one();
     run_piece(w, p);
+    lock.lock();
   }
-  std::lock_guard<std::mutex> lock(s->mu);
   --s->running;
   s->drained.notify_all();
 }
@@ -346,7 +377,7 @@ const char* Engine::backend_name(Backend b) noexcept {
   return "?";
 }
 
-Engine::Engine(int threads, std::size_t chunk_bytes, Backend backend)
+Engine::Engine(int threads, std::size_t chunk_bytes, Backend backend, unsigned watch_us)
     : state_(std::make_shared<State>()) {
   if (threads < 1 || threads > 1024) {
     throw std::invalid_argument("threads must be in [1, 1024], got " + std::to_string(threads));
@@ -355,7 +386,12 @@ Engine::Engine(int threads, std::size_t chunk_bytes, Backend backend)
     throw std::invalid_argument("chunk_bytes must be a positive multiple of " +
                                 std::to_string(kBlock) + ", got " + std::to_string(chunk_bytes));
   }
+  if (watch_us > 100000) {
+    throw std::invalid_argument("watch_us must be in [0, 100000], got " +
+                                std::to_string(watch_us));
+  }
   state_->chunk_bytes = chunk_bytes;
+  state_->watch = std::chrono::microseconds(watch_us);
   Backend chosen = Backend::kThreads;
   if (backend != Backend::kThreads) {
     std::string why;
@@ -417,6 +453,12 @@ Engine::Engine(int threads, std::size_t chunk_bytes, Backend backend)
 
 Engine::~Engine() { shutdown(); }
 
+std::uint64_t Engine::wakes() const {
+  if (abandoned_.load()) return 0;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->wakes;
+}
+
 void Engine::abandon() noexcept {
   if (abandoned_.exchange(true)) return;
   // Leaked on purpose (see the declaration): neither vector nor state is ever destroyed.
@@ -468,7 +510,7 @@ void Engine::submit(Op op, int fd, bool direct, std::uint64_t offset, std::uintp
     start = stop;
   } while (start < end);
   r->remaining = pieces.size();
-  unsigned idle;
+  unsigned idle, watching;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     if (state_->stopping) {
@@ -477,15 +519,32 @@ void Engine::submit(Op op, int fd, bool direct, std::uint64_t offset, std::uintp
     }
     for (Piece& p : pieces) state_->queue.push_back(std::move(p));
     idle = state_->idle;
+    watching = state_->watching;
+    if (idle > 0 && watching == 0) ++state_->wakes;
   }
   // NOTE [ Waking workers ]
   // A wake-up is a futex system call, and on a virtual machine a cross-CPU wake is
-  // costly (measured here: 30-200 us of the submitting thread, the training thread).
-  // Only workers waiting on `work` need one: a busy worker takes the next piece when
-  // it is done (it checks the queue under `mu` before it waits), so while every worker
-  // is busy a submit queues and returns. `idle` is read under `mu`, where workers
-  // change it, so no piece is left in the queue with every worker asleep.
-  if (idle == 0) return;
+  // costly (measured here: 30-200 us of the submitting thread, the training thread,
+  // when the woken worker takes its CPU; 12 us a submit at the median in
+  // tools/launch_breakdown.py's loop, 2026-11-28). So the submitter wakes a worker only
+  // when nobody would otherwise look at the queue:
+  // * A busy worker takes the next piece when it is done (it looks at the queue under
+  //   `mu` before it waits): while every worker is busy a submit queues and returns.
+  // * The watch: with `watch_us` set, a worker that finds the queue empty within
+  //   kWatchLinger of the last piece any worker took sleeps `watch_us` (with 1 ns of
+  //   timer slack) and looks again, instead of waiting on `work`; one worker at a time
+  //   (`watching`). A submit that finds a watch queues and returns, and the piece waits
+  //   at most `watch_us` to start. While requests keep coming (a training step's saves,
+  //   milliseconds apart at most) the training thread wakes nobody; the watch's timer
+  //   wakes run on the I/O workers' time. After kWatchLinger without a piece the watch
+  //   waits on `work` like the others, and the next submit wakes it.
+  // * A worker that takes a piece and leaves more queued wakes one more idle worker
+  //   itself (a request in several pieces, or submits that found the watch).
+  // `idle` and `watching` are read under `mu`, where workers change them, and a watch
+  // looks at the queue under the same hold of `mu` in which it stops watching, so no
+  // piece is left in the queue with every worker asleep. `wakes` counts the submits'
+  // notifies (tests/test_native_engine.py checks a steady stream makes none).
+  if (idle == 0 || watching > 0) return;
   if (pieces.size() == 1) {
     state_->work.notify_one();
   } else {

@@ -45,7 +45,10 @@ class Engine {
  public:
   // Throws std::invalid_argument for bad arguments, std::runtime_error when
   // `backend` is kUring and io_uring cannot be used here (the reason is in what()).
-  Engine(int threads, std::size_t chunk_bytes, Backend backend);
+  // `watch_us`: while requests keep coming, one idle worker looks at the queue every
+  // `watch_us` microseconds, and a submit that finds it wakes nobody (0: never; NOTE
+  // [ Waking workers ] in engine.cpp).
+  Engine(int threads, std::size_t chunk_bytes, Backend backend, unsigned watch_us = 0);
   // Shuts down (see shutdown()).
   ~Engine();
   Engine(const Engine&) = delete;
@@ -79,6 +82,9 @@ class Engine {
   bool abandoned() const noexcept;
 
   Backend backend() const noexcept;
+
+  // How many times submit() woke a worker (a futex call on the submitting thread).
+  std::uint64_t wakes() const;
 
   // Whether the calling thread is one of this engine's workers (then shutdown() and
   // the destructor detach the workers instead of joining them, and never block).

@@ -65,14 +65,14 @@ int temp_file(bool direct) {
   return fd;
 }
 
-void round_trips(Backend backend, bool direct) {
+void round_trips(Backend backend, bool direct, unsigned watch_us) {
   const int fd = temp_file(direct);
   if (fd < 0) {
     std::fprintf(stderr, "skip: no %s temp file (%s)\n", direct ? "O_DIRECT" : "buffered",
                  std::strerror(errno));
     return;
   }
-  Engine engine(3, 8192, backend);
+  Engine engine(3, 8192, backend, watch_us);  // watch_us: NOTE [ Waking workers ]
   std::mt19937 rng(7);
   std::uint64_t next_block = 1;
   for (std::size_t n : {std::size_t{1}, std::size_t{4095}, std::size_t{4096}, std::size_t{4097},
@@ -110,7 +110,7 @@ void round_trips(Backend backend, bool direct) {
   close(fd);
   // A closed descriptor (a closed SpillFile passes -1; the old number may already be
   // reused, e.g. by the next engine's rings): EBADF, with errno in the message.
-  Engine again(1, 8192, backend);
+  Engine again(1, 8192, backend, watch_us);
   r = run(again, Op::kWrite, -1, direct, 0, big.data(), kBlock);
   CHECK(r.first == EBADF && r.second.find("errno 9") != std::string::npos);
 }
@@ -131,7 +131,9 @@ int main() {
   if (!uring) std::fprintf(stderr, "skip io_uring: %s\n", why.c_str());
   for (Backend b : {Backend::kThreads, Backend::kUring}) {
     if (b == Backend::kUring && !uring) continue;
-    for (bool direct : {false, true}) round_trips(b, direct);
+    for (bool direct : {false, true}) {
+      for (unsigned watch_us : {0u, 100u}) round_trips(b, direct, watch_us);
+    }
   }
   if (failures != 0) {
     std::fprintf(stderr, "engine_selftest: %d check(s) failed\n", failures);
