@@ -461,6 +461,14 @@ class LoopbackDevice:
                 return block
         return None
 
+    def free_blocks(self) -> dict:
+        """``{(stream, block size): count}`` of the freed blocks an allocation for that
+        stream may reuse now or once the streams that used them pass their marks (the
+        caching allocator's per-stream pools)."""
+        with self._lock:
+            self._collect_locked()
+            return {key: len(blocks) for key, blocks in self._free.items() if blocks}
+
     def in_use(self) -> int:
         """Bytes of device memory handed out and not yet freed."""
         with self._lock:
