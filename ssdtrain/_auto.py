@@ -60,7 +60,7 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    failed: not enough (the next step would run out too).
 1. *Baseline.* The next ``BASELINE_STEPS`` steps offload nothing (quota 0, or the
    floor) and
-   measure the forward time ``F``, the step time ``T`` (begin to next begin) and the
+   measure the forward time ``F``, the step time ``T`` (see "A step's time" below) and the
    bytes the step saves that could be offloaded (``S``, after dedup). The baseline
    times are the fastest seen since, in every step (one-time costs of the first
    steps do not count). On a device (kernels are asynchronous: the host's clock sees
@@ -115,6 +115,17 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    it. Its forward's end still reads the memory (step 0), so a step that stops fitting
    raises the floor, and the next step intercepts.
 
+*A step's time* is from its forward's begin to the end of the last backward that used
+what it intercepted (the store's end-of-backward callback, :meth:`AutoQuota.end_backward`;
+every intercepting step queues it, tensors passed through included), so the optimizer
+step, evaluation, logging and data loading between steps do not count, and with
+gradient accumulation each micro-batch is timed alone (the last one's optimizer step is
+not its). Where no backward end was seen (a step that intercepted nothing, step 5) or on
+a device (the host's clock sees a backward's launches, not its kernels) it runs to the
+next step's begin. Under pipeline schedules that interleave micro-batches (1F1B) the
+backward that ends after a step's forward may be an earlier micro-batch's; the step is
+then timed to it, the same way in the baseline and in the steps judged.
+
 So ``"auto"`` first makes the steps fit (as ``"static"`` would: its first step is
 ``"static"``'s), and within that never makes a step slower than ``1 + max_slowdown``
 times its time at the floor (without ssdtrain, where the floor is 0). The sizing step
@@ -152,7 +163,9 @@ LAG_SHARE = 1 / 4      # of a step's writes not landed by the next step's begin:
 class StepSample:
     """What one step measured (between two calls of :meth:`AutoQuota.begin_step`)."""
 
-    step_s: float          #: begin of the step to the begin of the next
+    #: begin of the step to the end of its backward (NOTE [ The offload quota ], "A
+    #: step's time"), or to the begin of the next where that end was not seen
+    step_s: float
     forward_s: float       #: begin to end of forward (the whole step if it never ended)
     stall_s: float         #: time waiting on I/O: unpack's reads and the write throttle
     saved_bytes: int       #: bytes of new records (what could be offloaded, after dedup)
@@ -304,6 +317,7 @@ class AutoQuota:
         self._saved = 0                   # S of the last step that intercepted
         self._begin = None                # the running step: clock at begin, at end of forward
         self._end = None
+        self._back_end = None             # ... and at the last backward end after that
         self._counters = None             # (stall, saved, offloaded, unwritten) at its begin
 
     def _read_counters(self):
@@ -320,6 +334,14 @@ class AutoQuota:
             if self._headroom is not None:
                 self._room = self._headroom()
 
+    def end_backward(self) -> None:
+        """A backward that used the running step's saved tensors ended (the store's
+        end-of-backward callback): once the step's forward has ended, the step's time
+        ends here, not when the next step begins (NOTE [ The offload quota ], "A step's
+        time"). The last such end before the next step counts."""
+        if self._end is not None:
+            self._back_end = self._clock()
+
     def begin_step(self) -> Optional[int]:
         """A step begins: measure the one before, choose this one's quota and return it
         (None: the sizing step's, no quota)."""
@@ -327,12 +349,16 @@ class AutoQuota:
         if self._begin is not None:
             stall, saved, offloaded, unwritten = self._read_counters()
             end = self._end if self._end is not None else now
+            # Its backward's end, on a host; the next begin where none was seen (a step
+            # that intercepted nothing) or on a device, whose host clock sees launches.
+            on_device = self._device_timed or self._synced
+            stop = now if self._back_end is None or on_device else self._back_end
             if self.intercepts:
                 self._saved = saved - self._counters[1]
             lag = unwritten - self._counters[3]
             if self._outbound is not None:
                 lag += self._outbound()
-            self._observe(StepSample(step_s=now - self._begin, forward_s=end - self._begin,
+            self._observe(StepSample(step_s=stop - self._begin, forward_s=end - self._begin,
                                      stall_s=stall - self._counters[0],
                                      saved_bytes=self._saved, quota=self.quota,
                                      offloaded_bytes=offloaded - self._counters[2],
@@ -347,7 +373,7 @@ class AutoQuota:
         self._stats.offload_quota_reason = self.reason
         if self._sync is not None and self._in_baseline():
             self._sync()             # a baseline step begins once the device is idle
-        self._end = None
+        self._end = self._back_end = None
         self._synced = False
         self._room = None
         self._oom = False

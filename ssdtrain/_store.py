@@ -350,6 +350,10 @@ class Store:
                                                # take the device path
         self._forked = False
         self._task = -1                        # the graph task whose end drains (unpack)
+        # Told when a backward that unpacked anything of this store ends (policy "auto"'s
+        # step clock: NOTE [ The offload quota ], "A step's time"); None: nobody, and
+        # unpacks of tensors passed through queue nothing.
+        self.on_backward_end = None
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
         self.quota = None                      # each pass's offload quota (policy "auto",
                                                # NOTE [ The offload quota ] in _auto.py)
@@ -616,11 +620,15 @@ class Store:
     def unpack(self, handle):
         """The saved-tensor unpack hook."""
         if type(handle) is Kept:
+            if self.on_backward_end is not None:  # the step clock needs backward's end
+                self._at_backward_end()
             if _PROFILER._is_profiler_enabled:  # NOTE [ Profiler ranges ] in _trace.py
                 with _trace.begin(_trace.UNPACK, {"kept": 1}):
                     return handle.unpack()
             return handle.unpack()
         if type(handle) is QuotaKept:
+            if self.on_backward_end is not None:  # the step clock needs backward's end
+                self._at_backward_end()
             if handle.nbytes:  # its bytes leave the prefetch window: reads may start
                 with self._lock:
                     self._guarded_locked(self._use_passed_hook_locked, handle)
@@ -904,7 +912,16 @@ class Store:
         task = torch._C._current_graph_task_id()
         if task != self._task and task >= 0:
             self._task = task
-            _ENGINE.queue_callback(self._settle_and_release)
+            _ENGINE.queue_callback(self._backward_ended)
+
+    def _backward_ended(self):
+        """Autograd's callback at the end of a backward that unpacked a record of this
+        store (or, with :attr:`on_backward_end` set, anything it intercepted): the step
+        clock is told first (a clock read), then the drain and release."""
+        told = self.on_backward_end
+        if told is not None:
+            told()
+        self._settle_and_release()
 
     def _drain_locked(self):
         """Apply the queued events. Each is looked at, applied, then popped: an interrupt

@@ -286,6 +286,7 @@ class Offloader:
                 host_bytes=host or 0, sync=store.probe.synchronize_devices,
                 headroom=store.headroom, write_behind_bytes=config.write_behind_bytes,
                 warn=log.warning, outbound=store.outbound_bytes)
+            store.on_backward_end = self._auto.end_backward
 
     # ---------------------------------------------------------------- context
     def __enter__(self):

@@ -138,6 +138,74 @@ def test_controller_measures_then_probes_once_then_follows_stalls():
     assert all(0 <= q <= saved for q in quotas + [first, second, third, lowered])
 
 
+@settings(max_examples=100, deadline=None)
+@given(between=st.lists(st.floats(0.0, 10.0), min_size=2, max_size=8),
+       forward=st.floats(0.01, 1.0), rest=st.floats(0.0, 1.0))
+def test_a_steps_time_ends_with_its_backward_not_at_the_next_begin(between, forward, rest):
+    """NOTE [ The offload quota ], "A step's time": whatever runs between a step's
+    backward end and the next step's begin (an optimizer step, evaluation, logging), of
+    any length, is not the step's; a backward end seen before the step's forward ended
+    (an earlier micro-batch's) does not end it; a step with no backward end seen runs to
+    the next begin."""
+    clock, stats = _Clock(), ssdtrain.Stats()
+    ctl = AutoQuota(0.03, None, stats, clock=clock)
+    for gap in between:
+        ctl.begin_step()
+        clock.now += forward / 2
+        ctl.end_backward()          # before forward's end: not this step's
+        clock.now += forward / 2
+        ctl.end_forward()
+        clock.now += rest
+        ctl.end_backward()
+        clock.now += gap
+    ctl.begin_step()
+    assert [s.step_s for s in ctl.samples] == pytest.approx([forward + rest] * len(between))
+    clock.now += forward
+    ctl.end_forward()
+    clock.now += rest + 1.0         # no backward end: to the next begin
+    ctl.begin_step()
+    assert ctl.samples[-1].step_s == pytest.approx(forward + rest + 1.0)
+
+
+def test_on_a_device_a_step_runs_to_the_next_begin():
+    """On a device (a baseline forward synchronized) the host's backward end is its
+    launches' end, not its kernels': the step runs to the next begin, as the baseline's
+    synchronized times do."""
+    clock, stats = _Clock(), ssdtrain.Stats()
+    ctl = AutoQuota(0.03, None, stats, clock=clock, sync=lambda: True)
+    for _ in range(WARMUP + 2):
+        ctl.begin_step()
+        clock.now += 0.1
+        ctl.end_forward()
+        clock.now += 0.2
+        ctl.end_backward()
+        clock.now += 0.5
+    ctl.begin_step()
+    steps = [s.step_s for s in ctl.samples]
+    # the sizing step is not synchronized (no device seen yet): to its backward's end
+    assert steps == pytest.approx([0.3] * SIZING_STEPS + [0.8] * (BASELINE_STEPS + 2))
+
+
+def test_a_slow_and_varying_optimizer_step_does_not_read_as_cost():
+    """Steps whose compute is the same and whose optimizer step (after backward) takes
+    0 to 2 s are never judged slowed: the quota rises to the bound's MAX_SCALE."""
+    clock, stats = _Clock(), ssdtrain.Stats()
+    ctl = AutoQuota(0.03, lambda n: (n / 1e9, n / 0.5e9), stats, clock=clock)
+    saved, reasons = 400 * MiB, []
+    for i in range(WARMUP + 8):
+        q = ctl.begin_step()
+        reasons.append(stats.offload_quota_reason)
+        clock.now += 0.1
+        stats.unique_bytes += saved
+        stats.offloaded_bytes += saved if q is None else min(q, saved)
+        ctl.end_forward()
+        clock.now += 0.2
+        ctl.end_backward()
+        clock.now += (0.0, 2.0, 0.7, 1.3)[i % 4]   # the optimizer step, and whatever else
+    assert not any("lowered" in r for r in reasons), reasons
+    assert ctl.scale == pytest.approx(1.5)
+
+
 def test_controller_leaves_the_last_keep_tail_bytes_of_a_step():
     """On a disk fast enough for everything, the quota stops short of the step's last
     ``keep_tail_bytes`` (under a quota the tail window decides nothing)."""
@@ -542,6 +610,88 @@ def test_passed_bytes_leave_the_window_when_their_graph_dies(spill_dir):
         loss.backward()
         off._store.check_invariants()
         assert table.ahead == 0 and not table.passed
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_the_default_times_forward_to_backward_end_in_every_kind_of_step(spill_dir,
+                                                                        micro_batches):
+    """Through the hooks: the sizing step (records), the baseline (tensors passed
+    through: ``QuotaKept``, ``Kept``) and the steps after it are each timed from their
+    forward's begin to their backward's end; the optimizer step after the last
+    micro-batch (gradient accumulation: each micro-batch is a step) is in none of them.
+    A step that intercepted nothing (hooks off) runs to the next begin."""
+    from ssdtrain import tools
+    model, inputs = models.mlp()
+    clock = _Clock()
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+    intercepted = []
+    try:
+        tools.set_auto_clock(off, clock)
+        for step in range(WARMUP + 4):
+            for _ in range(micro_batches):
+                with off:
+                    intercepted.append(off._auto.intercepts)
+                    loss = model(*inputs)
+                    clock.now += 0.1
+                clock.now += 0.2
+                loss.backward()
+            clock.now += 5.0 + step          # the optimizer step, slower each time
+        with off:
+            pass
+        got = [s.step_s for s in off._auto.samples]
+        assert len(got) == len(intercepted)
+        for i, (t, hooked) in enumerate(zip(got, intercepted)):
+            last = i % micro_batches == micro_batches - 1
+            if hooked or not last:
+                assert t == pytest.approx(0.3), (i, got, intercepted)
+            else:  # no backward end seen: to the next begin, the optimizer step included
+                assert t > 5.0, (i, got, intercepted)
+        assert intercepted[:WARMUP * micro_batches] == [True] * (WARMUP * micro_batches)
+    finally:
+        off.close()
+
+
+class _SaveFresh(torch.autograd.Function):
+    """Saves one fresh tensor of its own: no parameter, nothing below the size floor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x * 2)
+        return x + 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        return grad + 0 * saved
+
+
+def test_a_step_that_only_passed_tensors_through_is_timed_to_its_backward_end(spill_dir):
+    """A baseline step at quota 0 whose every saved tensor passed through as its quota's
+    (``QuotaKept``, no record, no ``Kept``) is timed to its backward's end too, like the
+    steps it is compared with."""
+    from ssdtrain import tools
+    clock = _Clock()
+    off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
+    try:
+        tools.set_auto_clock(off, clock)
+        for _ in range(WARMUP):
+            x = torch.randn(64, 1024, requires_grad=True)
+            with off:
+                y = x
+                for _ in range(4):
+                    y = _SaveFresh.apply(y)
+                clock.now += 0.1
+            clock.now += 0.2
+            y.sum().backward()
+            clock.now += 5.0
+        with off:
+            pass
+        assert [s.quota for s in off._auto.samples][SIZING_STEPS:] == [0] * BASELINE_STEPS
+        assert off.stats().quota_kept_bytes > 0 and off.stats().kept_bytes == \
+            off.stats().quota_kept_bytes
+        assert [s.step_s for s in off._auto.samples] == pytest.approx([0.3] * WARMUP)
     finally:
         off.close()
 
