@@ -100,8 +100,7 @@ class _Completion:
 _SLICE_S = 0.05  # the longest sleep between polls of a future's own wait (a missed wake's cost)
 
 
-# Future's own state names and logger (concurrent.futures._base), for _PolledFuture.
-_RUNNING, _FINISHED = "RUNNING", "FINISHED"
+# Future's own logger (concurrent.futures._base), for _PolledFuture's callbacks.
 _FUTURE_LOG = logging.getLogger("concurrent.futures")
 
 
@@ -125,7 +124,7 @@ class _PolledFuture(Future):
     ``tests/test_polled.py`` checks the semantics against ``Future``'s)."""
 
     def __init__(self, engine):  # noqa: D107 - not Future.__init__ (the NOTE above)
-        self._state = _RUNNING
+        self._finished = False  # settled (Future's ``_state``, read by no method of Future's here)
         self._result = None
         self._exception = None
         self._done_callbacks = []
@@ -147,17 +146,17 @@ class _PolledFuture(Future):
         return False
 
     def running(self):
-        return self._state is _RUNNING
+        return not self._finished
 
     def done(self):
-        return self._state is _FINISHED
+        return self._finished
 
     def set_running_or_notify_cancel(self):
         return True
 
     def result(self, timeout=None):
         self._settle(timeout)
-        if self._state is not _FINISHED:
+        if not self._finished:
             raise TimeoutError()
         if self._exception is not None:
             try:
@@ -168,13 +167,13 @@ class _PolledFuture(Future):
 
     def exception(self, timeout=None):
         self._settle(timeout)
-        if self._state is not _FINISHED:
+        if not self._finished:
             raise TimeoutError()
         return self._exception
 
     def add_done_callback(self, fn):
         with self._callbacks_lock:
-            if self._state is not _FINISHED:
+            if not self._finished:
                 self._done_callbacks.append(fn)
                 return
         try:
@@ -190,11 +189,11 @@ class _PolledFuture(Future):
 
     def _finish(self, result, exception):
         with self._callbacks_lock:
-            if self._state is _FINISHED:
+            if self._finished:
                 raise InvalidStateError(f"{self!r}: settled already")
             self._result, self._exception = result, exception
             callbacks, self._done_callbacks = self._done_callbacks, []
-            self._state = _FINISHED
+            self._finished = True
         for fn in callbacks:
             try:
                 fn(self)
@@ -202,7 +201,7 @@ class _PolledFuture(Future):
                 _FUTURE_LOG.exception("exception calling callback for %r", self)
 
     def __repr__(self):
-        if self._state is not _FINISHED:
+        if not self._finished:
             return f"<{type(self).__name__} at {id(self):#x} state=running>"
         if self._exception is not None:
             return (f"<{type(self).__name__} at {id(self):#x} state=finished raised "
@@ -212,7 +211,7 @@ class _PolledFuture(Future):
 
     def _settle(self, timeout):
         engine = self._engine()
-        if engine is not None and self._state is not _FINISHED:
+        if engine is not None and not self._finished:
             engine.settle(self, timeout)
 
 
