@@ -89,8 +89,9 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    the SSD's bound (0 without a ``spill_dir``): what overflows RAM goes on to the disk.
 4. *Feedback.* The quota is ``scale * bound``, ``scale`` starting at
    ``START_SCALE`` (0.5). A step is *slowed* when it waited on I/O (read stalls and
-   write waits) for more than ``m * T`` or took more than ``(1 + m) * T`` (CPU or
-   memory contention from the I/O shows only there), or when its writes *lagged*
+   write waits) for more than ``m * T`` or took more than ``(1 + m) * T`` plus the
+   baseline's noise (CPU or memory contention from the I/O shows only there; see
+   "Judging under noise" below), or when its writes *lagged*
    (:func:`lagged`: more than ``LAG_SHARE``, a quarter, of the bytes it decided to
    write were still in flight or due when the next step began, or were freed
    unwritten, ``Stats.unwritten_bytes``: nothing waits for a write, so a disk that
@@ -101,8 +102,8 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    estimate, and the feedback is what holds the margin). A quota below ``MIN_SHARE``
    (1/16) of ``S`` is not worth what it costs (each write takes CPU and the GIL from the
    step, and saves almost nothing): it is raised to that share while the bound allows,
-   and once a step at that share was slowed it is 0 (nothing written, nothing judged)
-   for ``RETRY_STEPS`` (100) steps, then tried again. It is never more than ``S``
+   and once two steps in a row at that share were slowed (one may be noise) it is 0
+   (nothing written, nothing judged) for ``RETRY_STEPS`` (100) steps, then tried again. It is never more than ``S``
    less ``keep_tail_bytes``: under a quota the tail window keeps nothing (each record is
    decided as it is saved, ``TailWindow.begin_step``), so the quota keeps the step's end.
 5. *Hooks off.* A step at quota 0 with no floor, once the tiers are measured, does not
@@ -114,6 +115,25 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    intercepted step's, and every ``RETRY_STEPS``-th such step intercepts again to count
    it. Its forward's end still reads the memory (step 0), so a step that stops fitting
    raises the floor, and the next step intercepts.
+
+*Judging under noise.* Step times move for reasons of their own (a shared machine, data
+of varying length), often by more than the margin. So a step is compared with steps
+that wrote nothing, timed alike, and recent (:class:`Baseline`): the baseline steps,
+*control steps* and steps whose quota wrote nothing. A control step offloads only the
+floor (0 without one) and is not judged; one runs after every ``CONTROL_FIRST`` (2)
+judged steps until the baseline holds ``BASE_WINDOW`` (7) steps, then after every
+``CONTROL_EVERY`` (16): about 6% of the steps (they keep in memory what the quota
+would have written). ``T``
+is the median of the last ``BASE_WINDOW`` of them (the faster of two before there are
+three), so one slow or fast step moves it not at all, where the fastest step seen
+would have been a lucky one. A step's time reads as slowed only past the slowest of
+them plus the margin, ``(1 + m) * T + (slowest - T)``, and not at all before there
+are ``NOISE_MIN`` (5) of them (the waits on I/O and the lag still judge it). On a quiet
+machine the slowest is ``T`` and the margin is exact; where the noise is larger than
+the margin, a cost smaller than the noise cannot be told from it by time. Measured
+with a simulated world (tests/test_default_policy.py): with step times moving by up to
+8% either way and offloading free, the quota stays at 0.7-0.95 of the most the feedback
+reaches, where the fastest of two early steps left it below 0.15 in most runs at 5%.
 
 *A step's time* is from its forward's begin to the end of the last backward that used
 what it intercepted (the store's end-of-backward callback, :meth:`AutoQuota.end_backward`;
@@ -135,14 +155,17 @@ then, which only lowers the quota. ``Stats.offload_quota_bytes`` and
 ``Stats.offload_quota_reason`` show the quota in force and why.
 """
 
+import collections
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 __all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "lagged",
            "next_scale", "probe_bytes", "SIZING_STEPS", "BASELINE_STEPS", "MEMORY_RESERVE", "SAFETY",
-           "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE", "RETRY_STEPS", "LAG_SHARE"]
+           "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE", "RETRY_STEPS", "LAG_SHARE",
+           "CONTROL_EVERY", "CONTROL_FIRST", "BASE_WINDOW", "NOISE_MIN", "Baseline"]
 
 MiB = 1 << 20
 SIZING_STEPS = 1       # steps that first offload every eligible tensor (as "static")
@@ -157,6 +180,10 @@ MAX_PROBE = 64 * MiB
 MIN_SHARE = 1 / 16     # a quota below this share of a step's bytes is not worth its cost
 RETRY_STEPS = 100      # steps at quota 0 (below MIN_SHARE) before trying MIN_SHARE again
 LAG_SHARE = 1 / 4      # of a step's writes not landed by the next step's begin: lagging
+CONTROL_EVERY = 16     # judged steps between two control steps (at the floor, or 0)...
+CONTROL_FIRST = 2      # ... while the baseline holds fewer than BASE_WINDOW steps
+BASE_WINDOW = 7        # the last steps that wrote nothing, whose median is the baseline
+NOISE_MIN = 5          # steps the baseline needs before its noise is measured
 
 
 @dataclass(frozen=True)
@@ -176,6 +203,8 @@ class StepSample:
     #: flight or due), plus those freed unwritten during the step (``unwritten_bytes``)
     lag_bytes: int = 0
     out_of_memory: bool = False  #: its forward raised an out-of-memory error
+    intercepted: bool = True     #: its saved tensors were intercepted (timed to backward's end)
+    control: bool = False        #: a control step (NOTE [ The offload quota ], "Judging ...")
 
 
 def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: float,
@@ -207,11 +236,45 @@ def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: fl
     return int(max(0.0, min(float(saved_bytes), q)))
 
 
-def slowed(sample: StepSample, base_step_s: float, max_slowdown: float) -> bool:
+def slowed(sample: StepSample, base_step_s: float, max_slowdown: float,
+           noise_s: Optional[float] = 0.0) -> bool:
     """Whether ``sample`` cost more than the margin over the baseline step time: it
-    waited on I/O for longer, or took longer, or its writes lagged (:func:`lagged`)."""
+    waited on I/O for longer, or took longer (by more than the margin plus ``noise_s``,
+    the baseline's measured noise; None: the time is not compared, only the waits and
+    the lag), or its writes lagged (:func:`lagged`)."""
     margin = max_slowdown * base_step_s
-    return sample.stall_s > margin or sample.step_s > base_step_s + margin or lagged(sample)
+    return sample.stall_s > margin or lagged(sample) or (
+        noise_s is not None and sample.step_s > base_step_s + margin + noise_s)
+
+
+class Baseline:
+    """The step time steps are judged against (NOTE [ The offload quota ], "Judging
+    under noise"): the times of the last ``BASE_WINDOW`` steps that wrote nothing
+    (baseline, control, and steps whose quota wrote nothing, timed alike). ``step_s`` is
+    their median (the faster of two while there are fewer than three); ``noise_s`` is how
+    much the slowest of them took over that median (so a step is slower than offloading
+    nothing only past the slowest such step, plus the margin), or None while there are
+    fewer than ``NOISE_MIN``: no time comparison can be trusted then."""
+
+    def __init__(self):
+        self.times = collections.deque(maxlen=BASE_WINDOW)
+
+    def add(self, step_s: float) -> None:
+        self.times.append(step_s)
+
+    @property
+    def step_s(self) -> float:
+        t = self.times
+        if not t:
+            return math.inf
+        return statistics.median(t) if len(t) >= 3 else min(t)
+
+    @property
+    def noise_s(self) -> Optional[float]:
+        t = self.times
+        if len(t) < NOISE_MIN:
+            return None
+        return max(t) - statistics.median(t)
 
 
 def lagged(sample: StepSample) -> bool:
@@ -311,8 +374,13 @@ class AutoQuota:
         self.quota = 0
         self.reason = ""
         self._slowed = None               # whether the last step measured was slowed
+        self.baseline = Baseline()        # NOTE [ The offload quota ], "Judging under noise"
+        self._judged = 0                  # steps judged since the last control step
+        self._control = False             # the running step is a control step
+        self._control_next = False        # ... the one being chosen
         self._idle = 0                    # steps in a row with the quota below MIN_SHARE
         self._given_up = False            # a quota of MIN_SHARE slowed a step: 0 for a while
+        self._slowed_at_least = 0         # steps in a row at MIN_SHARE that were slowed
         self.intercepts = True            # the running step's saved tensors are intercepted
         self._saved = 0                   # S of the last step that intercepted
         self._begin = None                # the running step: clock at begin, at end of forward
@@ -363,8 +431,11 @@ class AutoQuota:
                                      saved_bytes=self._saved, quota=self.quota,
                                      offloaded_bytes=offloaded - self._counters[2],
                                      room=self._room, lag_bytes=lag,
-                                     out_of_memory=self._oom))
+                                     out_of_memory=self._oom, intercepted=self.intercepts,
+                                     control=self._control))
+        self._control_next = False
         self.quota, self.reason = self._choose()
+        self._control = self._control_next
         self.intercepts = self._intercepts()
         if not self.intercepts:
             self.reason += ("; this step's saved tensors are not intercepted (nothing to "
@@ -444,9 +515,12 @@ class AutoQuota:
             self._slowed = None
             return
         # Only a step that wrote something is judged: one whose records all stayed in
-        # memory (the kept tail took them) was not slowed by ssdtrain's I/O.
-        if measured and sample.offloaded_bytes > 0:
-            self._slowed = slowed(sample, self.base_step_s, self.max_slowdown)
+        # memory (the kept tail took them) was not slowed by ssdtrain's I/O. A control
+        # step is not judged: it measures the baseline.
+        if measured and sample.offloaded_bytes > 0 and not sample.control:
+            self._judged += 1
+            self._slowed = slowed(sample, self.base_step_s, self.max_slowdown,
+                                  self.baseline.noise_s)
             self.scale = next_scale(self.scale, self._slowed)
             if lagged(sample) and not self.told_lag:
                 self.told_lag = True
@@ -463,9 +537,12 @@ class AutoQuota:
                         f"was freed first, Stats.offload_quota_reason each step's reason.)")
         else:
             self._slowed = None
-        # The fastest step seen is the one nearest to no overhead at all (one-time costs
-        # of the first steps, noise): the baseline never grows.
-        self.base_step_s = min(self.base_step_s, sample.step_s)
+        # The baseline: steps that wrote nothing, timed as the judged ones are (NOTE
+        # [ The offload quota ], "Judging under noise").
+        if not measured or sample.control or (sample.offloaded_bytes == 0 and
+                                              sample.intercepted):
+            self.baseline.add(sample.step_s)
+            self.base_step_s = self.baseline.step_s
         # On a device, only a forward whose end was synchronized (a baseline step's)
         # measured the kernels, the others their launches: forward's share of such a
         # step, of the fastest step.
@@ -541,6 +618,12 @@ class AutoQuota:
 
     def _choose_for_time(self):
         last = self.samples[-1]
+        every = CONTROL_EVERY if len(self.baseline.times) >= BASE_WINDOW else CONTROL_FIRST
+        if self._judged >= every:  # NOTE [ The offload quota ], "Judging under noise"
+            self._judged, self._control_next = 0, True
+            return 0, (f"0: a control step after {every} steps judged: its time refreshes "
+                       f"the baseline they are judged against ({self._baseline_text()}; "
+                       f"{self._tiers_text()})")
         self._measure(probe_bytes(last.saved_bytes))
         self.bound = self._bound(last.saved_bytes)
         if self.write_bps is None and self.copy_write_bps is None:
@@ -553,10 +636,16 @@ class AutoQuota:
         floor = MIN_SHARE * last.saved_bytes
         cap = max(0, last.saved_bytes - self.tail_bytes)
         if quota < floor and self.bound >= floor and cap >= floor:
-            if self._slowed is True:
-                self._given_up = True  # the least worth having slowed the step
+            if self._slowed is True and last.quota is not None and last.quota <= floor:
+                # The least worth having slowed the step: twice in a row (once may be
+                # noise, NOTE [ "Judging under noise" ]); a larger quota that slowed one
+                # says nothing of the least: it is tried.
+                self._slowed_at_least += 1
+                self._given_up = self._slowed_at_least >= 2
+            elif self._slowed is False:
+                self._slowed_at_least = 0
             elif self._given_up and self._idle >= RETRY_STEPS:
-                self._given_up = False  # a while at 0: try it again
+                self._given_up, self._slowed_at_least = False, 0  # a while at 0: try again
             if not self._given_up:     # the least worth having; the feedback goes on
                 self.scale = floor / self.bound
                 quota = int(floor)
@@ -588,7 +677,7 @@ class AutoQuota:
         elif was is True:
             why += (f"; lowered: the last step took {last.step_s * 1e3:.0f} ms and waited "
                     f"{last.stall_s * 1e3:.0f} ms on I/O, over the baseline "
-                    f"{self.base_step_s * 1e3:.0f} ms + {self.max_slowdown:.0%}")
+                    f"({self._baseline_text()}) + {self.max_slowdown:.0%}")
         elif was is False:
             why += "; raised: the last step kept within the margin"
         return quota, why
@@ -619,6 +708,12 @@ class AutoQuota:
         if self.copy_write_bps is None:
             return disk
         return min(bound(self.copy_write_bps, self.copy_read_bps), self.host_bytes + disk)
+
+    def _baseline_text(self) -> str:
+        noise = self.baseline.noise_s
+        return (f"the median of the last {len(self.baseline.times)} steps that wrote "
+                f"nothing, {self.base_step_s * 1e3:.0f} ms" +
+                ("" if noise is None else f", noise {noise * 1e3:.0f} ms"))
 
     def _tiers_text(self) -> str:
         parts = []
