@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""What the default policy (``policy="auto"``) offloads, step by step, as a new user runs it.
+
+Two scenarios, each with only ``spill_dir`` set (the default everything else), one
+process per run:
+
+* ``gpt2``: Hugging Face GPT-2, 4 layers, d 384, 6 heads, seq 384, batch 4, vocab 8192,
+  AdamW (``transformers`` needed): forward under ``with offloader:``, backward, the
+  optimizer step.
+* ``accum``: an 8-layer MLP (d 1024, batch 512, GELU) with ``--micro-batches`` forward and
+  backward passes per optimizer step and ``--optimizer-s`` of other work between
+  optimizer steps (a sleep: the optimizer, logging, data loading), ``keep_tail_bytes=0``.
+
+Per step (a forward and its backward; each micro-batch is one): the share of the bytes it
+saved that it decided to write (``Stats.offloaded_bytes`` / ``Stats.unique_bytes``,
+deltas; ``nan`` where nothing was intercepted: the policy had turned the hooks off), and
+the policy's reason (``Stats.offload_quota_reason``). The summary: the mean share over
+the steps after ``--warmup``, counting a step without hooks as 0, and how many reasons
+said "lowered". Timings are not the point (this machine's step times move by more than
+the policy's margin); what the policy decided under that noise is.
+
+To compare with another checkout of ssdtrain, run the same command with
+``PYTHONPATH=<that checkout>``: ssdtrain is imported from there (the JSON records which).
+
+Example::
+
+    .venv/bin/python benchmarks/default_policy_check.py --scenario gpt2 --steps 24
+    .venv/bin/python benchmarks/default_policy_check.py --scenario accum --steps 40 \\
+        --micro-batches 4 --optimizer-s 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
+import _common  # noqa: E402,F401  (puts this checkout's ssdtrain first unless PYTHONPATH says)
+
+import torch  # noqa: E402
+
+import ssdtrain  # noqa: E402
+
+
+def gpt2_step_fn(seed):
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as e:
+        raise SystemExit(f"default_policy_check: --scenario gpt2 needs transformers ({e})")
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=4, n_embd=384, n_head=6, n_positions=384, vocab_size=8192)
+    model = GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 8192, (4, 384))
+
+    def micro_batch(off):
+        with off:
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+
+    def optimizer_step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return micro_batch, optimizer_step
+
+
+def accum_step_fn(seed, optimizer_s):
+    torch.manual_seed(seed)
+    d = 1024
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.GELU())
+                                  for _ in range(8)])
+    x = torch.randn(512, d)
+
+    def micro_batch(off):
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+
+    def optimizer_step():
+        time.sleep(optimizer_s)
+        model.zero_grad(set_to_none=True)
+    return micro_batch, optimizer_step
+
+
+def run(args, spill_dir):
+    if args.scenario == "gpt2":
+        micro_batch, optimizer_step = gpt2_step_fn(args.seed)
+        off = ssdtrain.Offloader(spill_dir=spill_dir)
+    else:
+        micro_batch, optimizer_step = accum_step_fn(args.seed, args.optimizer_s)
+        off = ssdtrain.Offloader(spill_dir=spill_dir, keep_tail_bytes=0)
+    rows = []
+    try:
+        for step in range(args.steps):
+            for _ in range(args.micro_batches):
+                before = off.stats()
+                micro_batch(off)
+                after = off.stats()
+                saved = after.unique_bytes - before.unique_bytes
+                share = (after.offloaded_bytes - before.offloaded_bytes) / saved if saved \
+                    else math.nan
+                rows.append({"step": step, "share": share,
+                             "quota_bytes": after.offload_quota_bytes,
+                             "reason": after.offload_quota_reason})
+                print(f"[{len(rows)}/{args.steps * args.micro_batches}] share "
+                      f"{share:.2f}: {after.offload_quota_reason[:100]}", file=sys.stderr)
+            optimizer_step()
+    finally:
+        off.close()
+    return rows
+
+
+def summarize(rows, warmup):
+    after = rows[warmup:]
+    shares = [0.0 if math.isnan(r["share"]) else r["share"] for r in after]
+    return {"mean_share_after_warmup": sum(shares) / len(shares) if shares else math.nan,
+            "steps_after_warmup": len(after),
+            "steps_without_hooks": sum(math.isnan(r["share"]) for r in after),
+            "lowered": sum("lowered" in r["reason"] for r in rows)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scenario", choices=["gpt2", "accum"], default="gpt2")
+    p.add_argument("--steps", type=int, default=24, help="optimizer steps")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="forward+backward passes per optimizer step (default: 1 for gpt2, "
+                        "4 for accum)")
+    p.add_argument("--optimizer-s", type=float, default=0.1,
+                   help="accum: seconds of other work per optimizer step")
+    p.add_argument("--warmup", type=int, default=8, help="steps (micro-batches) not summarized")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spill-dir", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.micro_batches is None:
+        args.micro_batches = 1 if args.scenario == "gpt2" else 4
+    if args.steps < 1 or args.micro_batches < 1 or args.optimizer_s < 0 or args.warmup < 0:
+        p.error("--steps and --micro-batches must be >= 1, --optimizer-s and --warmup >= 0")
+    with tempfile.TemporaryDirectory(dir=args.spill_dir) as spill_dir:
+        rows = run(args, spill_dir)
+    summary = summarize(rows, args.warmup)
+    print(f"## default_policy_check: {args.scenario}, {args.steps} optimizer steps x "
+          f"{args.micro_batches} micro-batch(es)"
+          + (f", {args.optimizer_s} s between optimizer steps" if args.scenario == "accum"
+             else ""))
+    print()
+    print("| step | share offloaded | reason |")
+    print("| ---: | ---: | --- |")
+    for i, r in enumerate(rows):
+        share = "no hooks" if math.isnan(r["share"]) else f"{r['share']:.2f}"
+        print(f"| {i} | {share} | {r['reason'][:90]} |")
+    print()
+    print(f"Mean share after {args.warmup} steps: {summary['mean_share_after_warmup']:.2f} "
+          f"({summary['steps_without_hooks']} of {summary['steps_after_warmup']} without "
+          f"hooks, counted 0); reasons that said 'lowered': {summary['lowered']}.")
+    print(f"ssdtrain from {os.path.dirname(ssdtrain.__file__)}; command: "
+          f"{' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"scenario": args.scenario, "args": vars(args), "rows": rows,
+                       "summary": summary, "ssdtrain": os.path.dirname(ssdtrain.__file__)},
+                      f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
