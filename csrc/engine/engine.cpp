@@ -537,8 +537,8 @@ void Engine::submit(Op op, int fd, bool direct, std::uint64_t offset, std::uintp
   //   at most `watch_us` to start. While requests keep coming (a training step's saves,
   //   milliseconds apart at most) the training thread wakes nobody; the watch's timer
   //   wakes run on the I/O workers' time (about 6% of a core with saves 0.5 ms apart,
-  //   docs/results/launch_loop_watch_cpu_2026-11-28.md). After kWatchLinger without a piece the watch
-  //   waits on `work` like the others, and the next submit wakes it.
+  //   docs/results/launch_loop_watch_cpu_2026-11-28.md). After kWatchLinger without a
+  //   piece the watch waits on `work` like the others, and the next submit wakes it.
   // * A worker that takes a piece and leaves more queued wakes one more idle worker
   //   itself (a request in several pieces, or submits that found the watch).
   // `idle` and `watching` are read under `mu`, where workers change them, and a watch
