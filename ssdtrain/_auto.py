@@ -99,7 +99,11 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
    said once, a warning): ``scale`` halves. A step that
    wrote nothing is not judged (its time owes nothing to the disk). Otherwise it
    grows by ``STEP_UP`` (0.25) up to ``MAX_SCALE`` (1.5: the probe's bandwidth is a low
-   estimate, and the feedback is what holds the margin). A quota below ``MIN_SHARE``
+   estimate, and the feedback is what holds the margin), but for ``PROBE_HOLD`` (8)
+   judged steps after a slowed one no higher than 0.9 of the scale that slowed it:
+   climbing straight back would pay the cost every other step (half the judged steps
+   over a cost knee, against a quarter with the hold, in the simulated world of
+   tests/test_default_policy.py). A quota below ``MIN_SHARE``
    (1/16) of ``S`` is not worth what it costs (each write takes CPU and the GIL from the
    step, and saves almost nothing): it is raised to that share while the bound allows,
    and once two steps in a row at that share were slowed (one may be noise) it is 0
@@ -165,7 +169,8 @@ from typing import Callable, Optional, Tuple
 __all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "lagged",
            "next_scale", "probe_bytes", "SIZING_STEPS", "BASELINE_STEPS", "MEMORY_RESERVE", "SAFETY",
            "START_SCALE", "STEP_UP", "MAX_SCALE", "MIN_SHARE", "RETRY_STEPS", "LAG_SHARE",
-           "CONTROL_EVERY", "CONTROL_FIRST", "BASE_WINDOW", "NOISE_MIN", "Baseline"]
+           "CONTROL_EVERY", "CONTROL_FIRST", "BASE_WINDOW", "NOISE_MIN", "PROBE_HOLD",
+           "Baseline"]
 
 MiB = 1 << 20
 SIZING_STEPS = 1       # steps that first offload every eligible tensor (as "static")
@@ -184,6 +189,7 @@ CONTROL_EVERY = 16     # judged steps between two control steps (at the floor, o
 CONTROL_FIRST = 2      # ... while the baseline holds fewer than BASE_WINDOW steps
 BASE_WINDOW = 7        # the last steps that wrote nothing, whose median is the baseline
 NOISE_MIN = 5          # steps the baseline needs before its noise is measured
+PROBE_HOLD = 8         # judged steps the scale stays under 0.9 x one that slowed a step
 
 
 @dataclass(frozen=True)
@@ -376,6 +382,8 @@ class AutoQuota:
         self._slowed = None               # whether the last step measured was slowed
         self.baseline = Baseline()        # NOTE [ The offload quota ], "Judging under noise"
         self._judged = 0                  # steps judged since the last control step
+        self._ceiling = math.inf          # the scale's cap after a slowed step, for ...
+        self._hold = 0                    # ... this many more judged steps
         self._control = False             # the running step is a control step
         self._control_next = False        # ... the one being chosen
         self._idle = 0                    # steps in a row with the quota below MIN_SHARE
@@ -521,7 +529,18 @@ class AutoQuota:
             self._judged += 1
             self._slowed = slowed(sample, self.base_step_s, self.max_slowdown,
                                   self.baseline.noise_s)
-            self.scale = next_scale(self.scale, self._slowed)
+            was = self.scale
+            self.scale = next_scale(was, self._slowed)
+            # After a slowed step the scale climbs back to just under the one that slowed
+            # it, and stays there for PROBE_HOLD judged steps before it probes above:
+            # probing every other step would pay the cost every other step.
+            if self._slowed:
+                self._ceiling, self._hold = 0.9 * was, PROBE_HOLD
+            elif self._hold > 0:
+                self._hold -= 1
+                if self._hold == 0:
+                    self._ceiling = math.inf
+            self.scale = min(self.scale, self._ceiling)
             if lagged(sample) and not self.told_lag:
                 self.told_lag = True
                 if self._warn is not None:
