@@ -61,9 +61,10 @@ How the quota is chosen (:class:`AutoQuota`, pure parts :func:`quota_bound`,
 1. *Baseline.* The next ``BASELINE_STEPS`` steps offload nothing (quota 0, or the
    floor) and
    measure the forward time ``F``, the step time ``T`` (see "A step's time" below) and the
-   bytes the step saves that could be offloaded (``S``, after dedup). The baseline
-   times are the fastest seen since, in every step (one-time costs of the first
-   steps do not count). On a device (kernels are asynchronous: the host's clock sees
+   bytes the step saves that could be offloaded (``S``, after dedup). ``F`` is the
+   fastest forward seen since, in every step (one-time costs of the first steps do not
+   count); ``T`` is the median of recent steps that wrote nothing ("Judging under
+   noise" below). On a device (kernels are asynchronous: the host's clock sees
    their launches) the baseline steps begin and end their forward with a wait for the
    device (:meth:`Probe.synchronize_devices`): ``F`` is the least share of a step
    such a forward took, times ``T`` (the step time, begin to next begin, is the
@@ -563,8 +564,8 @@ class AutoQuota:
             self.baseline.add(sample.step_s)
             self.base_step_s = self.baseline.step_s
         # On a device, only a forward whose end was synchronized (a baseline step's)
-        # measured the kernels, the others their launches: forward's share of such a
-        # step, of the fastest step.
+        # measured the kernels, the others their launches: forward's least share of such
+        # a step, of the baseline step time.
         if self._synced:
             self._device_timed = True
             self._forward_share = min(self._forward_share,

@@ -191,9 +191,12 @@ class _PolledFuture(Future):
         with self._callbacks_lock:
             if self._finished:
                 raise InvalidStateError(f"{self!r}: settled already")
-            self._result, self._exception = result, exception
-            callbacks, self._done_callbacks = self._done_callbacks, []
-            self._finished = True
+            callbacks = self._done_callbacks
+            # One line of stores, no call (NOTE [ Interrupt-safe allocation ] in _spill.py):
+            # cut short before it, nothing has changed and the poll that retries settles it
+            # with its callbacks; it is never settled with its callbacks dropped.
+            self._result, self._exception, self._done_callbacks, self._finished = \
+                result, exception, [], True
         for fn in callbacks:
             try:
                 fn(self)
