@@ -98,7 +98,7 @@ gpu-check:
 # the ssdtrain._C that gpu-check built). Writes into $$GPU_TRACE_DIR.
 GPU_TRACE_DIR ?= /tmp/ssdtrain-gpu_trace
 gpu-trace:
-	$(GPU_PYTHON) tools/gpu_trace.py --out $(GPU_TRACE_DIR) $(GPU_TRACE_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) tools/gpu_trace.py --out $(GPU_TRACE_DIR) $(GPU_TRACE_ARGS)
 
 # asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
 #  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;

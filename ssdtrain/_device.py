@@ -32,7 +32,8 @@ that a deliberate break of the rule fails (tests/test_loopback_rules.py).
 4. **Staging is not reused before its copy ends.** Pinned staging comes from a
    :class:`StagingPool`: a buffer goes back to the pool when its holder drops it,
    and is handed out again only once the copy that used it last has completed (an
-   event kept with it).
+   event kept with it), or, to a device copy (``take(ordered=True)``), before that,
+   the new copy's stream first waiting on the event (NOTE [ Copies the hooks start ]).
 5. **Loads are allocated for the consumer.** A read lands in pinned staging and is
    copied host -> device on the prefetch stream into memory allocated *on the
    compute stream* (the stream the hooks last ran on), so that stream reuses the
@@ -84,6 +85,50 @@ saved outside the capture; an out-of-memory error while allocating a loaded
 record's device memory fails that record (its backward raises) instead of retrying
 later; GPUDirect reads still land in memory allocated on the prefetch stream.
 
+NOTE [ Copies the hooks start ]
+===============================
+
+On a GPU host the thread that runs the hooks launches every kernel, and every other
+thread of ssdtrain's that runs Python per record takes the GIL from it: the first
+traces on an H200 (docs/results/gpu_trace_2026-11-28.md) showed the store's I/O thread
+and the copy waiter ("ssdtrain-d2h") each running a record's Python (a copy's start,
+its wait, its settlement, the inbox) while forward launched. With the Offloader's
+(polled) native engine (NOTE [ The data path on the hooks' thread ] in _store.py), a
+device record admitted to the host tier is now copied to RAM and back by the hooks'
+own stream work, and no other thread runs Python for it:
+
+* **Start.** The pack that decides the record starts its copy (``WritePath.
+  start_due_locked(inline=True)``), when the staging pool can hand out a buffer with no
+  allocation (``StagingPool.ready(ordered=True)``): an idle one, or one whose last copy
+  (a load back to the device, say) is still queued, the new copy then queued after it on
+  the device (``take(ordered=True)``: the d2h stream waits for that copy's event; rule
+  4 without a host wait). Else the I/O thread starts it, as before: a pinned allocation
+  takes milliseconds, never on the hooks' thread.
+* **Settle.** Its future (:meth:`DeviceTransfers.polled`, a ``_PolledFuture``) is
+  settled by a poll of its event (:meth:`DeviceTransfers.poll`, one stream: they end in
+  order), which every locked region of the store runs first on any thread but the I/O
+  thread (``Store._drain_locked``): the hooks, the end of forward and of backward,
+  ``wait()``; the step's begin too, before ``policy="auto"`` reads what is still in
+  flight. A waiter polls while it waits (``Store._await``, ``_CopyFuture.wait``); a
+  copy's memory (the saved tensor, the lease) is held from before the copy is queued
+  until a poll has seen it end (NOTE [ Memory owned by requests ] in _store.py), and
+  ``close()`` waits for each one left. A poll can be cut short anywhere (an interrupt):
+  each copy is then unsettled, or settled and still queued (the next poll pops it), and
+  the lock is reentrant so that a future's callback may poll again
+  (tests/test_hosttier.py sweeps every line with the native engine).
+* **Load.** Prefetch's copy back from RAM (``ReadPath.pump_locked(inline=True)``, a
+  HOSTED record) is stream work and a device allocation on the caching allocator, no
+  pinned one: unpack issues it itself.
+* **Release.** Memory the settled copies dropped goes back on the thread that settled
+  them (``Store._after_hook``, ``Store._settle``), so the next step's first copies find
+  the buffers back in the pool rather than waiting for the I/O thread to let go of them.
+
+tests/test_hooks_thread.py watches every thread with a profile function: after warm-up,
+no function that runs per record (start, wait, settle, load, use) runs on any thread
+but the hooks' own, for static steps and the default's at pinned quotas. Left to the I/O
+thread: records on their way to the SSD (staging, the waiter, evictions), and a copy to
+RAM whose pool has no buffer of its class (then it allocates one, and the pool keeps it).
+
 NOTE [ Bounded staging ]
 ========================
 
@@ -131,6 +176,7 @@ import torch
 from ._align import BLOCK
 from ._records import GEOMETRY_ALIGN
 from .io.base import then
+from .io.native import _PolledFuture
 
 __all__ = ["DeviceTransfers", "StagingPool", "GDS_PROBE_MEMORY", "leaf_of", "device_misalign",
            "ALIGN"]
@@ -235,30 +281,39 @@ class StagingPool:
     def size_for(self, nbytes: int) -> int:
         return self._leaf.pinned_size(max(1, nbytes))
 
-    def take(self, nbytes: int, *, offset: int = 0) -> _Lease:
-        """A lease of ``nbytes`` at byte ``offset`` of a page-aligned buffer."""
+    def take(self, nbytes: int, *, offset: int = 0, ordered: bool = False):
+        """A lease of ``nbytes`` at byte ``offset`` of a page-aligned buffer.
+
+        ``ordered``: the caller writes it with a device copy, queued after the event
+        this then returns too (``(lease, event or None)``): a buffer whose last copy is
+        still queued may be handed out, the new copy ordered after it on the device
+        (rule 4, NOTE [ Device records ]), when no idle one is there."""
         size = self.size_for(offset + nbytes)
-        drop = []
+        drop, after = [], None
         with self._lock:
             self._collect_locked(drop)
             buf = self._pop_locked(size)
+            if buf is None and ordered:
+                buf, after = self._pop_busy_locked(size)
         del drop  # outside the lock: letting go of pinned memory costs time
         if buf is None:
             buf = self._allocate(size)
         box = [None, False]  # [the last copy's event, placed back in the pool]
         lease = _Lease(buf[offset:offset + nbytes], box)
         weakref.finalize(lease, self._back.append, (buf, size, box))
-        return lease
+        return (lease, after) if ordered else lease
 
-    def ready(self, nbytes: int, *, offset: int = 0) -> bool:
+    def ready(self, nbytes: int, *, offset: int = 0, ordered: bool = False) -> bool:
         """Whether :meth:`take` of ``nbytes`` at ``offset`` need not wait for
-        :meth:`reserve`: an idle buffer is there, or none would be reserved (its class is
-        larger than the idle limit: ``take`` allocates)."""
+        :meth:`reserve`: an idle buffer is there (``ordered``: or one whose last copy is
+        still queued), or none would be reserved (its class is larger than the idle
+        limit: ``take`` allocates)."""
         size = self.size_for(offset + nbytes)
         drop = []
         with self._lock:
             self._collect_locked(drop)
-            return bool(self._idle.get(size)) or size > self._limit
+            return bool(self._idle.get(size)) or size > self._limit or (
+                ordered and any(item[1] == size and not item[2][1] for item in self._busy))
 
     def reserve(self, nbytes: int, *, offset: int = 0) -> None:
         """Make sure a buffer for :meth:`take` of ``nbytes`` at ``offset`` is idle,
@@ -350,6 +405,19 @@ class StagingPool:
         self._lru.pop(ptr, None)
         self._idle_account(-self._reserved.get(ptr, size))
         return buf
+
+    def _pop_busy_locked(self, size):
+        """``(buffer, event)``: a buffer of ``size`` given back whose last copy (the
+        event) has not ended, out of the busy list, or ``(None, None)``. It leaves the
+        list before anything else changes; its reservation stays counted (held, not
+        idle)."""
+        for i, item in enumerate(self._busy):
+            buf, sz, box = item
+            if sz == size and not box[1]:
+                box[1] = True  # never placed idle by a collect an interrupt cut short
+                del self._busy[i]
+                return buf, box[0]
+        return None, None
 
     def _place_locked(self, buf, size, drop):
         """``buf`` becomes idle, the idle buffers idle longest let go of to make room; a
@@ -446,6 +514,10 @@ class DeviceTransfers:
         self.compute = leaf.current_stream(device)
         # One thread: waits for copies to end, then submits the disk write.
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="ssdtrain-d2h")
+        # Copies to the host tier started by the hooks: (event, future, held), in the
+        # d2h stream's order (NOTE [ Copies the hooks start ]).
+        self.landing = collections.deque()
+        self._poll_lock = threading.RLock()
 
     # ------------------------------------------------------------------ writes
     def produced(self):
@@ -484,7 +556,9 @@ class DeviceTransfers:
         leaf = self.leaf
         src = _bytes_view(leaf, storage, base, nbytes, self.device)
         with leaf.entered(self.device):
-            lease = self.pool.take(nbytes)
+            lease, last = self.pool.take(nbytes, ordered=True)
+            if last is not None:  # the buffer's last copy, still queued (rule 4)
+                self.d2h.wait_event(last)
             self.d2h.wait_event(produced)                     # rule 1
             with leaf.using(self.d2h):
                 leaf.copy(lease.view, src)
@@ -492,6 +566,48 @@ class DeviceTransfers:
             done.record(self.d2h)
             lease.after(done)                                 # rule 4
         return lease, done
+
+    def polled(self, event, owner) -> Future:
+        """A future that a poll (:meth:`poll`) settles once ``event`` (a copy queued on the
+        d2h stream) has completed; ``owner`` (what the copy uses) is held until then
+        (NOTE [ Copies the hooks start ])."""
+        fut = _CopyFuture(self)
+        self.landing.append((event, fut, [owner]))
+        return fut
+
+    def poll(self) -> int:
+        """Settle the futures of :meth:`polled` copies that have ended, oldest first (one
+        stream: they end in order); how many. Polls take turns (a reentrant lock: a
+        future's callback may poll again on the same thread, and pops what it settles).
+        An interrupt anywhere leaves every copy either unsettled or settled and still
+        queued, which the next poll pops: none is settled twice or dropped unsettled,
+        and no flag is left set."""
+        landing, n = self.landing, 0
+        if not landing:
+            return 0
+        with self._poll_lock:
+            while landing:
+                item = landing[0]
+                event, fut, held = item
+                if not fut.done():
+                    if not event.query():
+                        break
+                    fut.set_result(None)
+                    n += 1
+                if landing and landing[0] is item:  # not popped by a poll inside
+                    landing.popleft()
+                held.clear()
+        return n
+
+    def settle(self, fut, timeout=None) -> None:
+        """Wait until the :meth:`polled` future ``fut`` is done, ``timeout`` seconds at
+        most (None: no limit), polling; sleeps (without the GIL) between polls."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            self.poll()
+            if fut.done() or (deadline is not None and time.monotonic() >= deadline):
+                return
+            time.sleep(_POLL_SLEEP_S)
 
     def after(self, event, submit, owner=None) -> Future:
         """``submit()`` (which returns a future) once ``event`` has completed, on the
@@ -612,7 +728,24 @@ class DeviceTransfers:
 
     def close(self) -> None:
         self._waiter.shutdown(wait=True)  # writes waiting for a copy are submitted first
+        while self.landing:  # copies the hooks started: settled once they have ended
+            event = self.landing[0][0]
+            event.synchronize()
+            self.poll()
         self.pool.release()
+
+
+_POLL_SLEEP_S = 0.0002  # a waiter's sleep between polls of a copy's event
+
+
+class _CopyFuture(_PolledFuture):
+    """The future of a copy the hooks started (:meth:`DeviceTransfers.polled`): settled
+    by a poll, as a polled engine's request is (``result()`` and ``exception()`` poll)."""
+
+    def wait(self, timeout) -> None:
+        """Poll until done, ``timeout`` seconds at most, sleeping between polls
+        (``Store._await``)."""
+        self._settle(timeout)
 
 
 def _synchronize(event, held):
@@ -667,6 +800,13 @@ class DeviceMap:
         """The ``(leaf, device)`` pairs the store has seen a saved tensor of: those with
         records, else the one passed through without a record, else none."""
         return list(self.transfers) or list(self.passed[:1])
+
+    def poll(self) -> None:
+        """Every device's :meth:`DeviceTransfers.poll` (the store's locked regions call it
+        first: NOTE [ Copies the hooks start ])."""
+        for dev in list(self.transfers.values()):
+            if dev.landing:
+                dev.poll()
 
     def trim(self, sync: bool = False) -> None:
         """Every staging pool's :meth:`StagingPool.trim` (NOTE [ Bounded staging ]): at

@@ -275,9 +275,11 @@ class HostTier:
             self._table.queue_spill(rec)
 
     # ------------------------------------------------------------ device -> RAM
-    def start_host_locked(self, rec):
+    def start_host_locked(self, rec, inline=False):
         """PENDING -> HOSTING: queue the copy into pinned memory; the future completes
-        when the copy has ended (the "ssdtrain-d2h" thread waits for its event)."""
+        when the copy has ended: the "ssdtrain-d2h" thread waits for its event, or,
+        ``inline`` (started by a hook), the store's next locked region polls it (NOTE
+        [ Copies the hooks start ] in _device.py)."""
         dev = rec.device
         try:
             lease, done = dev.to_host(rec.storage, rec.base, rec.nbytes, rec.produced)
@@ -291,7 +293,7 @@ class HostTier:
         self._table.move(rec, State.HOSTING)
         owners = (rec.source, rec.storage, lease)  # the copy's, until it has ended
         try:
-            fut = dev.after(done, _landed, owners)
+            fut = dev.polled(done, owners) if inline else dev.after(done, _landed, owners)
         except Exception as e:  # noqa: BLE001 - the waiter thread is gone (closing)
             fut = failed_future(e)
         rec.future = fut

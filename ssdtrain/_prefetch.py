@@ -156,8 +156,8 @@ class ReadPath:
                 elif rec.state is State.HOSTED:  # a copy from RAM, queued now
                     if limit is not None and started >= limit:
                         return True
-                    if inline:  # a device record's
-                        return False
+                    # Stream work and a device allocation, no pinned one: the hooks'
+                    # own too (NOTE [ Copies the hooks start ] in _device.py).
                     self._load_host(rec)
                     self._table.count_ahead(rec)
                     started += 1

@@ -248,13 +248,14 @@ import collections
 import threading
 import time
 import weakref
+from _thread import get_ident
 
 import torch
 
 from . import _fork, _trace
 from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
-from ._device import DeviceMap, leaf_of
+from ._device import DeviceMap, _CopyFuture, leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._config import MAX_BYTES
 from ._policy import KEEP_CAPTURE, TRACKER, PassedRanges, TailWindow, keep_reason
@@ -292,6 +293,7 @@ class Store:
         self.stats = stats
         self._lock = threading.Lock()
         self._inbox = collections.deque()      # (kind, record, arg): NOTE [ Store lock discipline ]
+        self._holder = None                    # the thread that took the lock last
         # NOTE [ The pack decision ] in _policy.py: the PENDING records are in the tail
         # window (not decided yet) or due (decided to be written, write not started).
         self._min_bytes = max(1, config.min_tensor_bytes)
@@ -490,6 +492,7 @@ class Store:
         region is ``with self._lock:`` around one call of this: nothing can be raised
         between taking the lock and entering the ``try`` but at this function's entry,
         where nothing has changed yet."""
+        self._holder = get_ident()  # whose callbacks need not drain (_completions)
         try:
             self._drain_locked()
             return fn(*args)
@@ -765,14 +768,19 @@ class Store:
     def _settle(self):
         """Drain the inbox (a safe point: called after every locked section of the store
         operations but the hooks, and at the end of each backward), polling a polled
-        engine first; memory that dropped goes with the I/O thread."""
+        engine first; memory that dropped goes with the I/O thread, or, with a polled
+        engine, is released here as after a hook (:meth:`_after_hook`): the next step's
+        first copies to the host tier find the pinned buffers the last step's records
+        held back in the pool, not waiting for the I/O thread to let go of them."""
         if self._poller is not None:
             with self._lock:
                 self._guarded_locked(_nothing)
         while self._inbox:
             with self._lock:
                 self._guarded_locked(_nothing)
-        if self._graveyard or self._write_overdue():  # a write that ended made room
+        if self._poller is not None:
+            self._after_hook(self._write_overdue())
+        elif self._graveyard or self._write_overdue():  # a write that ended made room
             self._kick()
 
     def _settle_nowait(self):
@@ -868,6 +876,11 @@ class Store:
                 except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
                     self._staging_failed = True
 
+    def settle(self):
+        """Poll and drain (:meth:`_settle`): what ended is applied now (before policy
+        ``"auto"`` measures a step)."""
+        self._settle()
+
     def _settle_and_release(self):
         """The end of a backward (autograd's callback): the releases of the handles it
         freed are applied, and their memory is let go here, so that it is back before
@@ -936,6 +949,10 @@ class Store:
         poller = self._poller
         if poller is not None and not self.closed:
             poller.poll()
+        # Copies the hooks started: settled by the threads that run hooks or wait, never
+        # by the I/O thread (NOTE [ Copies the hooks start ] in _device.py).
+        if self._devices.transfers and get_ident() != self._io.thread.ident:
+            self._devices.poll()
         inbox = self._inbox
         while inbox:
             ev = inbox[0]
@@ -1250,7 +1267,10 @@ class Store:
             left = deadline - time.monotonic()
             if left <= 0:
                 return [f for f in pending[first:] if not f.done()]
-            poller.wait_any(since, min(left, _WAIT_SLICE_S))
+            if type(pending[first]) is _CopyFuture:  # only a poll settles it: poll soon
+                pending[first].wait(min(left, _WAIT_SLICE_S))
+            else:
+                poller.wait_any(since, min(left, _WAIT_SLICE_S))
 
     def _after_fork_in_child(self):
         """In a forked child: this store belongs to the parent. Never touch its engine,
@@ -1283,8 +1303,12 @@ def _completions(ref):
             if s is not None and not s._forked:
                 s._inbox.append((kind, rec, fut))
                 # get_ident, not current_thread(): that would register a dummy Thread
-                # object for every engine thread, forever.
-                if threading.get_ident() != threading.main_thread().ident:
+                # object for every engine thread, forever. Settled by a poll in a locked
+                # region (the hooks', on the autograd engine's device thread too): that
+                # region drains it next, and a kick would hand the I/O thread the GIL.
+                me = get_ident()
+                if me != threading.main_thread().ident and not (
+                        s._holder == me and s._lock.locked()):
                     s._settle_nowait()
         return done
     return callback

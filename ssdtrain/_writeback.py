@@ -113,8 +113,10 @@ class WritePath:
         (``Store._settle``). What is written was decided already: when this runs changes
         nothing of it (NOTE [ Bounded memory ] in _store.py). ``inline``: the hooks'
         own starts (NOTE [ The data path on the hooks' thread ] in _store.py): host
-        records only, oldest first, up to the first device record or eviction, which the
-        I/O thread starts (their staging or pinned copy may need an allocation)."""
+        records, and device records' copies to the host tier whose pinned buffer is idle
+        in the pool (NOTE [ Copies the hooks start ] in _device.py), oldest first, up to
+        the first other device record, which the I/O thread starts (its staging may need
+        an allocation); evictions are the I/O thread's."""
         done = 0
         table = self._table
         due = table.due
@@ -122,9 +124,10 @@ class WritePath:
             if limit is not None and done >= limit:
                 return True
             rec = next(iter(due))
-            if inline and (rec.device is not None or rec.tier):
+            if inline and rec.device is not None and not (
+                    rec.tier and rec.device.pool.ready(rec.nbytes, ordered=True)):
                 return False
-            self.start_write_locked(rec)  # it leaves ``due`` (RecordTable.move)
+            self.start_write_locked(rec, inline)  # it leaves ``due`` (RecordTable.move)
             done += 1
         if inline:
             return False
@@ -168,8 +171,9 @@ class WritePath:
         except (StopIteration, RuntimeError):  # emptied or changed meanwhile
             return None
 
-    def start_write_locked(self, rec):
-        """PENDING -> WRITING: allocate a slot and submit the write.
+    def start_write_locked(self, rec, inline=False):
+        """PENDING -> WRITING: allocate a slot and submit the write (a record admitted to
+        the host tier: PENDING -> HOSTING, ``inline`` there).
 
         The request owns the memory it reads and its slot, from before it is queued
         (NOTE [ Memory owned by requests ]). The state moves before the submission: a
@@ -185,7 +189,7 @@ class WritePath:
                                 "(untyped_storage().resize_() or set_)"))
                 return
             if rec.tier:  # admitted to the host tier: copied to RAM (NOTE [ Host tier ])
-                self.tier.start_host_locked(rec)
+                self.tier.start_host_locked(rec, inline)
                 return
             dev, ready = rec.device, None
             if dev is None:

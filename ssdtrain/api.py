@@ -350,6 +350,10 @@ class Offloader:
         # training step's; attach() opens no pass for such a call at all.
         self._auto_step = self._auto is not None and torch.is_grad_enabled()
         if self._auto_step:
+            # What ended since backward is settled first: a copy the hooks started is
+            # settled by a poll only (NOTE [ Copies the hooks start ] in _device.py), and
+            # one still counted in flight would read as a lag.
+            self._store.settle()
             # May probe the disk, once: before the pass opens.
             quota = self._auto.begin_step()
             # The sizing step (no quota), and every step under a memory floor, wait for

@@ -33,7 +33,8 @@ from ._spill import SpillFile, SpillSet, filesystem_type
 
 __all__ = ["BLOCK", "SpillFile", "SpillSet", "ReadBuffers", "filesystem_type", "rok_plans",
            "predict", "crc32c", "crc32c_available", "uring_probe", "HookTimer",
-           "LoopbackDevice", "attach_loopback", "MAX_BYTES", "set_auto_clock"]
+           "LoopbackDevice", "attach_loopback", "MAX_BYTES", "set_auto_clock",
+           "pin_auto_quota"]
 
 
 def crc32c_available() -> bool:
@@ -82,6 +83,29 @@ def set_auto_clock(offloader, clock) -> None:
         raise ConfigError(f"ssdtrain: set_auto_clock needs an Offloader with policy='auto'; "
                           f"this one runs policy={offloader.config.policy!r}.")
     auto._clock = clock
+
+
+def pin_auto_quota(offloader, nbytes) -> None:
+    """Make ``policy="auto"`` offload ``nbytes`` per step (its earliest saved records,
+    as its own quota does) from the next step on, whatever its steps measure, or choose
+    again (``None``). For measurements of what one quota costs (``tools/gpu_trace.py``):
+    the path a tensor takes past the quota, and the one a record takes within it, are the
+    default's own.
+
+    Raises:
+        ConfigError: ``offloader`` does not run ``policy="auto"``, or ``nbytes`` is
+            negative or not an integer.
+    """
+    from ._errors import ConfigError
+    auto = getattr(offloader, "_auto", None)
+    if auto is None:
+        raise ConfigError(f"ssdtrain: pin_auto_quota needs an Offloader with policy='auto'; "
+                          f"this one runs policy={offloader.config.policy!r}.")
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
+                               or nbytes < 0):
+        raise ConfigError(f"ssdtrain: pin_auto_quota takes a number of bytes >= 0 or None; "
+                          f"got {nbytes!r}.")
+    auto.pinned = nbytes
 
 
 class HookTimer:

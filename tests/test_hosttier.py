@@ -524,6 +524,36 @@ def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
         result.summary()
 
 
+@pytest.mark.parametrize("only", ["_device.py", "_hosttier.py"])
+def test_interrupt_at_each_line_of_the_copies_the_hooks_start(spill_dir, monkeypatch, only):
+    """The sweep above with the native engine (polled: NOTE [ The data path on the hooks'
+    thread ] in _store.py), whose hooks start the copies to RAM themselves and settle
+    them by polling their events (NOTE [ Copies the hooks start ] in _device.py): a
+    KeyboardInterrupt at the first run of every line of ``only`` on the training thread
+    (the pool's ordered reuse, the copy's start, the poll that settles it, the loads),
+    with the scenario's checks. Tier off, or the posix engine: no copy is started by a
+    hook, and the line of ``DeviceTransfers.poll`` that settles one is no target (it is
+    asserted among them)."""
+    inject = _host_tier_children(monkeypatch, 1 << 20)  # every record fits in RAM
+    result, base = inject.sweep_in_children("native", "first", spill_dir, budget_s=400,
+                                            extra=("--only", only))
+    print(result.summary())
+    assert base is not None, result.stopped
+    if result.failing or result.stopped:
+        pytest.fail(result.message(), pytrace=False)
+    assert len(result.outcomes) == base["targets"] > 0, result.summary()
+    assert all(only in o.where for o in result.outcomes), result.summary()
+    if only == "_device.py":  # the poll that settles a copy the hooks started is a target
+        import inspect
+        from ssdtrain._device import DeviceTransfers
+        lines, first = inspect.getsourcelines(DeviceTransfers.poll)
+        settle = first + next(i for i, line in enumerate(lines) if "fut.set_result" in line)
+        assert any(o.where.startswith(f"ssdtrain/_device.py:{settle} ") for o in result.outcomes), \
+            result.summary()
+    assert sum(o.fired for o in result.outcomes) >= 0.5 * len(result.outcomes), \
+        result.summary()
+
+
 def test_gc_inside_every_locked_region_with_a_host_tier(spill_dir, monkeypatch):
     """Forced collections in every store lock with records in RAM and on the SSD (pinned
     buffers are taken under the store's lock when the I/O thread's reservation missed):

@@ -168,6 +168,61 @@ def test_rule4_staging_is_not_reused_before_its_copy_ends(make_offloader):
     assert not dev.errors
 
 
+def test_rule4_a_copy_to_ram_reusing_a_busy_buffer_waits_for_its_last_copy(make_offloader):
+    """Rule 4, ordered reuse (NOTE [ Copies the hooks start ]): a copy to the host tier
+    may take a buffer whose last copy is still queued, its stream waiting for that copy
+    first. Step 1's records come back from RAM late (each load's copy to the device
+    waits 0.3 s), its backward runs on a side stream and returns at once, and its graph
+    is dropped: the buffers go back to the pool with their loads still queued. Step 2,
+    on another stream (nothing orders its kernels after step 1's), copies new values
+    into them. Broken (``to_host`` without ``d2h.wait_event`` on the buffer's last
+    copy): step 1's late loads read step 2's bytes."""
+    k = 4
+    dev = LoopbackDevice()
+    off = _offloader(make_offloader, dev, host_budget_bytes="unlimited",
+                     prefetch_bytes=N * 4 * k)
+
+    def step(base, stream):
+        sink, out = [], _anchor()
+        with dev.stream(stream):
+            with off:
+                for i in range(k):
+                    t = dev.alloc((N,))
+                    write_later(dev, t, float(base + i))
+                    out = SlowRead.apply(out, dev, sink, t, 0.0)
+                del t
+                off.wait()  # in RAM before forward ends: backward loads each one back
+            out.backward()
+        return sink
+
+    side, other = dev.Stream(), dev.Stream()
+    for _ in range(2):  # the pool holds its buffers: the packs start the copies
+        step(0, side)
+        side.synchronize()
+        off.wait()
+    pool_ = next(iter(off._store._devices.staging.values()))
+    dev.h2d_delay = 0.3
+    first = step(100, side)    # loads queued, 0.3 s each; the graph is gone
+    dev.h2d_delay = 0.0
+    off._store.settle()        # the records are freed: their buffers are busy
+    with pool_._lock:          # and no buffer is idle: step 2 takes the busy ones
+        drop = []
+        while pool_._lru:
+            pool_._evict_locked(drop)
+    del drop
+    assert pool_.busy() >= 2 and pool_.idle_bytes() == 0
+    second = step(200, other)  # copies to RAM into those buffers, after the loads
+    side.synchronize()
+    other.synchronize()
+    off.wait()
+    assert [float(t[0]) for t in first] == [100.0 + i for i in reversed(range(k))]
+    for i, t in zip(reversed(range(k)), first):
+        assert torch.equal(t, torch.full((N,), 100.0 + i)), i
+    assert [float(t[0]) for t in second] == [200.0 + i for i in reversed(range(k))]
+    assert off.stats().bytes_written == 0 and off.stats().host_loaded_bytes > 0
+    assert not dev.errors
+
+
 def test_rule5_loads_wait_for_the_compute_stream_that_reuses_their_block(make_offloader):
     """Rule 5: a load is allocated on the compute stream, which may hand it a block that
     its queued kernels still read; the copy waits for that stream first. Forward and

@@ -138,17 +138,25 @@ def test_a_steady_stream_of_submits_wakes_no_worker(spill_files, watch_us):
     """NOTE [ Waking workers ]: submits that come within the linger of the last piece
     find the watch and make no futex call on the submitting thread (the first one may:
     every worker waited then). Without a watch every submit finds the workers asleep and
-    wakes one: the count tells the two apart, so this fails with the watch turned off."""
-    engine, spill = NativeEngine(io_threads=2, watch_us=watch_us), spill_files(False)
-    try:
-        n = 40
-        _one_at_a_time(engine, spill, n, 0.0003)
-        if watch_us:
-            assert engine.wakes() <= n // 4  # 1 on a quiet machine; a stalled sleep may add
-        else:
-            assert engine.wakes() >= n // 2
-    finally:
-        engine.shutdown()
+    wakes one: the count tells the two apart, so this fails with the watch turned off.
+    A loaded machine only adds wakes (a submitting thread or a watch descheduled past the
+    linger: 17 of 40 once, in a full suite on 2 cores), so the least of three runs is
+    what is compared."""
+    n, counts = 40, []
+    spill = spill_files(False)
+    for _ in range(3):
+        engine = NativeEngine(io_threads=2, watch_us=watch_us)
+        try:
+            _one_at_a_time(engine, spill, n, 0.0003)
+            counts.append(engine.wakes())
+        finally:
+            engine.shutdown()
+        if watch_us and counts[-1] <= n // 4:
+            break
+    if watch_us:
+        assert min(counts) <= n // 4, counts  # 1 on a quiet machine
+    else:
+        assert min(counts) >= n // 2, counts
 
 
 @settings(max_examples=25, deadline=None)

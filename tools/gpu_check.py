@@ -22,7 +22,8 @@ phases gave:
 
 The report (``report.md``, ``report.json`` and each phase's log) goes to the folder
 named by ``GPU_CHECK_DIR`` (default: a fresh folder under the system temp dir; the
-path is printed). Exit status: 0 when every phase passed, 1 when one failed, 2
+path is printed). Exit status: 0 when every phase passed (or was skipped because
+``GPU_CHECK_SKIP`` names it), 1 when one failed or the budget left it out, 2
 without a usable CUDA device (nothing else is run).
 
 Environment: ``GPU_CHECK_DIR``; ``GPU_CHECK_SPILL_DIR`` (the NVMe folder for spill
@@ -68,6 +69,8 @@ def cuda_unavailable_reason() -> str:
     return ""
 
 
+SKIPPED_ON_REQUEST = "GPU_CHECK_SKIP names it"
+
 class Phases:
     """Runs commands under the remaining budget; keeps each one's log and outcome."""
 
@@ -81,7 +84,7 @@ class Phases:
         log = os.path.join(self.out_dir, f"{name}.log")
         res = {"phase": name, "command": shlex.join(argv), "log": os.path.basename(log)}
         if name in os.environ.get("GPU_CHECK_SKIP", "").split(","):
-            res.update(status="skipped", why="GPU_CHECK_SKIP names it", seconds=0.0)
+            res.update(status="skipped", why=SKIPPED_ON_REQUEST, seconds=0.0)
             self.results.append(res)
             print(f"[gpu-check] {name}: skipped (GPU_CHECK_SKIP)", flush=True)
             return res
@@ -268,7 +271,9 @@ def main() -> int:
     write_report(out_dir, machine, phases, smoke, started)
     shutil.rmtree(spill_root, ignore_errors=True)
     print(f"[gpu-check] report: {os.path.join(out_dir, 'report.md')}", flush=True)
-    return 0 if all(p["status"] == "passed" for p in phases.results) else 1
+    # A phase GPU_CHECK_SKIP names was asked away; one the budget left out was not.
+    return 0 if all(p["status"] == "passed" or p.get("why") == SKIPPED_ON_REQUEST
+                    for p in phases.results) else 1
 
 
 if __name__ == "__main__":

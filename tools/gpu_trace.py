@@ -12,10 +12,13 @@ gpu_smoke.py``'s ~1B model by default, ``--small`` for a quick try):
 1. ``none``: no ssdtrain, the reference;
 2. a sizing step: every eligible saved tensor offloaded to pinned RAM (the host tier
    alone, unlimited) counts ``S``, the bytes a step offloads at most;
-3. for each ``--quotas`` fraction ``f``: the host tier alone with a budget of ``f * S``
-   (``policy="static"``, no ``spill_dir``): the step's earliest ``f * S`` bytes go to
-   pinned RAM and come back in backward, the rest stays on the device, as under the
-   default policy's quota (its earliest records first).
+3. for each ``--quotas`` fraction ``f``: the default policy (``"auto"``) with its quota
+   pinned at ``f * S`` bytes (``ssdtrain.tools.pin_auto_quota``), the host tier alone
+   (unlimited, no ``spill_dir``): the step's earliest ``f * S`` bytes go to pinned RAM
+   and come back in backward, and every tensor past the quota takes the default's own
+   path (kept without a record). (Before 2026-11-28 this was ``policy="static"`` with a
+   host budget of ``f * S``: the records past the budget still paid a record's costs,
+   which the default never pays; docs/results/gpu_trace_2026-11-28.md has both.)
 
 For each: ``--warmup`` steps, ``--steps`` timed steps (between two device
 synchronizations), then one step under ``torch.profiler`` (CPU and CUDA activity,
@@ -180,12 +183,18 @@ def _device(cpu_dry_run):
     return torch.device("cuda"), torch.cuda.synchronize
 
 
-def _offloader(budget, cpu_dry_run):
-    """The host tier alone, ``budget`` bytes (``"unlimited"``), ``policy="static"``, no
-    kept tail: the quota counts from the step's first saved tensor."""
+def _offloader(quota, cpu_dry_run):
+    """The host tier alone (unlimited), no kept tail. ``quota`` None: ``policy="static"``
+    (every eligible tensor: the sizing step); else ``policy="auto"`` with its quota pinned
+    at ``quota`` bytes (``ssdtrain.tools.pin_auto_quota``): the step's earliest records
+    within it go to pinned RAM, and every tensor past it takes the default's own path
+    (kept without a record)."""
     import ssdtrain
-    off = ssdtrain.Offloader(policy="static", spill_dir=None, host_budget_bytes=budget,
-                             keep_tail_bytes=0)
+    from ssdtrain.tools import pin_auto_quota
+    off = ssdtrain.Offloader(policy="static" if quota is None else "auto", spill_dir=None,
+                             host_budget_bytes="unlimited", keep_tail_bytes=0)
+    if quota is not None:
+        pin_auto_quota(off, quota)
     if cpu_dry_run:
         from ssdtrain.tools import LoopbackDevice, attach_loopback
         attach_loopback(off, LoopbackDevice(claim_host_tensors=True, capacity=1 << 40))
@@ -250,7 +259,7 @@ def run(args):
         return result
 
     results = [measure("none", contextlib.nullcontext)]
-    sizing = _offloader("unlimited", args.cpu_dry_run)
+    sizing = _offloader(None, args.cpu_dry_run)
     try:
         step(lambda: sizing)
         sizing.wait()
