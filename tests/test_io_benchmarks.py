@@ -132,6 +132,11 @@ def _check_smoke(proc, out, modes):
     return result, ssd
 
 
+def _final(result, mode):
+    """The offloader's stats at the end of ``mode``'s run (every step, warm-up too)."""
+    return next(r["final_stats"] for r in result["runs"] if r["mode"] == mode)
+
+
 def test_gpu_smoke_cpu_dry_run(tmp_path, spill_dir):
     """The script's whole loop (workers, digests, ssdtrain stats, the host tier's numbers,
     table, verdict, JSON) on CPU, for every mode that offloads, at a tiny size.
@@ -143,7 +148,7 @@ def test_gpu_smoke_cpu_dry_run(tmp_path, spill_dir):
     """
     out = tmp_path / "g.json"
     modes = ["none", "ssdtrain", "ssdtrain-host", "ssdtrain-ram", "save_on_cpu"]
-    proc = _run(GPU_SMOKE, "--small", "--cpu-dry-run", "--repeats", "1", "--steps", "1",
+    proc = _run(GPU_SMOKE, "--small", "--cpu-dry-run", "--repeats", "1", "--steps", "2",
                 "--warmup", "1", "--d-model", "64", "--seq-len", "64", "--vocab", "128",
                 "--modes", *modes, "--spill-dir", spill_dir, "--json", out)
     result, ssd = _check_smoke(proc, out, modes)
@@ -163,13 +168,18 @@ def test_gpu_smoke_cpu_dry_run(tmp_path, spill_dir):
     assert host["host_budget_bytes"] == host["host_budget_sized_from"] // 2
     assert 0 < host["peak_host_bytes"] <= host["host_budget_bytes"]
     assert host["host_spilled_bytes_per_step"] > 0 and host["bytes_written_per_step"] > 0
-    assert host["host_loaded_bytes_per_step"] > 0
+    # Loads from RAM: a record whose copy to RAM has not ended when backward reaches it
+    # is served from device memory instead, and whether the loopback's copy threads got
+    # the GIL before backward is the machine's doing (0 once, in a full suite): over
+    # the run's three steps, some records were loaded back from RAM.
+    assert _final(result, "ssdtrain-host")["host_loaded_bytes"] > 0
     # RAM only: nothing touches the disk, everything offloaded is held in RAM.
     ram = summary["ssdtrain-ram"]
     assert ram["host_budget_bytes"] == (1 << 63) - 1  # "unlimited"
     assert ram["bytes_written_per_step"] == 0 and ram["host_spilled_bytes_per_step"] == 0
     assert 0 < ram["peak_host_bytes"] <= ram["offloaded_bytes_per_step"]
-    assert ram["host_loaded_bytes_per_step"] > 0 and ram["over_budget_bytes_per_step"] == 0
+    assert _final(result, "ssdtrain-ram")["host_loaded_bytes"] > 0
+    assert ram["over_budget_bytes_per_step"] == 0
     assert "host tier budget unlimited: peak in RAM" in proc.stdout
     # The verdict: the host tier alone against save_on_cpu, a step-time ratio.
     verdict = result["host_tier_vs_save_on_cpu"]
