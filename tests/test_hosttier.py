@@ -554,13 +554,17 @@ def test_interrupt_at_each_line_of_the_copies_the_hooks_start(spill_dir, monkeyp
         result.summary()
 
 
-def test_gc_inside_every_locked_region_with_a_host_tier(spill_dir, monkeypatch):
+@pytest.mark.parametrize("engine", ["posix", "native"])
+def test_gc_inside_every_locked_region_with_a_host_tier(spill_dir, monkeypatch, engine):
     """Forced collections in every store lock with records in RAM and on the SSD (pinned
-    buffers are taken under the store's lock when the I/O thread's reservation missed):
-    no deadlock, exact, nothing left. Tier off: ``peak_host`` is 0."""
+    buffers are taken under the store's lock when the I/O thread's reservation missed;
+    with the native engine the hooks start the copies to RAM and the locked regions
+    poll them, so collections run inside those polls and their callbacks too): no
+    deadlock, exact, nothing left. Tier off: ``peak_host`` is 0."""
     _host_tier_children(monkeypatch, 96 * KiB)  # room for records to land before use
     import test_gc_injection
-    r = test_gc_injection._run("locks", spill_dir, threshold="default", steps=12, timeout=90)
+    r = test_gc_injection._run("locks", spill_dir, engine=engine, threshold="default",
+                               steps=12, timeout=90)
     assert any(r["inside_found"].values()), r["inside"]
     assert r["peak_host"] > 0 and r["records_read"] > 0, r  # both tiers were used
 
