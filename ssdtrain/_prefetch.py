@@ -118,10 +118,12 @@ class ReadPath:
         ``prefetch_bytes`` are held ahead of use, at most ``limit`` of them (all with
         None). Returns whether it stopped at ``limit`` with more to do. The store's I/O
         thread calls it (NOTE [ The store's I/O thread ] in _store.py), and ``flush()``;
-        unpack too, ``inline`` (NOTE [ The data path on the hooks' thread ] there): up to
-        the first device record, whose read the I/O thread starts (its staging may need
-        an allocation); the I/O thread then passes ``device_only``: it leaves a host
-        record's read to unpack, which has room for it as soon as the thread does."""
+        unpack too, ``inline`` (NOTE [ The data path on the hooks' thread ] there): loads
+        from the host tier (stream work: NOTE [ Copies the hooks start ] in _device.py),
+        and reads up to the first device record on the SSD, whose read the I/O thread
+        starts (its staging may need an allocation); the I/O thread then passes
+        ``device_only``: it leaves a host record's read to unpack, which has room for it
+        as soon as the thread does."""
         budget = self.cfg.prefetch_bytes
         started = 0
         while self.passes and self._table.ahead < budget:

@@ -113,8 +113,9 @@ class WritePath:
         (``Store._settle``). What is written was decided already: when this runs changes
         nothing of it (NOTE [ Bounded memory ] in _store.py). ``inline``: the hooks'
         own starts (NOTE [ The data path on the hooks' thread ] in _store.py): host
-        records, and device records' copies to the host tier whose pinned buffer is idle
-        in the pool (NOTE [ Copies the hooks start ] in _device.py), oldest first, up to
+        records, and device records' copies to the host tier whose pool can hand out a
+        buffer without an allocation (NOTE [ Copies the hooks start ] in _device.py),
+        oldest first, up to
         the first other device record, which the I/O thread starts (its staging may need
         an allocation); evictions are the I/O thread's."""
         done = 0
