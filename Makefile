@@ -8,6 +8,7 @@
 #   make zero-infinity                  DeepSpeed's async_io op built, then the recipe's test
 #   make gpu-check [GPU_PYTHON=python3] GPU acceptance on an NVIDIA GPU (see below)
 #   make gpu-trace                       profiler traces of a GPU step at three quotas (below)
+#   make gpu-bench                       tables A and B of issue 32 on a GPU (below)
 #
 # torch is installed first and only if the venv cannot import it, so a torch
 # you put in .venv yourself (e.g. a CUDA build) is kept. Override the default
@@ -29,7 +30,8 @@ STAMP := $(VENV)/.ssdtrain-installed
 
 .DEFAULT_GOAL := test
 .DELETE_ON_ERROR:
-.PHONY: venv test demo bench soak clean distclean asan-test zero-infinity gpu-check gpu-trace
+.PHONY: venv test demo bench soak clean distclean asan-test zero-infinity gpu-check gpu-trace \
+        gpu-bench
 
 # The native engine ssdtrain._C (csrc/) is built by the editable install below.
 NATIVE_SRCS := $(wildcard csrc/*.cpp csrc/engine/*.cpp csrc/engine/*.h)
@@ -99,6 +101,17 @@ gpu-check:
 GPU_TRACE_DIR ?= /tmp/ssdtrain-gpu_trace
 gpu-trace:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) tools/gpu_trace.py --out $(GPU_TRACE_DIR) $(GPU_TRACE_ARGS)
+
+# gpu-bench: ssdtrain against checkpointing and the peers (benchmarks/gpu_bench.py):
+# table A, the ~1B GPT (none, checkpoint, selective checkpointing, save_on_cpu, the
+# default, offload-all, budgets); table B, Llama-3-8B-shaped layers at 32k tokens,
+# recomputed, with their inputs in GPU memory, copied synchronously, or offloaded by
+# ssdtrain to RAM or the SSD. One process per table, no row started after
+# GPU_BENCH_ARGS' --budget-s (default 450 s). Same machine requirements as gpu-check;
+# after it. Writes docs/results/gpu_bench_<date>.{md,json} (or $$GPU_BENCH_DIR).
+GPU_BENCH_DIR ?= $(CURDIR)/docs/results
+gpu-bench:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_bench.py --out $(GPU_BENCH_DIR) $(GPU_BENCH_ARGS)
 
 # asan-test: the native engine under AddressSanitizer + UndefinedBehaviorSanitizer.
 #  1. csrc/tests/engine_selftest.cpp (engine only, no Python) with leak detection ON;

@@ -458,6 +458,7 @@ class AutoQuota:
             self.reason += ("; this step's saved tensors are not intercepted (nothing to "
                             "offload: the hooks would only cost time)")
         self._stats.offload_quota_bytes = self.quota
+        self._stats.offload_bound_bytes = None if self.quota is None else int(self.bound)
         self._stats.offload_quota_reason = self.reason
         if self._sync is not None and self._in_baseline():
             self._sync()             # a baseline step begins once the device is idle

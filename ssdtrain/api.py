@@ -125,6 +125,11 @@ class Stats:
     to offload, chosen when it began from what earlier steps measured (NOTE [ The offload
     quota ] in ``_auto.py``; 0 in the first steps, which measure). ``None`` with the
     other policies."""
+    offload_bound_bytes: Optional[int] = None
+    """With ``policy="auto"``: the bytes of a step the tiers can take during forward and
+    give back during backward (the *free bound*, NOTE [ The offload quota ], step 3 in
+    ``_auto.py``), from the bandwidths and step times measured so far; the quota is a
+    share of it. 0 until something is measured; ``None`` with the other policies."""
     offload_quota_reason: str = ""
     """Why :attr:`offload_quota_bytes` is what it is: the measurements it came from and
     whether the last step lowered or raised it."""
@@ -148,7 +153,7 @@ class Stats:
     LEVELS = frozenset({"peak_resident_bytes", "staging_bytes", "peak_staging_bytes",
                         "staging_idle_bytes", "read_buffer_bytes", "read_buffer_idle_bytes",
                         "host_bytes", "peak_host_bytes", "offload_quota_bytes",
-                        "budget_measured_bytes", "budget_exceeded_bytes"})
+                        "offload_bound_bytes", "budget_measured_bytes", "budget_exceeded_bytes"})
 
     def since(self, before: "Stats") -> "Stats":
         """What happened between ``before`` (an earlier snapshot of the same offloader)

@@ -131,12 +131,14 @@ def test_controller_measures_then_probes_once_then_follows_stalls(no_controls):
     saved = 400 * MiB
     quotas = [_step(ctl, clock, stats, 0.1, 0.2, saved) for _ in range(WARMUP)]
     assert quotas == [None] * SIZING_STEPS + [0] * BASELINE_STEPS and not probes
+    assert stats.offload_bound_bytes == 0  # nothing measured yet
     quotas = quotas[SIZING_STEPS:]
     assert "measuring" in stats.offload_quota_reason
     first = _step(ctl, clock, stats, 0.1, 0.2, saved)
     assert probes == [probe_bytes(saved)]
     bound = quota_bound(saved, 0.1, 0.3, 1e9, 0.5e9, 0.03)
     assert first == pytest.approx(0.5 * bound, rel=1e-6) and stats.offload_quota_bytes == first
+    assert stats.offload_bound_bytes == pytest.approx(bound, rel=1e-6)  # what it is a share of
     second = _step(ctl, clock, stats, 0.1, 0.2, saved)          # kept within the margin
     assert second > first and "raised" in stats.offload_quota_reason
     third = _step(ctl, clock, stats, 0.1, 0.2, saved, stall=0.05)  # stalls: 17% of 0.3 s
