@@ -164,6 +164,44 @@ costs what a ``"static"`` step costs, once. A step whose
 time varies for reasons of its own (data of varying length) reads as slowed now and
 then, which only lowers the quota. ``Stats.offload_quota_bytes`` and
 ``Stats.offload_quota_reason`` show the quota in force and why.
+
+NOTE [ Hooks off past the window ]
+
+The quota is a prefix of the step's saves. Once it is spent, every later save is
+passed through (NOTE [ The pack decision ] in _policy.py), and each still costs the
+training thread autograd's call into our pack hook, the pass-through's bookkeeping, and
+in backward the unpack hook: on an H200 at 1/16 of a ~1B GPT's bytes, 470 of its 481
+saved tensors, and forward became launch-bound (docs/results/gpu_trace_2026-11-28.md).
+What those passes still buy is the prefetch window's accounting: passed bytes fill the
+window from forward's end, so that loads start when backward has used all but
+``prefetch_bytes`` of them (``RecordTable.count_passed``). Only the first
+``prefetch_bytes`` passed after the quota matter to that: backward uses the later ones
+first, while the window is full anyway.
+
+So once the running pass has passed through ``prefetch_bytes`` after its quota was
+spent (``Store.cut_after``), the pack hook that crossed it takes our hooks off this
+thread's stack for the rest of the forward (``Offloader._cut``: ``ForwardState.
+pop_if_top``, then the module-state tracker stops). Autograd saves what follows itself,
+as without ssdtrain: no hook call, no record, no count, its own version checks, and
+loads start at the same point of backward as before. Popping inside a pack is safe:
+autograd holds its own references to the pair whose pack it is calling. Armed only
+where it changes nothing else:
+
+* ``policy="auto"`` with a quota (not the sizing step, whose ``"static"`` rules need
+  every record) and no per-layer plan (``track``, whose bookkeeping needs records);
+* nothing under our hooks on the stack when they were pushed: popping ours would hand
+  the rest of the forward to that pair (a ``save_on_cpu`` around the step), which ours
+  shadowed;
+* only on the thread that intercepts and only while ours are on top (a spy wrapped
+  around the store's hooks, or another pair pushed inside, stays untouched);
+* once a step before counted all it saved: a cut step counts only what it intercepted
+  (``Stats`` says how many steps were cut, ``hooks_cut_steps``), so its ``S`` is the
+  last full step's, and after ``RECOUNT_STEPS`` (16) cut steps in a row one runs with
+  the hooks to its end to count ``S`` again.
+
+A storage offloaded before the cut and saved again after it stays alive through the
+later save until backward uses it, as it would without ssdtrain: its record is still
+written and read, and only the bytes the quota meant to free at that boundary stay.
 """
 
 import collections
@@ -187,6 +225,7 @@ SAFETY = 0.8           # of the bandwidth bound
 START_SCALE = 0.5      # the first quota's share of the bound
 STEP_UP = 0.25         # scale added after a step that was not slowed
 MAX_SCALE = 1.5        # most of the bound the feedback may reach
+RECOUNT_STEPS = 16     # steps cut in a row before one counts all it saves again
 MIN_PROBE = 8 * MiB
 MAX_PROBE = 64 * MiB
 MIN_SHARE = 1 / 16     # a quota below this share of a step's bytes is not worth its cost
@@ -399,6 +438,8 @@ class AutoQuota:
         self._given_up = False            # a quota of MIN_SHARE slowed a step: 0 for a while
         self._slowed_at_least = 0         # steps in a row at MIN_SHARE that were slowed
         self.intercepts = True            # the running step's saved tensors are intercepted
+        self.cut = False                  # ... until its hooks came off (Offloader._cut)
+        self._cut_steps = 0               # steps cut since the last that counted all
         self._saved = 0                   # S of the last step that intercepted
         self._begin = None                # the running step: clock at begin, at end of forward
         self._end = None
@@ -438,8 +479,10 @@ class AutoQuota:
             # that intercepted nothing) or on a device, whose host clock sees launches.
             on_device = self._device_timed or self._synced
             stop = now if self._back_end is None or on_device else self._back_end
-            if self.intercepts:
+            if self.intercepts and not self.cut:  # a cut step counted a part
                 self._saved = saved - self._counters[1]
+            if self.intercepts:
+                self._cut_steps = self._cut_steps + 1 if self.cut else 0
             lag = unwritten - self._counters[3]
             if self._outbound is not None:
                 lag += self._outbound()
@@ -451,6 +494,7 @@ class AutoQuota:
                                      out_of_memory=self._oom, intercepted=self.intercepts,
                                      control=self._control))
         self._control_next = False
+        self.cut = False
         self.quota, self.reason = self._choose()
         self._control = self._control_next
         self.intercepts = self._intercepts()
@@ -502,6 +546,13 @@ class AutoQuota:
         memory sets a floor (the floor's bytes must leave memory to fit, not only be
         decided)."""
         return self.quota is None or self.floor > 0
+
+    @property
+    def may_cut(self) -> bool:
+        """Whether the running step's hooks may come off once its quota is spent (NOTE [
+        Hooks off past the window ]): it has a quota, a step before counted all it saved,
+        and fewer than ``RECOUNT_STEPS`` steps in a row were cut since."""
+        return self.quota is not None and self._saved > 0 and self._cut_steps < RECOUNT_STEPS
 
     def _intercepts(self) -> bool:
         """Whether the beginning step needs the hooks (NOTE [ The offload quota ], step 5):

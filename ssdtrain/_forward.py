@@ -140,6 +140,18 @@ class ForwardState:
         return ok
 
 
+    def pop_if_top(self) -> bool:
+        """Pop our hooks, and forget them, only if they are on top of this thread's
+        stack; whether they were (NOTE [ Hooks off past the window ] in _auto.py)."""
+        pair = self.hooks
+        top = _top(False)
+        if pair is None or top is None or top[0] is not pair[0] or top[1] is not pair[1]:
+            return False
+        _pop()
+        self.hooks = None
+        return True
+
+
 def hooks_on_stack() -> bool:
     """Whether a pair of saved-tensor hooks is on this thread's stack."""
     return _top(False) is not None

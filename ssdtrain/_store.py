@@ -360,6 +360,10 @@ class Store:
         self.quota = None                      # each pass's offload quota (policy "auto",
                                                # NOTE [ The offload quota ] in _auto.py)
         self.quota_floor = 0                   # ... and the least it writes (its floor)
+        # NOTE [ Hooks off past the window ] in _auto.py: once the running pass passed
+        # through this many bytes after its quota was spent, on_cut() is called (once).
+        self.cut_after = None
+        self.on_cut = None
         self.limit_write_behind(None)          # the write path's limit in force
         self.closed = False
         self._paused = False                   # wrap_engine(): the thread starts nothing
@@ -526,7 +530,12 @@ class Store:
                 if cur is not None:  # (NOTE [ The pack decision ] in _policy.py)
                     if leaf is not None and not self._passed_device:  # for the probe
                         self._passed_device.append((leaf, leaf.device(t)))
-                    return self._pass_spent(t, cur, key, version, extent, storage, nbytes)
+                    handle = self._pass_spent(t, cur, key, version, extent, storage, nbytes)
+                    cut = self.cut_after
+                    if cut is not None and cur.passed.nbytes >= cut:
+                        self.cut_after = None  # once (NOTE [ Hooks off past the window ])
+                        self.on_cut()
+                    return handle
             layers = self.layers
             choice = None if layers is None else layers.choice()  # NOTE [ Applying a plan ]
             with self._lock:

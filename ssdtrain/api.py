@@ -2,6 +2,7 @@
 
 import dataclasses
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -131,6 +132,11 @@ class Stats:
     ``_auto.py``), from the bandwidths and step times measured so far; the quota is a
     share of it. 0 until something is measured; ``None`` with the other policies."""
     offload_quota_reason: str = ""
+    hooks_cut_steps: int = 0
+    """With ``policy="auto"``: steps whose saved-tensor hooks came off during forward,
+    once the quota was spent and ``prefetch_bytes`` more were passed through: what they
+    saved after that was not intercepted at all, and is not counted in the byte
+    counters (NOTE [ Hooks off past the window ] in ``_auto.py``)."""
     """Why :attr:`offload_quota_bytes` is what it is: the measurements it came from and
     whether the last step lowered or raised it."""
     quota_kept_bytes: int = 0
@@ -546,11 +552,30 @@ class Offloader:
         # A step of policy "auto" with nothing to offload intercepts nothing, and starts
         # no module tracker (NOTE [ The offload quota ], step 5), unless our hooks would
         # shadow another pair. (TRACKER.stop ignores a user it did not start.)
-        if auto is None or auto.intercepts or self._layers is not None or hooks_on_stack():
+        below = hooks_on_stack()
+        if auto is None or auto.intercepts or self._layers is not None or below:
             TRACKER.start(fwd)
+            # NOTE [ Hooks off past the window ] in _auto.py: armed only where popping
+            # ours mid-forward exposes no other pair, and no plan needs every record.
+            store = self._store
+            if auto is not None and auto.may_cut and self._layers is None and not below:
+                store.on_cut = self._cut
+                store.cut_after = max(1, self.config.prefetch_bytes)
             # Read on each entry: tests replace the store's hooks to spy on them.
-            fwd.push_hooks(self._store.pack, self._store.unpack)
+            fwd.push_hooks(store.pack, store.unpack)
         fwd.move(Phase.INTERCEPTING)
+
+    def _cut(self):
+        """The store's pack, past the quota and the prefetch window: our hooks come off
+        for the rest of this forward (NOTE [ Hooks off past the window ] in _auto.py).
+        Only on the thread that intercepts, while ours are on top of its stack."""
+        fwd = self._forward
+        if fwd.phase is not Phase.INTERCEPTING or fwd.thread != threading.get_ident():
+            return
+        if fwd.pop_if_top():
+            TRACKER.stop(fwd)
+            self._auto.cut = True
+            self._stats.hooks_cut_steps += 1
 
     def _hook_off(self):
         """INTERCEPTING -> OPEN."""
@@ -559,6 +584,7 @@ class Offloader:
         self._forward.move(Phase.OPEN)
 
     def _unhook(self):
+        self._store.cut_after = None
         fwd = self._forward
         if not fwd.pop_hooks():
             log.warning("ssdtrain: leaving interception, another saved_tensors_hooks context "

@@ -396,9 +396,14 @@ class Scenario:
     #: is (NOTE [ The offload quota ] in _auto.py: the sizing step, the baseline steps,
     #: the disk probe, quotas) on a fake clock (:meth:`_tick`, so that every run takes the
     #: same decisions: a long forward, any disk keeps up), the memory read for real.
-    MODES = ("with", "attach", "adaptive", "deepspeed", "auto", "default")
+    #: ``cut``: ``with off:`` under ``policy="auto"`` with the quota pinned to
+    #: :data:`AUTO_QUOTA` (``tools.pin_auto_quota``) and a 16 KiB prefetch window: from
+    #: the second step on, the hooks come off once 16 KiB were passed through after the
+    #: quota (NOTE [ Hooks off past the window ] in _auto.py).
+    MODES = ("with", "attach", "adaptive", "deepspeed", "auto", "default", "cut")
     MODE_CONFIG = {"adaptive": dict(policy="adaptive", profile_steps=1, memory_budget_bytes=96 * KiB),
-                   "auto": dict(policy="auto"), "default": dict(policy="auto")}
+                   "auto": dict(policy="auto"), "default": dict(policy="auto"),
+                   "cut": dict(policy="auto", prefetch_bytes=16 * KiB)}
     AUTO_QUOTA = 72 * KiB  # of the 146 KiB of records a step saves
 
     def __init__(self, n_steps=8, batch=32, d=64, mode="with"):
@@ -407,7 +412,7 @@ class Scenario:
         self.mode = mode
         # Steps armed with the interrupt (and traced by the baseline): enough to reach
         # every step kind of the mode (adaptive: profile, recompute-all, plan).
-        self.armed_steps = 3 if mode == "adaptive" else 5 if mode == "default" else 2
+        self.armed_steps = 3 if mode in ("adaptive", "cut") else 5 if mode == "default" else 2
         self._now = 0.0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1234)
@@ -447,6 +452,9 @@ class Scenario:
         elif self.mode == "default":
             from ssdtrain import tools
             tools.set_auto_clock(off, self._tick)
+        elif self.mode == "cut":
+            from ssdtrain import tools
+            tools.pin_auto_quota(off, self.AUTO_QUOTA)
 
     def _tick(self):
         """The default mode's clock: one second further at each reading."""

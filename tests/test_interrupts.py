@@ -187,6 +187,15 @@ STEP_SWEEPS = {
                         only_function="ssdtrain.api:Offloader._open_forward,"
                                       "ssdtrain.api:Offloader._hook_on,"
                                       "ssdtrain.api:Offloader._close_step", parts=1),
+    # the hooks coming off past the quota and the prefetch window (NOTE [ Hooks off
+    # past the window ] in _auto.py): the API's and the forward state's lines, then the
+    # store's pack that calls it
+    "cut": dict(scenario="cut", engine="posix", select="first", only="api.py,_forward.py",
+                only_function="ssdtrain.api:Offloader._hook_on,ssdtrain.api:Offloader._cut,"
+                              "ssdtrain.api:Offloader._unhook,"
+                              "ssdtrain._forward:ForwardState.pop_if_top", parts=1),
+    "cut-store": dict(scenario="cut", files="store", engine="posix", select="last",
+                      only="_store.py", only_function="ssdtrain._store:Store.pack", parts=1),
     # the probe it runs (the disk's bandwidth, the memory's headroom), a store module
     "default-probe": dict(scenario="default", files="store", engine="posix", select="first",
                           only="_probe.py", parts=1),
