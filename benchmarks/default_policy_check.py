@@ -13,7 +13,9 @@ process per run:
 
 Per step (a forward and its backward; each micro-batch is one): the share of the bytes it
 saved that it decided to write (``Stats.offloaded_bytes`` / ``Stats.unique_bytes``,
-deltas; ``nan`` where nothing was intercepted: the policy had turned the hooks off), and
+deltas; ``nan`` where nothing was intercepted: the policy had turned the hooks off; a
+step whose hooks came off past its quota, ``Stats.hooks_cut_steps``, is divided by the
+last full step's count), and
 the policy's reason (``Stats.offload_quota_reason``). The summary: the mean share over
 the steps after ``--warmup``, counting a step without hooks as 0, and how many reasons
 said "lowered". Timings are not the point (this machine's step times move by more than
@@ -95,6 +97,7 @@ def run(args, spill_dir):
         micro_batch, optimizer_step = accum_step_fn(args.seed, args.optimizer_s)
         off = ssdtrain.Offloader(spill_dir=spill_dir, keep_tail_bytes=0)
     rows = []
+    full = None  # the bytes the last step that ran its hooks to the end saved
     try:
         for step in range(args.steps):
             for _ in range(args.micro_batches):
@@ -102,6 +105,10 @@ def run(args, spill_dir):
                 micro_batch(off)
                 after = off.stats()
                 saved = after.unique_bytes - before.unique_bytes
+                if after.hooks_cut_steps > before.hooks_cut_steps:
+                    saved = full  # a cut step counted only what it intercepted
+                elif saved:
+                    full = saved
                 share = (after.offloaded_bytes - before.offloaded_bytes) / saved if saved \
                     else math.nan
                 rows.append({"step": step, "share": share,
