@@ -8,7 +8,7 @@
 #   make zero-infinity                  DeepSpeed's async_io op built, then the recipe's test
 #   make gpu-check [GPU_PYTHON=python3] GPU acceptance on an NVIDIA GPU (see below)
 #   make gpu-trace                       profiler traces of a GPU step at three quotas (below)
-#   make gpu-bench                       tables A and B of issue 32 on a GPU (below)
+#   make gpu-bench                       tables A and B against checkpointing on a GPU (below)
 #
 # torch is installed first and only if the venv cannot import it, so a torch
 # you put in .venv yourself (e.g. a CUDA build) is kept. Override the default

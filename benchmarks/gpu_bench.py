@@ -499,7 +499,7 @@ def _row(data, table, mode, budget=None, seq=None):
 
 
 def targets(data):
-    """Issue 32's targets for the GPU tables, each with its figure: ``[(text, met)]``;
+    """The GPU tables' targets (benchmarks/README.md, gpu_bench), each with its figure: ``[(text, met)]``;
     ``met`` is None where a row it needs was not measured."""
     out = []
     none, default = _row(data, "A", "none"), _row(data, "A", "default")
@@ -614,7 +614,7 @@ def render(data):
                      f"{d['peak_gib']:.2f} | {d['peak_delta_gib']:.2f} | "
                      f"{'yes' if d['exact'] else 'NO'} | {d['inputs_bytes'] / GiB:.2f} | {off} | "
                      f"{wr} |")
-    lines += ["", "## Targets (issue 32)", ""]
+    lines += ["", "## Targets", ""]
     lines += [f"- {text}: **{_YES[met]}**" for text, met in data["targets"]]
     if data["missing"]:
         lines += ["", "## Not measured", ""]

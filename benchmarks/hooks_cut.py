@@ -90,8 +90,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import torch
     import ssdtrain
-    from ssdtrain import _auto
-    from ssdtrain.tools import pin_auto_quota
+    from ssdtrain.tools import pin_auto_quota, set_hooks_cut
     torch.set_num_threads(1)
     Save = _function()
     spill = args.spill_dir or tempfile.mkdtemp(prefix="ssdtrain-hooks-cut-")
@@ -101,13 +100,10 @@ def main(argv=None):
     quota = int(args.share * args.size * args.count)
     offs = {}
     for way in WAYS[1:]:
-        off = ssdtrain.Offloader(spill_dir=spill, policy="auto",
+        off = ssdtrain.Offloader(spill_dir=spill, policy="auto", min_tensor_bytes=args.size,
                                  prefetch_bytes=int(args.prefetch_mib * (1 << 20)))
         pin_auto_quota(off, quota)
-        if way == "hooked":  # this offloader never cuts: the hooks as before the change
-            off._auto._cut_steps = float("inf")
-            off._auto.__class__ = type("_NoCut", (_auto.AutoQuota,),
-                                       {"may_cut": property(lambda self: False)})
+        set_hooks_cut(off, way == "cut")  # "hooked": the hooks as before the change
         offs[way] = off
     for off in offs.values():
         for _ in range(args.warmup):

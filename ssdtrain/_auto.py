@@ -440,6 +440,7 @@ class AutoQuota:
         self.intercepts = True            # the running step's saved tensors are intercepted
         self.cut = False                  # ... until its hooks came off (Offloader._cut)
         self._cut_steps = 0               # steps cut since the last that counted all
+        self.cuts = True                  # tools.set_hooks_cut: whether steps may be cut
         self._saved = 0                   # S of the last step that intercepted
         self._begin = None                # the running step: clock at begin, at end of forward
         self._end = None
@@ -552,7 +553,8 @@ class AutoQuota:
         """Whether the running step's hooks may come off once its quota is spent (NOTE [
         Hooks off past the window ]): it has a quota, a step before counted all it saved,
         and fewer than ``RECOUNT_STEPS`` steps in a row were cut since."""
-        return self.quota is not None and self._saved > 0 and self._cut_steps < RECOUNT_STEPS
+        return self.cuts and self.quota is not None and self._saved > 0 and \
+            self._cut_steps < RECOUNT_STEPS
 
     def _intercepts(self) -> bool:
         """Whether the beginning step needs the hooks (NOTE [ The offload quota ], step 5):

@@ -34,7 +34,7 @@ from ._spill import SpillFile, SpillSet, filesystem_type
 __all__ = ["BLOCK", "SpillFile", "SpillSet", "ReadBuffers", "filesystem_type", "rok_plans",
            "predict", "crc32c", "crc32c_available", "uring_probe", "HookTimer",
            "LoopbackDevice", "attach_loopback", "MAX_BYTES", "set_auto_clock",
-           "pin_auto_quota"]
+           "pin_auto_quota", "set_hooks_cut"]
 
 
 def crc32c_available() -> bool:
@@ -106,6 +106,26 @@ def pin_auto_quota(offloader, nbytes) -> None:
         raise ConfigError(f"ssdtrain: pin_auto_quota takes a number of bytes >= 0 or None; "
                           f"got {nbytes!r}.")
     auto.pinned = nbytes
+
+
+def set_hooks_cut(offloader, enabled: bool) -> None:
+    """Let (``True``, the default) or forbid (``False``) ``policy="auto"``'s steps to
+    take their hooks off once the quota and ``prefetch_bytes`` more are past (NOTE [
+    Hooks off past the window ] in ``_auto.py``), from the next step on. For
+    measurements of what that saves (``benchmarks/hooks_cut.py``).
+
+    Raises:
+        ConfigError: ``offloader`` does not run ``policy="auto"``, or ``enabled`` is not
+            a bool.
+    """
+    from ._errors import ConfigError
+    auto = getattr(offloader, "_auto", None)
+    if auto is None:
+        raise ConfigError(f"ssdtrain: set_hooks_cut needs an Offloader with policy='auto'; "
+                          f"this one runs policy={offloader.config.policy!r}.")
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"ssdtrain: set_hooks_cut takes True or False; got {enabled!r}.")
+    auto.cuts = enabled
 
 
 class HookTimer:

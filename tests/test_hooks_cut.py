@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import ssdtrain
 from ssdtrain import _auto
-from ssdtrain.tools import pin_auto_quota
+from ssdtrain.tools import pin_auto_quota, set_hooks_cut
 from models import ALL_MODELS
 
 KiB = 1 << 10
@@ -221,3 +221,24 @@ def test_a_pair_pushed_inside_stays_on_top(tmp_path, references):
         assert top(False) is None
     finally:
         off.close()
+
+
+def test_set_hooks_cut_turns_it_off_and_checks_its_input(tmp_path, references):
+    model, inputs, ref = references["gpt"]
+    off = _offloader(tmp_path, 1)
+    pin_auto_quota(off, 0)
+    set_hooks_cut(off, False)
+    try:
+        _assert_same_model(ref, _train(model, inputs, off, 4))
+        assert off.stats().hooks_cut_steps == 0
+        with pytest.raises(ssdtrain.ConfigError, match="True or False"):
+            set_hooks_cut(off, 1)
+    finally:
+        off.close()
+    static = ssdtrain.Offloader(ssdtrain.OffloadConfig(spill_dir=str(tmp_path),
+                                                       policy="static"))
+    try:
+        with pytest.raises(ssdtrain.ConfigError, match="policy='auto'"):
+            set_hooks_cut(static, True)
+    finally:
+        static.close()

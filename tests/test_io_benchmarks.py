@@ -222,6 +222,19 @@ def test_quota_hook_cost_tiny(tmp_path, spill_dir):
     assert all(r["pack_us"] > 0 and r["unpack_us"] > 0 for r in res.values())
 
 
+def test_hooks_cut_tiny(tmp_path, spill_dir):
+    """The hooks-off benchmark runs and checks itself: every step of the "cut" way was
+    cut and none of the "hooked" way (else it exits non-zero)."""
+    out = tmp_path / "c.json"
+    proc = _run(REPO_ROOT / "benchmarks" / "hooks_cut.py", "--rounds", "2", "--count", "40",
+                "--size", 16 << 10, "--prefetch-mib", "0.0625", "--spill-dir", spill_dir,
+                "--json", out, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"none", "hooked", "cut"}
+    assert "| cut |" in proc.stdout
+
+
 def test_soak_tiny(tmp_path, spill_dir):
     """The fault soak runs (60 steps, records of 64 KiB - 1 MiB, faults in 15% of steps),
     prints a row per phase, and its checks are not vacuous: faults fired, staging was

@@ -109,11 +109,13 @@ def test_random_graphs_give_exact_gradients(offloaders, program, retain, which, 
     off = offloaders[which]
     ref_loss, ref_grads = _run(program, retain)
     loss, grads = _run(program, retain, off, settle)
-    assert torch.equal(loss, ref_loss)
+    # Bit for bit: a program that overflows (fp16, repeated squaring) gives NaN, which
+    # torch.equal never finds equal to itself.
+    assert torch.equal(loss.view(torch.int32), ref_loss.view(torch.int32))
     for r, g in zip(ref_grads, grads):
         assert (r is None) == (g is None)
         if r is not None:
-            assert torch.equal(r, g)
+            assert torch.equal(r.view(torch.int32), g.view(torch.int32))
     off.wait()
     assert off.live_records() == 0 and off.spill_bytes_in_use() == 0
 
