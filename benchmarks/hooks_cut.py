@@ -12,7 +12,8 @@ launching kernels does), then backward, timed three ways interleaved in one proc
   before the change: every save past the quota passed through by the pack hook, every
   unpack through ours);
 * ``cut``: the same, as shipped: the hooks come off once the quota and
-  ``prefetch_bytes`` more are past.
+  ``prefetch_bytes`` more are past (but in one step of 17, which counts what a step
+  saves: the medians leave it out).
 
 Per way: the median over rounds of forward's and backward's wall time, and the time
 added per saved tensor against ``none``. Each offloader runs ``--warmup`` steps first
@@ -123,9 +124,10 @@ def main(argv=None):
     hooked = offs["hooked"].stats().hooks_cut_steps
     for off in offs.values():
         off.close()
-    if cut != args.rounds or hooked:
-        raise SystemExit(f"hooks_cut: expected every cut step cut and no hooked step cut; "
-                         f"got {cut} of {args.rounds} and {hooked}")
+    # One step in 17 runs its hooks to the end to count what a step saves (RECOUNT_STEPS).
+    if cut < args.rounds - (args.rounds // 16 + 1) or hooked:
+        raise SystemExit(f"hooks_cut: expected every cut step but the recounts cut and no "
+                         f"hooked step cut; got {cut} of {args.rounds} and {hooked}")
     fw = {w: statistics.median(x[0] for x in res[w]) for w in WAYS}
     bw = {w: statistics.median(x[1] for x in res[w]) for w in WAYS}
     print(f"{args.count} saves of {args.size} B, {args.fill} ops between saves, quota "
