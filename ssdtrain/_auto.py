@@ -202,6 +202,42 @@ where it changes nothing else:
 A storage offloaded before the cut and saved again after it stays alive through the
 later save until backward uses it, as it would without ssdtrain: its record is still
 written and read, and only the bytes the quota meant to free at that boundary stay.
+
+NOTE [ Loads in time ]
+
+The quota's records are the step's earliest, so backward needs them last, and the
+prefetch window starts their loads once backward has used all but the window's bytes
+of what the step kept (NOTE [ Prefetch window ] in _prefetch.py). With a window of
+``prefetch_bytes`` (256 MiB) that is too late when the loads take longer than backward
+needs to use those bytes: on an H200 at 1/16 of a ~1B GPT's 10 GiB, the 630 MiB came
+back from pinned RAM in the last 11 ms of backward and backward idled 5.9 ms waiting
+for them; at 1/4, 29.9 ms (docs/results/gpu_trace_2026-11-28.md).
+
+So under ``"auto"`` each step's window (:meth:`AutoQuota.window`, ``Store.set_window``,
+``Stats.prefetch_window_bytes``) leads the loads by the time they take. With ``Q`` the
+quota, ``S`` the step's saved bytes, ``B`` backward's time (the baseline's step less its
+forward) and ``L`` the loads' time (``Q`` from RAM at the measured copy rate up to the
+host budget, the rest from the SSD at its read rate), backward uses ``S / B`` bytes a
+second; while it uses the quota's own ``Q`` bytes the loads have ``Q / (S / B)`` of
+their ``L``, so the rest must come before: the window is the bytes backward uses in
+``LEAD_MARGIN`` (1.5) times ``L - Q B / S``, at least ``prefetch_bytes``, at most
+``S - Q``. That bound keeps the step's peak: the window counts the kept bytes backward
+has not used plus the loads ahead of use, so memory during backward never holds more
+than the ``S - Q`` bytes forward's end held (a step's gradients grow meanwhile, as
+without ssdtrain; loads that finish earlier in backward overlap a little more of that
+growth). Where nothing is measured (the sizing and baseline steps, no quota) or the
+loads keep up, the window is ``prefetch_bytes``. The hooks come off past the same
+window (NOTE [ Hooks off past the window ]), so its bytes are still seen. A larger
+window on the SSD tier maps more read buffers (idle ones are still kept within
+``prefetch_bytes``). ``tools.set_load_lead(off, False)`` keeps ``prefetch_bytes``, for
+measurements.
+
+The bound (NOTE [ The offload quota ], step 3) counts on the same lead: with the
+window at its cap, loads start as backward does, and they keep up exactly when
+``Q / R <= B`` (``R`` the read rate), which is the bound's read term without a window
+(``quota_bound(window_bytes=None)``); with a fixed window of ``prefetch_bytes`` the
+quota had to leave time for loads that start late, and on the H200 the bound the copies
+allowed was far below what they could carry.
 """
 
 import collections
@@ -226,6 +262,7 @@ START_SCALE = 0.5      # the first quota's share of the bound
 STEP_UP = 0.25         # scale added after a step that was not slowed
 MAX_SCALE = 1.5        # most of the bound the feedback may reach
 RECOUNT_STEPS = 16     # steps cut in a row before one counts all it saves again
+LEAD_MARGIN = 1.5      # the lead loads get over their time (NOTE [ Loads in time ])
 MIN_PROBE = 8 * MiB
 MAX_PROBE = 64 * MiB
 MIN_SHARE = 1 / 16     # a quota below this share of a step's bytes is not worth its cost
@@ -441,6 +478,7 @@ class AutoQuota:
         self.cut = False                  # ... until its hooks came off (Offloader._cut)
         self._cut_steps = 0               # steps cut since the last that counted all
         self.cuts = True                  # tools.set_hooks_cut: whether steps may be cut
+        self.leads = True                 # tools.set_load_lead: whether loads may lead
         self._saved = 0                   # S of the last step that intercepted
         self._begin = None                # the running step: clock at begin, at end of forward
         self._end = None
@@ -547,6 +585,27 @@ class AutoQuota:
         memory sets a floor (the floor's bytes must leave memory to fit, not only be
         decided)."""
         return self.quota is None or self.floor > 0
+
+    def window(self, prefetch_bytes: int) -> int:
+        """The running step's prefetch window (NOTE [ Loads in time ]): ``prefetch_bytes``,
+        or the bytes backward uses while the step's loads take longer than backward's part
+        that needs them, with a margin, up to the bytes it keeps at forward's end."""
+        q, s = self.quota or 0, self._saved
+        back = self.base_step_s - self.base_forward_s
+        w = prefetch_bytes
+        if self.leads and 0 < q < s and math.isfinite(back) and back > 0:
+            host = min(q, self.host_bytes) if self.copy_read_bps else 0
+            disk = q - host
+            if disk and not self.read_bps:
+                disk = 0  # nothing measured for the disk: what the host tier gives
+            load_s = host / self.copy_read_bps if host else 0.0
+            load_s += disk / self.read_bps if disk else 0.0
+            rate = s / back                      # saved bytes backward uses per second
+            lead_s = load_s - q / rate           # loads' time past the records' own part
+            if lead_s > 0:
+                w = max(w, min(s - q, int(LEAD_MARGIN * lead_s * rate)))
+        self._stats.prefetch_window_bytes = w
+        return w
 
     @property
     def may_cut(self) -> bool:
@@ -788,7 +847,10 @@ class AutoQuota:
         plus the SSD's bound (what overflows RAM must also reach the disk in time)."""
         def bound(w, r):
             return quota_bound(saved, self.base_forward_s, self.base_step_s, w, r,
-                               self.max_slowdown, window_bytes=self.window_bytes)
+                               self.max_slowdown,
+                               # Loads that lead (NOTE [ Loads in time ]) start as backward
+                               # does: the window then limits nothing the bound counts.
+                               window_bytes=None if self.leads else self.window_bytes)
         disk = 0 if self.write_bps is None else bound(self.write_bps, self.read_bps)
         if self.copy_write_bps is None:
             return disk

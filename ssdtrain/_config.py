@@ -177,7 +177,9 @@ class OffloadConfig:
     """How many bytes of saved activations may be in memory ahead of backward's use:
     the kept tail counts, and reads (in reverse order of saving, from the end of
     forward) fill the rest as backward consumes. Larger hides more read latency and uses
-    more memory during backward. Default 256 MiB."""
+    more memory during backward. With ``policy="auto"`` a step may read further ahead
+    when its loads would otherwise come late, never holding more than its forward's end
+    held (``Stats.prefetch_window_bytes``). Default 256 MiB."""
 
     keep_tail_bytes: int = 128 * MiB
     """The last activations of forward, up to this many bytes, are never written: backward

@@ -8,8 +8,10 @@ NOTE [ Prefetch window ]
 Each forward under the offloader is a *pass*. When it ends, its records that are being
 written or are on disk are queued newest first (backward uses them in reverse order);
 ``ReadPath.pump_locked`` starts reads from the queue of the pass whose backward runs (the last
-one whose record was used) while fewer than ``prefetch_bytes`` are held ahead of use.
-The kept tail counts against the same window. A record is read at most once per use:
+one whose record was used) while fewer than the window's bytes are held ahead of use:
+``prefetch_bytes``, or under ``policy="auto"`` what the step's loads need to arrive
+in time (``ReadPath.window``, NOTE [ Loads in time ] in _auto.py). The kept tail counts
+against the same window. A record is read at most once per use:
 one that was used and dropped (every live handle unpacked) is never prefetched
 again until a new pack uses it (``Record.used``).
 """
@@ -79,6 +81,10 @@ class ReadPath:
         self.engine = engine
         self.wait_for = wait_futures  # the store's _await (it polls a polled engine)
         self.cfg = cfg
+        # Bytes held or loading ahead of backward's use: prefetch_bytes, or under
+        # policy "auto" what the step's loads need to arrive in time (NOTE [ Loads in
+        # time ] in _auto.py; Store.set_window).
+        self.window = cfg.prefetch_bytes
         self.stats = stats
         self._events = events
         self._callback = callback
@@ -102,20 +108,20 @@ class ReadPath:
         """Unpack's part of prefetch, after it used record ``used``: the I/O thread fills
         the window as it slides (NOTE [ The store's I/O thread ] in _store.py). When it
         lags so far that backward would soon miss, this thread starts reads itself: while
-        less than a quarter of ``prefetch_bytes`` is held or being read ahead of use, and
+        less than a quarter of the window is held or being read ahead of use, and
         when the next record the window would take is one of the next ``_NEAR`` records
         backward uses (it walks a pass in reverse pack order: the queue's order)."""
-        low = self.cfg.prefetch_bytes >> 2
+        low = self.window >> 2
         while self._table.ahead < low and self.pump_locked(1):
             pass
-        if self.passes and self._table.ahead < self.cfg.prefetch_bytes:
+        if self.passes and self._table.ahead < self.window:
             queue = self.passes[-1].queue
             if queue and 0 < used.seq - queue[0].seq <= _NEAR:
                 self.pump_locked(1)
 
     def pump_locked(self, limit=None, inline=False, device_only=False):
         """Start reads from the queue of the pass whose backward runs while fewer than
-        ``prefetch_bytes`` are held ahead of use, at most ``limit`` of them (all with
+        the window's bytes are held ahead of use, at most ``limit`` of them (all with
         None). Returns whether it stopped at ``limit`` with more to do. The store's I/O
         thread calls it (NOTE [ The store's I/O thread ] in _store.py), and ``flush()``;
         unpack too, ``inline`` (NOTE [ The data path on the hooks' thread ] there): loads
@@ -124,7 +130,7 @@ class ReadPath:
         starts (its staging may need an allocation); the I/O thread then passes
         ``device_only``: it leaves a host record's read to unpack, which has room for it
         as soon as the thread does."""
-        budget = self.cfg.prefetch_bytes
+        budget = self.window
         started = 0
         while self.passes and self._table.ahead < budget:
             p = self.passes[-1]
@@ -169,7 +175,7 @@ class ReadPath:
     def due(self):
         """Whether the prefetch window has room and a queue to fill it from. Read without
         the lock: a hint for waking the I/O thread."""
-        return bool(self.passes) and self._table.ahead < self.cfg.prefetch_bytes
+        return bool(self.passes) and self._table.ahead < self.window
 
     def next_hint(self):
         """The next record the window would take, or None. Read without the lock: a hint

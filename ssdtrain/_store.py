@@ -237,8 +237,9 @@ bounded, whatever the disk or the link does (INV-BOUNDED in docs/ARCHITECTURE.md
   write not landed when the next step begins, or freed unwritten) counts as slowed: the
   quota halves (NOTE [ The offload quota ] in _auto.py, step 4), and the first time the
   policy says so (a warning).
-* Read-ahead: at most ``prefetch_bytes`` (plus one record) held or loading ahead of use
-  (NOTE [ Prefetch window ] in _prefetch.py); the host tier: at most
+* Read-ahead: at most the window (plus one record) held or loading ahead of use
+  (NOTE [ Prefetch window ] in _prefetch.py): ``prefetch_bytes``, or under ``"auto"``
+  up to the bytes the step held at forward's end (NOTE [ Loads in time ] in _auto.py); the host tier: at most
   ``host_budget_bytes`` (INV-HOST-BUDGET); idle pinned staging and read buffers: their
   pools' idle limits (NOTE [ Device records ] in _device.py, NOTE [ Read buffer pool ]
   in _readbuf.py).
@@ -431,6 +432,17 @@ class Store:
     def write_behind(self):
         """The write-behind limit in force (:meth:`limit_write_behind`), in bytes."""
         return self._writes.write_behind
+
+    @property
+    def window(self) -> int:
+        """The prefetch window in force (NOTE [ Prefetch window ] in _prefetch.py)."""
+        return self._reads.window
+
+    def set_window(self, nbytes: int) -> None:
+        """The prefetch window from the next read on: ``prefetch_bytes``, or under
+        ``policy="auto"`` the step's (NOTE [ Loads in time ] in _auto.py). One store of
+        an int, read by every pump."""
+        self._reads.window = max(1, int(nbytes))
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):

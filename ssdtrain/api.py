@@ -132,6 +132,11 @@ class Stats:
     ``_auto.py``), from the bandwidths and step times measured so far; the quota is a
     share of it. 0 until something is measured; ``None`` with the other policies."""
     offload_quota_reason: str = ""
+    prefetch_window_bytes: int = 0
+    """The prefetch window of the latest step: ``prefetch_bytes``, or with
+    ``policy="auto"`` more when the step's loads take longer than the part of backward
+    that would hide them (NOTE [ Loads in time ] in ``_auto.py``); never more than the
+    bytes the step keeps in memory at forward's end."""
     hooks_cut_steps: int = 0
     """With ``policy="auto"``: steps whose saved-tensor hooks came off during forward,
     once the quota was spent and ``prefetch_bytes`` more were passed through: what they
@@ -159,7 +164,8 @@ class Stats:
     LEVELS = frozenset({"peak_resident_bytes", "staging_bytes", "peak_staging_bytes",
                         "staging_idle_bytes", "read_buffer_bytes", "read_buffer_idle_bytes",
                         "host_bytes", "peak_host_bytes", "offload_quota_bytes",
-                        "offload_bound_bytes", "budget_measured_bytes", "budget_exceeded_bytes"})
+                        "offload_bound_bytes", "prefetch_window_bytes", "budget_measured_bytes",
+                        "budget_exceeded_bytes"})
 
     def since(self, before: "Stats") -> "Stats":
         """What happened between ``before`` (an earlier snapshot of the same offloader)
@@ -373,6 +379,7 @@ class Offloader:
                                            if self._auto.waits_for_writes else None)
             self._store.quota = quota
             self._store.quota_floor = 0 if quota is None else self._auto.floor
+            self._store.set_window(self._auto.window(self.config.prefetch_bytes))
         elif self._stalls is not None:  # static: says once if the SSD is the bottleneck
             self._stalls.begin_step(self._stats)
         fwd.move(Phase.OPENING)
@@ -560,7 +567,7 @@ class Offloader:
             store = self._store
             if auto is not None and auto.may_cut and self._layers is None and not below:
                 store.on_cut = self._cut
-                store.cut_after = max(1, self.config.prefetch_bytes)
+                store.cut_after = store.window
             # Read on each entry: tests replace the store's hooks to spy on them.
             fwd.push_hooks(store.pack, store.unpack)
         fwd.move(Phase.INTERCEPTING)

@@ -34,7 +34,7 @@ from ._spill import SpillFile, SpillSet, filesystem_type
 __all__ = ["BLOCK", "SpillFile", "SpillSet", "ReadBuffers", "filesystem_type", "rok_plans",
            "predict", "crc32c", "crc32c_available", "uring_probe", "HookTimer",
            "LoopbackDevice", "attach_loopback", "MAX_BYTES", "set_auto_clock",
-           "pin_auto_quota", "set_hooks_cut"]
+           "pin_auto_quota", "set_hooks_cut", "set_load_lead"]
 
 
 def crc32c_available() -> bool:
@@ -126,6 +126,26 @@ def set_hooks_cut(offloader, enabled: bool) -> None:
     if not isinstance(enabled, bool):
         raise ConfigError(f"ssdtrain: set_hooks_cut takes True or False; got {enabled!r}.")
     auto.cuts = enabled
+
+
+def set_load_lead(offloader, enabled: bool) -> None:
+    """Let (``True``, the default) or forbid (``False``) ``policy="auto"``'s steps to
+    widen the prefetch window so that the quota's loads arrive in time (NOTE [ Loads in
+    time ] in ``_auto.py``), from the next step on: with ``False`` the window is
+    ``prefetch_bytes``. For measurements of what the lead buys.
+
+    Raises:
+        ConfigError: ``offloader`` does not run ``policy="auto"``, or ``enabled`` is not
+            a bool.
+    """
+    from ._errors import ConfigError
+    auto = getattr(offloader, "_auto", None)
+    if auto is None:
+        raise ConfigError(f"ssdtrain: set_load_lead needs an Offloader with policy='auto'; "
+                          f"this one runs policy={offloader.config.policy!r}.")
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"ssdtrain: set_load_lead takes True or False; got {enabled!r}.")
+    auto.leads = enabled
 
 
 class HookTimer:
