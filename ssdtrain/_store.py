@@ -442,7 +442,7 @@ class Store:
         """The prefetch window from the next read on: ``prefetch_bytes``, or under
         ``policy="auto"`` the step's (NOTE [ Loads in time ] in _auto.py). One store of
         an int, read by every pump."""
-        self._reads.window = max(1, int(nbytes))
+        self._reads.window = int(nbytes)
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self):

@@ -567,7 +567,7 @@ class Offloader:
             store = self._store
             if auto is not None and auto.may_cut and self._layers is None and not below:
                 store.on_cut = self._cut
-                store.cut_after = store.window
+                store.cut_after = max(1, store.window)
             # Read on each entry: tests replace the store's hooks to spy on them.
             fwd.push_hooks(store.pack, store.unpack)
         fwd.move(Phase.INTERCEPTING)

@@ -54,7 +54,7 @@ def test_the_h200_trace_s_step_gets_the_lead_it_lacked():
        forward=st.floats(0.001, 5.0), back=st.floats(0.001, 10.0),
        copy_read=st.one_of(st.none(), st.floats(1e8, 1e11)),
        disk_read=st.one_of(st.none(), st.floats(1e7, 1e10)),
-       host=st.integers(0, 64 * GiB), prefetch=st.integers(1, 4 * GiB))
+       host=st.integers(0, 64 * GiB), prefetch=st.integers(0, 4 * GiB))
 def test_window_rule(saved, share, forward, back, copy_read, disk_read, host, prefetch):
     """Never below ``prefetch_bytes``; above it never more than ``S - Q`` (what forward's
     end held); ``prefetch_bytes`` when leads are off, with no quota or no measured time;
@@ -242,3 +242,27 @@ def test_set_load_lead_checks_its_input(tmp_path):
             set_load_lead(static, False)
     finally:
         static.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 4096])
+def test_the_window_is_prefetch_bytes_itself_where_nothing_asks_for_more(tmp_path, prefetch):
+    """No lead (nothing measured yet, or loads that keep up): the window is exactly
+    ``prefetch_bytes``, 0 included (nothing read ahead: no record is loaded before
+    backward asks for it)."""
+    dev = LoopbackDevice()
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
+        spill_dir=None, host_budget_bytes="unlimited", policy="auto", min_tensor_bytes=4096,
+        keep_tail_bytes=0, prefetch_bytes=prefetch))
+    attach(off, dev)
+    try:
+        for _ in range(3):
+            x = dev.alloc((4096,)).requires_grad_()
+            with off:
+                loss = (x * x).sum()
+            off.wait()
+            assert off._store.window == prefetch == off.stats().prefetch_window_bytes
+            if prefetch == 0:
+                assert all(r.state.value != "loaded" for r in off.records())
+            loss.backward()
+    finally:
+        off.close()
