@@ -720,6 +720,10 @@ class AutoQuota:
     def _choose(self):
         n = self._counted
         if self.pinned is not None:
+            if n >= SIZING_STEPS and self.samples:  # the tiers' rates, as the default's
+                last = self.samples[-1].saved_bytes  # own steps have them: the load lead
+                self._measure(probe_bytes(last))     # and the bound (NOTE [ Loads in time ])
+                self.bound = self._bound(last)
             return self.pinned, (f"{self.pinned / MiB:.1f} MiB: pinned by "
                                  f"ssdtrain.tools.pin_auto_quota")
         if self._resize:

@@ -87,3 +87,22 @@ def test_dry_run_traces_each_quota(tmp_path):
     ranges = whole["summary"]["launch_thread_ssdtrain_ranges_ms"]
     assert "ssdtrain::pack" in ranges and "ssdtrain::unpack" in ranges
     assert data["runs"][0]["summary"]["launch_thread_in_ssdtrain_ms"] == 0
+
+
+def test_dry_run_ab_runs_each_quota_both_ways(tmp_path):
+    """``--ab``: each quota shipped (hooks off past the window: steps cut) and as before
+    (hooks on to the end of forward, the window at prefetch_bytes: no step cut)."""
+    out = tmp_path / "trace"
+    # A window far below the small model's step, so that the shipped steps are cut.
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), SSDTRAIN_PREFETCH_BYTES="64KiB")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "gpu_trace.py"), "--small",
+                           "--cpu-dry-run", "--dtype", "float32", "--quotas", "0.0625", "--ab",
+                           "--warmup", "1", "--steps", "2", "--out", str(out)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == ["none", "quota-0.0625",
+                                         "quota-0.0625-hooked-fixed-window"]
+    shipped, before = runs[1], runs[2]
+    assert shipped["shipped"] and not before["shipped"]
+    assert shipped["hooks_cut_steps"] > 0 and before["hooks_cut_steps"] == 0

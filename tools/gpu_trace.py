@@ -183,18 +183,23 @@ def _device(cpu_dry_run):
     return torch.device("cuda"), torch.cuda.synchronize
 
 
-def _offloader(quota, cpu_dry_run):
+def _offloader(quota, cpu_dry_run, shipped=True):
     """The host tier alone (unlimited), no kept tail. ``quota`` None: ``policy="static"``
     (every eligible tensor: the sizing step); else ``policy="auto"`` with its quota pinned
     at ``quota`` bytes (``ssdtrain.tools.pin_auto_quota``): the step's earliest records
     within it go to pinned RAM, and every tensor past it takes the default's own path
-    (kept without a record)."""
+    (kept without a record). ``shipped`` False: the hooks kept on to the end of forward
+    and the prefetch window at ``prefetch_bytes`` (``tools.set_hooks_cut``,
+    ``tools.set_load_lead``), as before NOTE [ Hooks off past the window ] and NOTE [
+    Loads in time ] in ssdtrain/_auto.py."""
     import ssdtrain
-    from ssdtrain.tools import pin_auto_quota
+    from ssdtrain.tools import pin_auto_quota, set_hooks_cut, set_load_lead
     off = ssdtrain.Offloader(policy="static" if quota is None else "auto", spill_dir=None,
                              host_budget_bytes="unlimited", keep_tail_bytes=0)
     if quota is not None:
         pin_auto_quota(off, quota)
+        set_hooks_cut(off, shipped)
+        set_load_lead(off, shipped)
     if cpu_dry_run:
         from ssdtrain.tools import LoopbackDevice, attach_loopback
         attach_loopback(off, LoopbackDevice(claim_host_tensors=True, capacity=1 << 40))
@@ -268,13 +273,18 @@ def run(args):
         sizing.close()
     for f in args.quotas:
         budget = max(1, int(f * saved))
-        off = _offloader(budget, args.cpu_dry_run)
-        try:
-            r = measure(f"quota-{f:g}", lambda: off, off)
-        finally:
-            off.close()
-        r["quota_fraction"], r["budget_bytes"] = f, budget
-        results.append(r)
+        for shipped in ((True, False) if args.ab else (True,)):
+            off = _offloader(budget, args.cpu_dry_run, shipped)
+            try:
+                r = measure(f"quota-{f:g}" + ("" if shipped else "-hooked-fixed-window"),
+                            lambda: off, off)
+                st = off.stats()
+                r["prefetch_window_bytes"] = st.prefetch_window_bytes
+                r["hooks_cut_steps"] = st.hooks_cut_steps
+            finally:
+                off.close()
+            r["quota_fraction"], r["budget_bytes"], r["shipped"] = f, budget, shipped
+            results.append(r)
     return {"model": m, "dtype": args.dtype, "device": str(device), "saved_bytes": saved,
             "torch": torch.__version__, "runs": results}
 
@@ -327,6 +337,10 @@ def main(argv=None):
     p.add_argument("--quotas", type=float, nargs="+", default=[1 / 16, 1 / 8, 1 / 4],
                    help="fractions of the step's offloadable bytes sent to pinned RAM "
                         "(default 1/16 1/8 1/4)")
+    p.add_argument("--ab", action="store_true",
+                   help="each quota also with the hooks kept on and the window fixed at "
+                        "prefetch_bytes (as before the hooks came off past the window and "
+                        "the window led the loads), in the same process")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     p.add_argument("--small", action="store_true", help="a small GPT (seconds)")
