@@ -139,6 +139,38 @@ def test_gradient_checkpointing(make_offloader, reentrant):
     assert inside == [HIDDEN_BYTES] * (2 * len(model.model.layers))  # 2 steps
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_under_the_default_policy(tmp_path, reentrant):
+    """Recompute with the inputs offloaded as a user gets it (docs/guide.md): checkpointing
+    on, ``attach``, ``policy="auto"`` with a host tier on the loopback device. Past its
+    sizing and baseline steps the default offloads a prefix of the steps' saves (the
+    earliest layers' inputs first); every step's loss and gradients equal the run
+    without ssdtrain."""
+    from ssdtrain.tools import LoopbackDevice, attach_loopback
+    model = hf_finetune.build_model(**DIMS)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    steps = 8
+    ref = _plain_steps(model, ids, steps=steps)
+    off = ssdtrain.Offloader(ssdtrain.OffloadConfig(
+        spill_dir=str(tmp_path), host_budget_bytes="unlimited", policy="auto",
+        min_tensor_bytes="16KiB", keep_tail_bytes=0))
+    attach_loopback(off, LoopbackDevice(claim_host_tensors=True, capacity=1 << 30))
+    off.attach(model)
+    try:
+        per_step, got = [], []
+        for _ in range(steps):
+            before = off.stats()
+            got += _plain_steps(model, ids, off, steps=1)
+            off.wait()
+            per_step.append(off.stats().since(before).offloaded_bytes)
+        _assert_equal_runs(ref, got)
+        assert per_step[0] > 0 and per_step[1] == per_step[2] == 0  # sizing, baseline
+        assert any(n > 0 for n in per_step[3:]), per_step
+    finally:
+        off.close()
+
+
 def test_generate_eval_and_no_grad_are_untouched(make_offloader):
     model = hf_finetune.build_model(**DIMS)
     off = make_offloader(min_tensor_bytes="1KiB")
