@@ -376,6 +376,9 @@ class Estimate:
     read_ok: Optional[bool] = None
     max_micro_batch: Optional[Dict[str, Optional[int]]] = None
     memory: Optional[Dict[str, int]] = None
+    max_seq: Optional[Dict[str, Optional[int]]] = None
+    """With ``longest_seq``: per mode (``none``, ``recompute``, ``ssdtrain``) the longest
+    sequence, a multiple of ``seq_unit``, whose micro-batch fits ``device_memory``."""
     tb_written_per_day: Optional[float] = None
     drive_years: Optional[float] = None
     notes: tuple = ()
@@ -480,6 +483,8 @@ class Estimate:
         if self.max_micro_batch is not None:
             out["max_micro_batch"] = dict(self.max_micro_batch)
             out["memory_bytes"] = dict(self.memory)
+        if self.max_seq is not None:
+            out["max_seq"] = dict(self.max_seq)
         if self.tb_written_per_day is not None:
             out["tb_written_per_day"] = self.tb_written_per_day
         if self.drive_years is not None:   # inf (nothing written) is null: JSON has no inf
@@ -561,6 +566,12 @@ class Estimate:
                            (f" ({_b(mem[mode])} at "
                             f"{'its batch' if b is None else f'micro-batch {b}'})"
                             if mode in mem else "")))
+        if self.max_seq is not None:
+            for mode, label in (("none", "no offload"), ("recompute", "full recompute"),
+                                ("ssdtrain", "ssdtrain")):
+                v = self.max_seq.get(mode)
+                hw.append((f"longest sequence at micro-batch {self.batch}, {label}",
+                           "?" if v is None else f"{v} tokens"))
         if self.tb_written_per_day is not None:
             hw.append(("written per day (all drives)", f"{self.tb_written_per_day:.1f} TB"))
         if self.drive_years is not None:
@@ -631,7 +642,9 @@ def _md(rows, right):
 def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, dtype=None,
              gradient_checkpointing: bool = False, config: Optional[OffloadConfig] = None,
              hardware: Optional[Hardware] = None, layers=None,
-             offload_quota: Optional[int] = None, ssd_tier: Optional[bool] = None) -> Estimate:
+             offload_quota: Optional[int] = None, ssd_tier: Optional[bool] = None,
+             longest_seq: bool = False, seq_unit: int = 1024,
+             progress: Optional[Callable[[str], None]] = None) -> Estimate:
     """Estimate what ssdtrain saves, offloads and keeps for one micro-batch of ``model``.
 
     Args:
@@ -659,6 +672,13 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
             which is never opened, or none: no SSD tier, as a real run). The saved tensors
             are replayed as device tensors, as on an accelerator: the host tier takes
             only those (NOTE [ Host tier ]). ``"auto"`` is resolved on *this* machine.
+        longest_seq: with ``hardware.device_memory``: also search, per mode, the longest
+            sequence (a multiple of ``seq_unit``) whose micro-batch of ``batch`` fits
+            (:attr:`Estimate.max_seq`). Each length tried builds and runs the model on
+            fake tensors again (seconds each for a large model).
+        seq_unit: the granularity of that search, in tokens (default 1024).
+        progress: called with a line per length tried by that search (the CLI prints
+            them to stderr); None: silent.
 
     Raises:
         ConfigError: a bad argument (path, dtype, factory string, hardware number).
@@ -733,12 +753,25 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
                          "routing-dependent set, bounded in docs/estimate.md"
                          + (f" (configured: {impl})" if impl else "") + ".")
 
+    if longest_seq:
+        if isinstance(seq_unit, bool) or not isinstance(seq_unit, int) or seq_unit < 1:
+            raise ConfigError(f"ssdtrain estimate: seq_unit must be an int >= 1, got "
+                              f"{seq_unit!r}.")
+        if hw.device_memory is None:
+            raise ConfigError("ssdtrain estimate: the longest sequence that fits needs the "
+                              "device's memory (hardware.device_memory, --device-memory).")
+        if seq is None:
+            raise ConfigError("ssdtrain estimate: the longest sequence is searched from a "
+                              "given one: pass seq (--seq).")
     cache: Dict[tuple, Measurement] = {}
 
-    def at(b, gc, flops=False):
-        key = (b, gc)
+    def at(b, gc, flops=False, s=None):
+        s = seq if s is None else s
+        key = (b, gc, s)
         if key not in cache:
-            build, _ = _factory_builder(factory, batch=b, seq=seq, dtype=dtype,
+            if s != seq and progress is not None:
+                progress(f"ssdtrain estimate: trying seq {s} ({'checkpointed' if gc else 'plain'})")
+            build, _ = _factory_builder(factory, batch=b, seq=s, dtype=dtype,
                                         gradient_checkpointing=gc)
             # device_records: the run modelled is an accelerator's (only the host tier
             # tells device records from host ones).
@@ -758,6 +791,11 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
             if value is not None and name not in params:
                 notes.append(f"the factory takes no '{name}' keyword: {name} {value} is "
                              f"not applied.")
+        if longest_seq and "seq" not in params:
+            raise ConfigError("ssdtrain estimate: the longest sequence is searched by "
+                              "building the model at other lengths, but the factory takes "
+                              "no 'seq' keyword; add one (or drop longest_seq, "
+                              "--longest-seq).")
     main_m = at(batch, gradient_checkpointing, flops=True)
     est = Estimate(measurement=main_m, config=cfg, hardware=hw, batch=batch, seq=seq,
                    dtype=dtype, model=label, host_budget_bytes=host_budget, ssd_tier=ssd)
@@ -775,9 +813,9 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
     if hw.device_memory is not None:
         static = _static_bytes(main_m, hw)
 
-        def mem(b):
-            mb = at(b, gradient_checkpointing)
-            plain = at(b, False) if gradient_checkpointing else mb
+        def mem(b, s=None):
+            mb = at(b, gradient_checkpointing, s=s)
+            plain = at(b, False, s=s) if gradient_checkpointing else mb
             return _memory(mb, plain, cfg, static)
         est.memory = mem(batch)
         if batch is None or not batch_varies:
@@ -789,6 +827,16 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
         else:
             est.max_micro_batch = {k: _largest(lambda b, k=k: mem(b)[k], hw.device_memory,
                                                batch) for k in ("none", "recompute", "ssdtrain")}
+        if longest_seq:
+            b = batch or 1
+            u0 = max(1, seq // seq_unit)
+            est.max_seq = {k: seq_unit * _largest(lambda u, k=k: mem(b, u * seq_unit)[k],
+                                                   hw.device_memory, u0)
+                           for k in ("none", "recompute", "ssdtrain")}
+            notes.append(f"the longest sequence assumes the memory of a step grows with its "
+                         f"length; searched in steps of {seq_unit} tokens at micro-batch {b}"
+                         + ("" if hf_cfg is None or _max_positions(hf_cfg) is None else
+                            f" (the config has {_max_positions(hf_cfg)} positions)") + ".")
     est.notes = tuple(notes)
     return est
 
@@ -1299,6 +1347,13 @@ def _parser(prog="ssdtrain estimate"):
                     help="activation bytes the plan may hold, e.g. 40GiB (default: "
                          "--device-memory minus weights, gradients and optimizer state, "
                          "else none)")
+    h.add_argument("--longest-seq", action="store_true",
+                   help="with --device-memory: also search the longest sequence whose "
+                        "micro-batch fits, with no offload, full recompute and ssdtrain "
+                        "(from --seq, in steps of --seq-unit; the model runs on fake tensors "
+                        "once per length tried, a line each on stderr)")
+    h.add_argument("--seq-unit", type=int, default=1024,
+                   help="granularity of --longest-seq in tokens (default 1024)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--traceback", action="store_true",
                    help="on an error, show Python's full traceback instead of one line")
@@ -1354,9 +1409,14 @@ def main(argv=None, prog="ssdtrain estimate") -> int:
             _check_plan_inputs(hw, a.gradient_checkpointing, ssd_tier)
             if a.memory_budget is not None:
                 _parse_budget(a.memory_budget)
+        if a.longest_seq and hw.device_memory is None:
+            raise ConfigError("ssdtrain estimate: --longest-seq needs --device-memory (e.g. "
+                              "--device-memory 80GiB).")
         est = estimate(model, batch=a.batch, seq=a.seq, dtype=dtype,
                        gradient_checkpointing=a.gradient_checkpointing, config=cfg, hardware=hw,
-                       offload_quota=a.offload_quota, ssd_tier=ssd_tier)
+                       offload_quota=a.offload_quota, ssd_tier=ssd_tier,
+                       longest_seq=a.longest_seq, seq_unit=a.seq_unit,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
         if a.plan:
             planned = est.plan(a.memory_budget)
     except ConfigError as e:

@@ -274,6 +274,44 @@ def test_max_micro_batch_is_the_largest_that_fits():
     assert est.max_micro_batch["recompute"] > est.max_micro_batch["none"]
 
 
+def test_longest_sequence_is_the_longest_that_fits():
+    """Each mode's answer s (a multiple of the unit): memory at s fits the device, at
+    s + unit it does not, each measured directly at that length; offloading reaches at
+    least as far as keeping everything; what the search tried was said."""
+    cfg = _hf_configs()["llama"]
+    limit = 24 << 20
+    hw = E.Hardware(device_memory=limit)
+    kw = dict(batch=1, dtype=torch.float32, config=ssdtrain.OffloadConfig(**SMALL),
+              hardware=hw, gradient_checkpointing=True)
+    said = []
+    est = E.estimate(E.hf_factory(cfg), seq=64, longest_seq=True, seq_unit=32,
+                     progress=said.append, **kw)
+    for mode, s in est.max_seq.items():
+        assert s >= 32 and s % 32 == 0, (mode, s)
+        assert E.estimate(E.hf_factory(cfg), seq=s, **kw).memory[mode] <= limit, mode
+        assert E.estimate(E.hf_factory(cfg), seq=s + 32, **kw).memory[mode] > limit, mode
+    assert est.max_seq["ssdtrain"] >= est.max_seq["none"]
+    assert said and all("trying seq" in line for line in said)
+    assert est.to_json()["max_seq"] == est.max_seq
+    assert "longest sequence at micro-batch 1, ssdtrain" in est.table()
+
+
+def test_longest_sequence_refuses_what_it_cannot_search():
+    cfg = ssdtrain.OffloadConfig(**SMALL)
+    with pytest.raises(ssdtrain.ConfigError, match="device's memory"):
+        E.estimate(models.gpt, config=cfg, longest_seq=True, seq=64)
+    with pytest.raises(ssdtrain.ConfigError, match="seq_unit"):
+        E.estimate(models.gpt, config=cfg, hardware=E.Hardware(device_memory=1 << 30),
+                   longest_seq=True, seq=64, seq_unit=0)
+    assert E.main(["--factory", "models:gpt", "--longest-seq"]) == 2
+
+    def fixed(batch=1):  # builds one length only: nothing to search
+        return models.gpt()
+    with pytest.raises(ssdtrain.ConfigError, match="no 'seq' keyword"):
+        E.estimate(fixed, config=cfg, hardware=E.Hardware(device_memory=1 << 30),
+                   longest_seq=True, seq=64)
+
+
 def test_hardware_formulas():
     cfg = ssdtrain.OffloadConfig(**SMALL)
     hw = E.Hardware(step_seconds=3.0, ssd_write_gbps=1e-4, ssd_read_gbps=1.0, ssds=2,
