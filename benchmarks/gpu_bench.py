@@ -340,7 +340,9 @@ def worker_a(cfg, dev, deadline):
                         warm = cfg["adaptive_warmup"]
                     _run_row(dev, row, step, lambda: off, warm, n, named, off)
                     if mode == "budget":
-                        row["plan"] = str(off.plan().choices) if off.plan() else None
+                        plan = off.active_plan  # the one in force (makes none)
+                        row["plan"] = None if plan is None else "".join(
+                            c[0] for c in plan.choices)
             finally:
                 if off is not None:
                     off.close()

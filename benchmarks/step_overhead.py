@@ -291,9 +291,10 @@ def worker(mode, cfg, out_path):
     overrides = {k: v for k, v in cfg["offload"].items() if v is not None}
     if mode == "ssdtrain_tail0":
         overrides["keep_tail_bytes"] = 0
-    # The offload path (policy "static"), not the default's measured quota.
-    offload_cfg = ssdtrain.OffloadConfig.from_env(**dict(dict(policy="static"), **overrides,
-                                                         spill_dir=cfg["spill_dir"]))
+    # The offload path (policy "static"), not the default's measured quota, unless
+    # --policy auto asks for the default.
+    offload_cfg = ssdtrain.OffloadConfig.from_env(**dict(dict(policy=cfg.get("policy", "static")),
+                                                         **overrides, spill_dir=cfg["spill_dir"]))
     min_bytes = offload_cfg.min_tensor_bytes
     result = {"mode": mode, "repeat": cfg["repeat"], "pid": os.getpid(),
               "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -320,10 +321,11 @@ def worker(mode, cfg, out_path):
         raise SystemExit(f"step_overhead: unknown mode {mode!r}; choose from {ALL_MODES}")
 
     try:
-        for step in range(1 + cfg["steps"]):
+        warmup = cfg.get("warmup", 1)
+        for step in range(warmup + cfg["steps"]):
             model.zero_grad(set_to_none=True)
             gc.collect()
-            rec = {"step": step, "warmup": step == 0}
+            rec = {"step": step, "warmup": step < warmup}
             stats0 = dataclasses.asdict(off.stats()) if off is not None else None
             live0 = off.live_records() if off is not None else 0
             written0 = saver.written if saver is not None else 0
@@ -385,7 +387,7 @@ def worker(mode, cfg, out_path):
                     bytes_of_written_records=sum(r.nbytes for r in records if r.writes),
                     bytes_of_unwritten_records=sum(r.nbytes for r in records if not r.writes))
                 del records
-            if step == 1:
+            if step == warmup:
                 result["digest"] = digest(loss, model.named_parameters(), loss_sha256=True)
             del loss
             result["steps"].append(rec)
@@ -645,6 +647,13 @@ def build_parser():
     r = p.add_argument_group("runs")
     r.add_argument("--steps", type=int, default=3,
                    help="measured steps per run, after 1 warm-up step (default 3)")
+    r.add_argument("--warmup", type=int, default=1,
+                   help="warm-up steps per run before the measured ones (default 1; give "
+                        "the default policy about 12 with --policy auto)")
+    r.add_argument("--policy", choices=("static", "auto"), default="static",
+                   help="ssdtrain's policy in the ssdtrain modes: 'static' (default: the "
+                        "offload path, every step) or 'auto' (the default policy, which "
+                        "offloads what the disk absorbs in time)")
     r.add_argument("--repeats", type=int, default=3,
                    help="fresh processes per mode, modes interleaved (default 3)")
     r.add_argument("--modes", nargs="+", choices=ALL_MODES,
@@ -699,7 +708,8 @@ def main(argv=None):
     thread_counts = [args.threads] + ([args.compute_threads] if args.compute_threads else [])
     cfgs, envs = {}, {}
     for n in thread_counts:
-        cfgs[n] = dict(model, steps=args.steps, threads=n, spill_dir=spill_dir, offload=offload)
+        cfgs[n] = dict(model, steps=args.steps, threads=n, spill_dir=spill_dir, offload=offload,
+                       warmup=args.warmup, policy=args.policy)
         env = worker_env(REPO_ROOT)
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the OS: RSS is meaningful
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
