@@ -171,13 +171,15 @@ def worker_env(repo_root):
     return env
 
 
-def spawn_worker(script, prefix, kind, cfg, env):
+def spawn_worker(script, prefix, kind, cfg, env, timeout=None):
     """Run ``script --worker kind`` in a fresh process; ``(proc, wall seconds, its JSON text)``.
 
     The worker gets ``cfg`` as ``--worker-config`` JSON and writes its result to a
     temporary ``--worker-out`` file (named ``{prefix}-{kind}-*.json``), whose text
     (``""`` if it wrote nothing) is returned and which is removed afterwards.
     ``proc`` is the ``subprocess.CompletedProcess`` (stdout and stderr captured).
+    ``timeout`` (seconds, None: none): a worker still running then is killed, and
+    ``proc`` has return code -9 and what it had printed.
     """
     fd, out_path = tempfile.mkstemp(prefix=f"{prefix}-{kind}-", suffix=".json")
     os.close(fd)
@@ -185,8 +187,15 @@ def spawn_worker(script, prefix, kind, cfg, env):
         cmd = [sys.executable, os.path.abspath(script), "--worker", kind,
                "--worker-config", json.dumps(cfg), "--worker-out", out_path]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            def text_of(b):
+                return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+            proc = subprocess.CompletedProcess(
+                cmd, -9, text_of(e.stdout),
+                text_of(e.stderr) + f"\n(killed after {timeout:.0f} s: the time limit)")
         wall = time.perf_counter() - t0
         with open(out_path) as f:
             text = f.read()

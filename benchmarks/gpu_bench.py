@@ -697,7 +697,10 @@ def main(argv=None):
                        # table A first gets most of what is left; B the rest
                        seconds=left * (0.6 if table == "A" and len(args.tables) > 1 else 1))
             print(f"gpu_bench: table {table} ...", file=sys.stderr, flush=True)
-            proc, wall, text = spawn_worker(__file__, "gpu_bench", table, cfg, env)
+            # A worker stops starting rows at its deadline; one that hangs in a row is
+            # killed two minutes past it, so the other table and the report still come.
+            proc, wall, text = spawn_worker(__file__, "gpu_bench", table, cfg, env,
+                                            timeout=cfg["seconds"] + 120)
             if proc.returncode != 0 or not text:
                 results[table] = {"error": f"exit {proc.returncode}: {proc.stderr[-4000:]}"}
                 print(f"gpu_bench: table {table} FAILED:\n{proc.stderr[-4000:]}",

@@ -135,3 +135,15 @@ def test_rows_not_measured_are_listed_not_reported():
                for t, met in data["targets"])
     md = gpu_bench.render(data)
     assert "## Not measured" in md and "out of memory" in md
+
+
+def test_a_worker_that_hangs_is_killed_at_its_limit(tmp_path):
+    """A table's worker stuck past its limit is killed (``spawn_worker(timeout=...)``),
+    so the other table and the report still come: return code -9 and why."""
+    import _common
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    proc, wall, text = _common.spawn_worker(str(script), "t", "A", {}, dict(os.environ),
+                                            timeout=1)
+    assert proc.returncode == -9 and "killed after 1 s" in proc.stderr
+    assert text == "" and wall < 30
