@@ -26,7 +26,8 @@ def dry_run(tmp_path_factory):
     for k in [k for k in env if k.startswith("SSDTRAIN_")]:
         del env[k]
     proc = subprocess.run([sys.executable, SCRIPT, "--cpu-dry-run", "--out", str(out),
-                           "--date", "2026-01-02", "--auto-warmup", "12", "--steps", "2",
+                           "--date", "2026-01-02", "--auto-warmup", "8", "--adaptive-warmup", "4",
+                           "--steps", "2",
                            "--warmup", "1"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
