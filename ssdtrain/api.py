@@ -132,6 +132,8 @@ class Stats:
     ``_auto.py``), from the bandwidths and step times measured so far; the quota is a
     share of it. 0 until something is measured; ``None`` with the other policies."""
     offload_quota_reason: str = ""
+    """Why :attr:`offload_quota_bytes` is what it is: the measurements it came from and
+    whether the last step lowered or raised it."""
     prefetch_window_bytes: int = 0
     """The prefetch window of the latest step: ``prefetch_bytes``, or with
     ``policy="auto"`` more when the step's loads take longer than the part of backward
@@ -139,11 +141,9 @@ class Stats:
     bytes the step keeps in memory at forward's end."""
     hooks_cut_steps: int = 0
     """With ``policy="auto"``: steps whose saved-tensor hooks came off during forward,
-    once the quota was spent and ``prefetch_bytes`` more were passed through: what they
-    saved after that was not intercepted at all, and is not counted in the byte
-    counters (NOTE [ Hooks off past the window ] in ``_auto.py``)."""
-    """Why :attr:`offload_quota_bytes` is what it is: the measurements it came from and
-    whether the last step lowered or raised it."""
+    once the quota was spent and the prefetch window's bytes more were passed
+    through: what they saved after that was not intercepted at all, and is not counted
+    in the byte counters (NOTE [ Hooks off past the window ] in ``_auto.py``)."""
     quota_kept_bytes: int = 0
     """Bytes kept in memory because the step's offload quota was spent (also counted in
     ``kept_bytes``)."""

@@ -236,3 +236,22 @@ def test_stats_since_differences_counters_and_keeps_levels(make_offloader):
     assert steps[0].offloaded_bytes + steps[1].offloaded_bytes == total.offloaded_bytes
     assert steps[1].peak_resident_bytes == total.peak_resident_bytes > 0  # not 0
     assert steps[1].engine == total.engine
+
+
+@pytest.mark.parametrize("cls", ["Stats", "OffloadConfig"])
+def test_every_field_has_its_own_docstring(cls):
+    """Each field of the public dataclasses is followed by its own docstring (a field
+    inserted between another and its docstring leaves that one documenting the wrong
+    field, or none)."""
+    import ast
+    import inspect
+    obj = getattr(ssdtrain, cls)
+    body = ast.parse(inspect.getsource(obj)).body[0].body
+    missing = []
+    for i, node in enumerate(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            nxt = body[i + 1] if i + 1 < len(body) else None
+            if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                missing.append(node.target.id)
+    assert not missing, f"{cls} fields without their own docstring: {missing}"
