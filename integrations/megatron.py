@@ -158,7 +158,9 @@ class LayerStats:
     """What one transformer layer handed to ssdtrain, summed over forward passes.
 
     Counted while the layer runs under interception (synchronously, at pack time);
-    layers that are not offloaded stay at zero.
+    layers that are not offloaded stay at zero, and so do the layers of a step of
+    ``policy="auto"`` after its hooks came off past its quota and prefetch window
+    (``Stats.hooks_cut_steps``; NOTE [ Hooks off past the window ] in ``_auto.py``).
     """
 
     passes: int = 0
