@@ -85,6 +85,24 @@ def set_auto_clock(offloader, clock) -> None:
     auto._clock = clock
 
 
+def _auto_of(offloader, tool, enabled=True):
+    """The ``policy="auto"`` controller of ``offloader``, for ``tool`` (its name, for the
+    message); ``enabled``: the switch given, which must be a bool.
+
+    Raises:
+        ConfigError: ``offloader`` does not run ``policy="auto"``, or ``enabled`` is not a
+            bool.
+    """
+    from ._errors import ConfigError
+    auto = getattr(offloader, "_auto", None)
+    if auto is None:
+        raise ConfigError(f"ssdtrain: {tool} needs an Offloader with policy='auto'; this one "
+                          f"runs policy={offloader.config.policy!r}.")
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"ssdtrain: {tool} takes True or False; got {enabled!r}.")
+    return auto
+
+
 def pin_auto_quota(offloader, nbytes) -> None:
     """Make ``policy="auto"`` offload ``nbytes`` per step (its earliest saved records,
     as its own quota does) from the next step on, whatever its steps measure, or choose
@@ -97,10 +115,7 @@ def pin_auto_quota(offloader, nbytes) -> None:
             negative or not an integer.
     """
     from ._errors import ConfigError
-    auto = getattr(offloader, "_auto", None)
-    if auto is None:
-        raise ConfigError(f"ssdtrain: pin_auto_quota needs an Offloader with policy='auto'; "
-                          f"this one runs policy={offloader.config.policy!r}.")
+    auto = _auto_of(offloader, "pin_auto_quota")
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
                                or nbytes < 0):
         raise ConfigError(f"ssdtrain: pin_auto_quota takes a number of bytes >= 0 or None; "
@@ -118,14 +133,7 @@ def set_hooks_cut(offloader, enabled: bool) -> None:
         ConfigError: ``offloader`` does not run ``policy="auto"``, or ``enabled`` is not
             a bool.
     """
-    from ._errors import ConfigError
-    auto = getattr(offloader, "_auto", None)
-    if auto is None:
-        raise ConfigError(f"ssdtrain: set_hooks_cut needs an Offloader with policy='auto'; "
-                          f"this one runs policy={offloader.config.policy!r}.")
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"ssdtrain: set_hooks_cut takes True or False; got {enabled!r}.")
-    auto.cuts = enabled
+    _auto_of(offloader, "set_hooks_cut", enabled).cuts = enabled
 
 
 def set_load_lead(offloader, enabled: bool) -> None:
@@ -138,14 +146,7 @@ def set_load_lead(offloader, enabled: bool) -> None:
         ConfigError: ``offloader`` does not run ``policy="auto"``, or ``enabled`` is not
             a bool.
     """
-    from ._errors import ConfigError
-    auto = getattr(offloader, "_auto", None)
-    if auto is None:
-        raise ConfigError(f"ssdtrain: set_load_lead needs an Offloader with policy='auto'; "
-                          f"this one runs policy={offloader.config.policy!r}.")
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"ssdtrain: set_load_lead takes True or False; got {enabled!r}.")
-    auto.leads = enabled
+    _auto_of(offloader, "set_load_lead", enabled).leads = enabled
 
 
 class HookTimer:
