@@ -88,6 +88,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, h
 from _common import (  # noqa: E402
     add_worker_arguments, command_line, digest, median, proc_status, reset_peak_rss,
     spawn_worker, work_dir, worker_env)
+from gpu_smoke import cuda_unavailable_reason  # noqa: E402  (the same check, the same words)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1 << 30
@@ -104,12 +105,6 @@ B_MODEL_DRY = dict(hidden=128, n_heads=4, n_kv_heads=2, ffn=256)
 B_SEQ_DRY = 256
 # Small shapes in the dry run: offload what the small tensors are.
 DRY_OFFLOAD = dict(min_tensor_bytes=4096, keep_tail_bytes=0)
-
-
-def cuda_unavailable_reason():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_smoke import cuda_unavailable_reason as why
-    return why()
 
 
 # ----------------------------------------------------------------------------------- worker

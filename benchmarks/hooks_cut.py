@@ -12,7 +12,7 @@ launching kernels does), then backward, timed three ways interleaved in one proc
   before the change: every save past the quota passed through by the pack hook, every
   unpack through ours);
 * ``cut``: the same, as shipped: the hooks come off once the quota and
-  ``prefetch_bytes`` more are past (but in one step of 17, which counts what a step
+  the prefetch window's bytes more are past (but in one step of 17, which counts what a step
   saves: the medians leave it out).
 
 Per way: the median over rounds of forward's and backward's wall time, and the time

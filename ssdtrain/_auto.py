@@ -173,12 +173,13 @@ training thread autograd's call into our pack hook, the pass-through's bookkeepi
 in backward the unpack hook: on an H200 at 1/16 of a ~1B GPT's bytes, 470 of its 481
 saved tensors, and forward became launch-bound (docs/results/gpu_trace_2026-11-28.md).
 What those passes still buy is the prefetch window's accounting: passed bytes fill the
-window from forward's end, so that loads start when backward has used all but
-``prefetch_bytes`` of them (``RecordTable.count_passed``). Only the first
-``prefetch_bytes`` passed after the quota matter to that: backward uses the later ones
-first, while the window is full anyway.
+window from forward's end, so that loads start when backward has used all but the
+window's bytes of them (``RecordTable.count_passed``; the window is ``prefetch_bytes``
+or the step's lead, NOTE [ Loads in time ]). Only the first window's bytes passed after
+the quota matter to that: backward uses the later ones first, while the window is full
+anyway.
 
-So once the running pass has passed through ``prefetch_bytes`` after its quota was
+So once the running pass has passed through the window's bytes after its quota was
 spent (``Store.cut_after``), the pack hook that crossed it takes our hooks off this
 thread's stack for the rest of the forward (``Offloader._cut``: ``ForwardState.
 pop_if_top``, then the module-state tracker stops). Autograd saves what follows itself,

@@ -576,13 +576,18 @@ class Offloader:
         """The store's pack, past the quota and the prefetch window: our hooks come off
         for the rest of this forward (NOTE [ Hooks off past the window ] in _auto.py).
         Only on the thread that intercepts, while ours are on top of its stack."""
-        fwd = self._forward
+        fwd, auto = self._forward, self._auto
         if fwd.phase is not Phase.INTERCEPTING or fwd.thread != threading.get_ident():
             return
+        # Marked before the pop: an interrupt between them leaves a step marked cut whose
+        # hooks stayed on (its S is not taken: the last full count stands), never a cut
+        # step whose partial count would be taken for S.
+        auto.cut = True
         if fwd.pop_if_top():
             TRACKER.stop(fwd)
-            self._auto.cut = True
             self._stats.hooks_cut_steps += 1
+        else:
+            auto.cut = False
 
     def _hook_off(self):
         """INTERCEPTING -> OPEN."""

@@ -125,7 +125,7 @@ def pin_auto_quota(offloader, nbytes) -> None:
 
 def set_hooks_cut(offloader, enabled: bool) -> None:
     """Let (``True``, the default) or forbid (``False``) ``policy="auto"``'s steps to
-    take their hooks off once the quota and ``prefetch_bytes`` more are past (NOTE [
+    take their hooks off once the quota and the prefetch window's bytes more are past (NOTE [
     Hooks off past the window ] in ``_auto.py``), from the next step on. For
     measurements of what that saves (``benchmarks/hooks_cut.py``).
 

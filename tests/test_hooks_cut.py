@@ -242,3 +242,42 @@ def test_set_hooks_cut_turns_it_off_and_checks_its_input(tmp_path, references):
             set_hooks_cut(static, True)
     finally:
         static.close()
+
+
+def test_an_interrupt_right_after_the_pop_never_takes_a_partial_count_for_s(
+        tmp_path, references, monkeypatch):
+    """A KeyboardInterrupt landing in ``Offloader._cut`` just after our hooks came off
+    (before anything else is noted) leaves the step marked cut: the controller keeps
+    the last full step's S rather than the part the cut step counted; the next steps
+    are exact."""
+    from ssdtrain import _forward
+    model, inputs, _ = references["mlp"]
+    off = _offloader(tmp_path, 1)
+    pin_auto_quota(off, 0)
+    pop = _forward.ForwardState.pop_if_top
+    armed = [False]
+
+    def pop_then_interrupt(self):
+        popped = pop(self)
+        if armed[0] and popped:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return popped
+    monkeypatch.setattr(_forward.ForwardState, "pop_if_top", pop_then_interrupt)
+    try:
+        with off:
+            model(*inputs).backward()   # counts S in full
+        with off:
+            model(*inputs).backward()
+        full = off._auto._saved
+        assert full > 0
+        armed[0] = True
+        with pytest.raises(KeyboardInterrupt):
+            with off:
+                model(*inputs).backward()
+        assert not armed[0]              # it fired
+        with off:                        # begins: measures the interrupted step
+            model(*inputs).backward()
+        assert off._auto._saved == full
+    finally:
+        off.close()
