@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 from ._errors import ConfigError
+from ._limits import host_memory
 
-__all__ = ["OffloadConfig", "ResolvedConfig", "parse_bytes", "default"]
+__all__ = ["OffloadConfig", "ResolvedConfig", "parse_bytes", "default", "default_host_budget",
+           "resolve_budget", "budget_bytes", "has_ssd_tier"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -463,7 +465,6 @@ class OffloadConfig:
         if isinstance(self, ResolvedConfig):
             return self
         from . import _checksum, _device, _spill, io  # the store layer resolves (Layers)
-        from ._hosttier import resolve_budget  # NOTE [ Host tier ] in _hosttier.py
         host, host_why = resolve_budget(self.host_budget_bytes)
         if self.spill_dir is not None:
             dirs = self.spill_dir
@@ -578,3 +579,37 @@ def _normalize_dirs(value) -> Optional[List[str]]:
     if len(set(out)) != len(out):
         raise ConfigError(f"ssdtrain: spill_dir lists a directory twice: {out}.")
     return out
+
+
+# ------------------------------------------------------- host_budget_bytes
+def default_host_budget(memory=None):
+    """``host_budget_bytes="auto"`` (NOTE [ Host tier ] in _hosttier.py): ``(bytes, why)``, half of the
+    host memory this process may use (``memory``: a ``_limits.HostMemory``, by default
+    :func:`~ssdtrain._limits.host_memory`'s), and where that came from."""
+    memory = host_memory() if memory is None else memory
+    return memory.total // 2, "half of " + memory.describe()
+
+
+def resolve_budget(value):
+    """``(bytes or None, why)`` for ``host_budget_bytes``: ``"auto"`` is
+    :func:`default_host_budget`, ``"unlimited"`` the largest byte count, None no host
+    tier. ``OffloadConfig.resolve`` and the estimate both use it."""
+    if value == "auto":
+        return default_host_budget()
+    if value == "unlimited":
+        return MAX_BYTES, "unlimited"
+    return value, "" if value is None else "as configured"
+
+
+def budget_bytes(value):
+    """``host_budget_bytes`` as a byte count, or None (no host tier):
+    :func:`resolve_budget` without the reason."""
+    return resolve_budget(value)[0]
+
+
+def has_ssd_tier(cfg) -> bool:
+    """Whether ``cfg`` (resolved or not) has an SSD tier: a ``spill_dir``, or none given
+    and no host tier (the default directory is then used)."""
+    if cfg.spill_dir is None:
+        return cfg.host_budget_bytes is None
+    return bool(cfg.spill_dir)

@@ -67,13 +67,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._config import OffloadConfig
+from ._config import OffloadConfig, budget_bytes, has_ssd_tier
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
-from ._hosttier import HostBudget, budget_bytes, has_ssd_tier
+from ._budget import HostBudget
 from ._policy import (KEEP_BUDGET, KEEP_QUOTA, TRACKER, PassedRanges, TailWindow,
                       is_offloadable_kind, keep_reason)
 from ._profile import LayerProfiler, _tensors, default_layers
 from ._records import State, find_record
+from ._stats import Stats
 
 __all__ = ["Measurement", "LayerBytes", "measure", "fakeify", "EstimateError"]
 
@@ -629,7 +630,7 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
             ``None``: no quota, the static rules (what ``"auto"`` offloads at most).
         ssd_tier: with ``host_budget_bytes``, whether an SSD tier lies beyond the host
             tier (records beyond the budget go on to it) or not (they stay in device
-            memory); ``None``: as ``cfg`` says (``_hosttier.has_ssd_tier``: a
+            memory); ``None``: as ``cfg`` says (``_config.has_ssd_tier``: a
             ``spill_dir``, or no host tier). The estimate never opens a spill directory.
 
     Raises:
@@ -637,7 +638,6 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
     """
     from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                                DynamicOutputShapeException, FakeTensorMode)
-    from .api import Stats
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with torch.device("meta"):
         model, inputs = build()

@@ -12,7 +12,7 @@ memory, and only an SSD can free it).
 
 **What is decided, and when (``INV-DECIDED``).** A record leaves the tail window at a
 pack (NOTE [ The pack decision ] in _policy.py), and is then *admitted* to the host
-tier: its bytes are counted in :class:`HostBudget` (in the order records are admitted,
+tier: its bytes are counted in :class:`~ssdtrain._budget.HostBudget` (in the order records are admitted,
 which is save order, dedup moves in the window included). When the admitted bytes go
 beyond the budget:
 
@@ -74,133 +74,20 @@ process may use: the effective limit of its own memory cgroup (the least along i
 path, v1 or v2) or, without one, the machine's RAM (``_limits.host_memory``, NOTE [
 Memory limits ] in _limits.py). ``RLIMIT_MEMLOCK`` does not cap it: CUDA's pinned
 memory is not counted against it (that NOTE says why); it is charged to the cgroup.
-:func:`default_host_budget` computes it and says where the number came from
+:func:`~ssdtrain._config.default_host_budget` computes it and says where the number came from
 (``ResolvedConfig.host_budget_reason``, logged when an offloader is made).
 """
 
 from __future__ import annotations
-
-import collections
 
 from ._device import device_misalign
 from ._errors import SpillIOError
 from ._records import State
 from ._spill import BLOCK
 from ._events import _without_frames
-from ._limits import host_memory
 from ._writeback import _WRITTEN, failed_future
 
-__all__ = ["HostBudget", "HostTier", "default_host_budget", "budget_bytes", "resolve_budget",
-           "has_ssd_tier"]
-
-
-def default_host_budget(memory=None):
-    """``host_budget_bytes="auto"`` (NOTE [ Host tier ]): ``(bytes, why)``, half of the
-    host memory this process may use (``memory``: a ``_limits.HostMemory``, by default
-    :func:`~ssdtrain._limits.host_memory`'s), and where that came from."""
-    memory = host_memory() if memory is None else memory
-    return memory.total // 2, "half of " + memory.describe()
-
-
-def resolve_budget(value):
-    """``(bytes or None, why)`` for ``host_budget_bytes``: ``"auto"`` is
-    :func:`default_host_budget`, ``"unlimited"`` the largest byte count, None no host
-    tier. ``OffloadConfig.resolve`` and the estimate both use it."""
-    if value == "auto":
-        return default_host_budget()
-    if value == "unlimited":
-        from ._config import MAX_BYTES
-        return MAX_BYTES, "unlimited"
-    return value, "" if value is None else "as configured"
-
-
-def budget_bytes(value):
-    """``host_budget_bytes`` as a byte count, or None (no host tier):
-    :func:`resolve_budget` without the reason."""
-    return resolve_budget(value)[0]
-
-
-def has_ssd_tier(cfg) -> bool:
-    """Whether ``cfg`` (resolved or not) has an SSD tier: a ``spill_dir``, or none given
-    and no host tier (the default directory is then used)."""
-    if cfg.spill_dir is None:
-        return cfg.host_budget_bytes is None
-    return bool(cfg.spill_dir)
-
-
-class HostBudget:
-    """The host tier's part of the pack decision (NOTE [ Host tier ]): the records
-    admitted, in order, and their bytes. Pure bookkeeping over objects with ``nbytes``
-    and ``tier`` attributes; the store calls it under its lock.
-
-    Args:
-        budget: ``host_budget_bytes``.
-        evicts: whether there is an SSD tier to evict the earliest records to.
-        stats: where ``host_bytes`` and ``peak_host_bytes`` are kept.
-    """
-
-    __slots__ = ("budget", "evicts", "records", "nbytes", "stats", "_next")
-
-    def __init__(self, budget: int, evicts: bool, stats):
-        self.budget = budget
-        self.evicts = evicts
-        self.records = collections.OrderedDict()  # admitted, earliest first
-        self.nbytes = 0
-        self.stats = stats
-        self._next = 0
-
-    def admit(self, rec):
-        """``rec`` left the tail window to leave device memory. Returns ``(admitted,
-        evicted)``: whether ``rec`` goes to the host tier, and the records (earlier
-        ones, or ``rec`` itself when it is larger than the budget) that leave the tier
-        for the SSD now. Without an SSD tier nothing is evicted: ``rec`` is admitted if
-        it fits, else not."""
-        n = rec.nbytes
-        if not self.evicts:
-            if self.nbytes + n > self.budget:
-                return False, []
-            self._add(rec)
-            return True, []
-        if n > self.budget:
-            return False, []
-        evicted = []
-        while self.nbytes + n > self.budget:  # room first: the budget is never exceeded
-            old = next(iter(self.records))
-            self.release(old)
-            evicted.append(old)
-        self._add(rec)
-        return True, evicted
-
-    def _add(self, rec):
-        self._next += 1
-        rec.tier = self._next
-        self.records[rec] = None
-        self._set(self.nbytes + rec.nbytes)
-
-    def release(self, rec) -> None:
-        """``rec`` leaves the tier's budget (evicted, freed, kept or failed). Idempotent."""
-        if rec.tier:
-            rec.tier = 0
-            if self.records.pop(rec, 0) is None:
-                self._set(self.nbytes - rec.nbytes)
-
-    def rebuild(self, recs) -> None:
-        """After a repair: the records that still count (``tier`` set), in their order."""
-        recs = sorted(recs, key=lambda r: r.tier)
-        self.records = collections.OrderedDict((r, None) for r in recs)
-        self._set(sum(r.nbytes for r in recs))
-
-    def _set(self, n):
-        self.nbytes = n
-        stats = self.stats
-        stats.host_bytes = n
-        if n > stats.peak_host_bytes:
-            stats.peak_host_bytes = n
-
-
-# States a record counted in the budget may be in: due to be copied (PENDING), being
-# copied, in RAM, or loaded from RAM.
-IN_TIER = frozenset({State.PENDING, State.HOSTING, State.HOSTED, State.LOADED})
+__all__ = ["HostTier"]
 
 
 class HostTier:

@@ -81,7 +81,7 @@ from ._identity import byte_extent
 
 __all__ = ["State", "TRANSITIONS", "RESIDENT", "OUTBOUND", "DEAD", "Record", "Handle", "Token",
            "QuotaKept",
-           "Kept", "transition", "find_record", "GEOMETRY_ALIGN"]
+           "Kept", "transition", "find_record", "GEOMETRY_ALIGN", "IN_TIER"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
@@ -349,3 +349,8 @@ def swapped_error(t, what):
         f"after it was saved: {what}. The version counter does not see this, so neither "
         f"autograd nor ssdtrain can give backward the values it expects. Hint: do not resize, "
         f"`set_` or reassign `.data` of tensors an autograd graph still needs; clone first.")
+
+
+# States a record counted in the budget may be in: due to be copied (PENDING), being
+# copied, in RAM, or loaded from RAM.
+IN_TIER = frozenset({State.PENDING, State.HOSTING, State.HOSTED, State.LOADED})

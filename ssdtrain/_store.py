@@ -259,12 +259,13 @@ from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
 from ._device import DeviceMap, _CopyFuture, leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from ._config import MAX_BYTES
+from ._budget import HostBudget
 from ._policy import KEEP_CAPTURE, TRACKER, PassedRanges, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._table import PassedRef, RecordTable
 from ._prefetch import ReadPath, _Pass
 from ._readbuf import ReadBuffers
-from ._hosttier import HostBudget, HostTier
+from ._hosttier import HostTier
 from ._iothread import IOThread
 from ._probe import Probe
 from ._records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State, Token,

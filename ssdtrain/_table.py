@@ -18,7 +18,7 @@ writes them:
 * ``spill_due``: records evicted from the host tier whose pinned copy is ready to be
   written (HOSTED, ``evict`` set), and ``spill_due_bytes``, their bytes (pinned memory
   beyond the budget that the throttle bounds: NOTE [ Bounded memory ] in _store.py); ``host`` is the host tier's
-  :class:`~ssdtrain._hosttier.HostBudget` (``None``: no host tier);
+  :class:`~ssdtrain._budget.HostBudget` (``None``: no host tier);
 * ``ahead``: bytes the prefetch window holds ahead of use (records flagged
   ``prefetched``, and the bytes passes passed through after their offload quota was
   spent and backward has not used yet: ``passed``, one :class:`PassedRef` per pass,
@@ -48,8 +48,7 @@ I/O thread (NOTE [ The store's I/O thread ] in _store.py).
 import collections
 import weakref
 
-from ._hosttier import IN_TIER
-from ._records import OUTBOUND, RESIDENT, State, transition
+from ._records import IN_TIER, OUTBOUND, RESIDENT, State, transition
 
 __all__ = ["RecordTable", "PassedRef"]
 

@@ -45,10 +45,10 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ._config import MAX_BYTES, OffloadConfig, parse_bytes
+from ._config import (MAX_BYTES, OffloadConfig, budget_bytes, has_ssd_tier, parse_bytes,
+                      resolve_budget)
 from ._errors import ConfigError
 from ._estimate import EstimateError, Measurement, measure
-from ._hosttier import budget_bytes, has_ssd_tier, resolve_budget
 
 __all__ = ["estimate", "Estimate", "Hardware", "EstimateError", "hf_factory", "load_factory",
            "main", "DTYPES", "PlanEstimate", "make_plan", "plan_costs", "predict_choices",

@@ -69,7 +69,7 @@ KiB = 1024
 # The store, as split by the rebuild; whichever of them exist are traced.
 STORE_MODULES = ("_store.py", "_records.py", "_table.py", "_iothread.py", "_events.py",
                  "_writeback.py", "_prefetch.py", "_readbuf.py", "_spill.py", "_device.py",
-                 "_hosttier.py", "_probe.py",
+                 "_hosttier.py", "_budget.py", "_probe.py",
                  # the polled engine's completions run on the training thread (NOTE
                  # [ Polled completions ] in ssdtrain/io/base.py)
                  "io/native.py", "io/base.py")

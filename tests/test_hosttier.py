@@ -24,7 +24,7 @@ from loopback_helpers import LoopbackDevice, SaveForBackward, UnpackCheck, attac
 from models import ALL_MODELS
 from ssdtrain import ConfigError
 from ssdtrain._config import MAX_BYTES
-from ssdtrain._hosttier import HostBudget
+from ssdtrain._budget import HostBudget
 
 KiB = 1 << 10
 N = 64 * KiB  # bytes of each saved device tensor in the chains below
@@ -495,13 +495,15 @@ HOST_TIER_PARTS = 3
 @pytest.mark.parametrize("part", range(HOST_TIER_PARTS),
                          ids=lambda p: part_id(p, HOST_TIER_PARTS))
 def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
-    """KeyboardInterrupt at the first run of every line of ``_hosttier.py`` the
+    """KeyboardInterrupt at the first run of every line of ``_hosttier.py`` and
+    ``_budget.py`` (its admission and eviction bookkeeping) the
     interrupt scenario runs on the training thread with a host tier (admission and
     eviction at pack, the copies to RAM the end of forward and the throttle start,
     loads from RAM at unpack; ``to_host``/``from_host`` in ``_device.py`` are swept by
     tests/test_loopback_sweeps.py, ``stage_out``/``stage_in`` run them),
     with the scenario's checks (exact gradients, nothing left, invariants) and no device
-    memory left. Tier off: no line of ``_hosttier.py`` runs, so none is a target.
+    memory left. Tier off: no line of ``_hosttier.py`` runs (nor of ``_budget.py``), so
+    none is a target.
     A third of the lines per part, the parts in turn by ISO week (NOTE [ Sweeps take
     turns by week ] in tests/helpers.py; every part: SSDTRAIN_TEST_ALL_SHARDS=1)."""
     shard = weekly_shard(HOST_TIER_PARTS)
@@ -509,7 +511,7 @@ def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
         pytest.skip(shard.skip_reason("host-tier sweep", part))
     inject = _host_tier_children(monkeypatch)
     result, base = inject.sweep_in_children("posix", "first", spill_dir, budget_s=400,
-                                            extra=("--only", "_hosttier.py"),
+                                            extra=("--only", "_hosttier.py,_budget.py"),
                                             shard=(part, HOST_TIER_PARTS))
     print(result.summary())
     assert base is not None, result.stopped
@@ -517,7 +519,8 @@ def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
         pytest.fail(result.message(), pytrace=False)
     assert len(result.outcomes) == base["targets"] > 0, result.summary()
     assert base["all_targets"] >= 10, base  # the whole sweep, all parts
-    assert all("_hosttier.py" in o.where for o in result.outcomes), result.summary()
+    assert all("_hosttier.py" in o.where or "_budget.py" in o.where
+               for o in result.outcomes), result.summary()
     assert sum(o.fired for o in result.outcomes) >= 0.5 * len(result.outcomes), \
         result.summary()
 

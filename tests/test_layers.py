@@ -1,11 +1,13 @@
 """The import layers of docs/ARCHITECTURE.md ("Layers"), checked by scanning source.
 
 Every module's imports are read with :mod:`ast` (module level and inside functions
-alike), resolved to module names and checked against the diagram:
+alike), resolved to module names and checked against the table ``LAYERS`` (each module
+in one layer; an import goes to its own layer or below; the policies and the estimate
+never import the store; no cycle), and:
 
     api.py, estimate.py, __main__.py, __init__.py     (top)
-      -> store modules (ssdtrain/_*.py)
-      -> io/ (ssdtrain/io/)
+      -> ...
+      -> io/ (ssdtrain/io/)                          (imports only io/ and these leaves:)
       -> leaves: _errors, _align, _fork, _C            (import nothing from ssdtrain)
 
 plus: only ``ssdtrain/_cuda.py`` (the CUDA leaf of ``_device.py``) touches ``torch.cuda``; comments and docstrings
@@ -28,9 +30,27 @@ PACKAGE = ROOT / "ssdtrain"
 # ssdtrain itself (checked below). `_C` is the extension module built from csrc/.
 LEAVES = {"ssdtrain._errors", "ssdtrain._align", "ssdtrain._fork", "ssdtrain._C"}
 EXTENSIONS = {"ssdtrain._C"}
-# The top layer: the package, its public modules and the command line. `_estimate` is
-# the estimator behind `estimate.py` (it fills in an `api.Stats`), so it sits up here.
-TOP_PRIVATE = {"ssdtrain.__main__", "ssdtrain._estimate"}
+# The top layer: the package, its public modules and the command line.
+TOP_PRIVATE = {"ssdtrain.__main__"}
+
+# Every module of ssdtrain in its layer, lowest first (docs/ARCHITECTURE.md, "Layers"):
+# a module imports from its own layer or those below, never above; no module imports
+# itself back through others (no cycle). A new module gets a row here.
+LAYERS = (
+    ("leaves", {"_errors", "_align", "_fork", "_C", "_identity", "_limits", "_stats"}),
+    ("io", {"io", "io.base", "io.posix", "io.native", "io.gds", "io.faulty"}),
+    ("decision", {"_policy", "_records", "_budget"}),
+    ("device", {"_cuda", "_loopback", "_device", "_spill", "_checksum", "_trace", "_readbuf"}),
+    ("config", {"_config"}),
+    ("store", {"_store", "_table", "_iothread", "_events", "_writeback", "_prefetch",
+               "_hosttier", "_probe"}),
+    ("policies", {"_auto", "_adaptive", "_profile", "_planner", "_attach", "_forward"}),
+    ("estimate", {"_estimate", "estimate"}),
+    ("top", {"", "api", "__main__", "check", "tools"}),
+)
+# Layers that reach the store only through the top (api): the policies set a step's
+# limits through the Offloader, and the estimate replays the pack decision without one.
+NOT_INTO_STORE = {"policies", "estimate"}
 # The only module that may touch torch.cuda, and those that may import a CUDA library.
 CUDA_MODULE = "ssdtrain._cuda"
 CUDA_LIBRARIES = {"kvikio", "cupy", "cuda", "pynvml", "cuda_python"}
@@ -139,7 +159,8 @@ def test_io_imports_only_io_and_leaves():
 
 def test_leaves_import_nothing_from_ssdtrain():
     bad = []
-    for leaf in sorted(LEAVES - EXTENSIONS):
+    leaves = LEAVES | {"ssdtrain." + m for m in dict(LAYERS)["leaves"]}
+    for leaf in sorted(leaves - EXTENSIONS):
         assert leaf in MODULES, f"leaf {leaf} does not exist"
         path = MODULES[leaf]
         bad += [f"{_where(path, line)}: leaf {leaf} imports {dep}"
@@ -377,3 +398,114 @@ def test_cited_invariants_are_defined():
     assert cited > len(defined), "the scan found no citations"  # guards the scan
     assert not bad, _report(bad, "citations of undefined invariants (define them under "
                                  "\"## Invariants\" in docs/ARCHITECTURE.md)")
+
+
+def _layer_of():
+    """``{module: (rank, layer name)}`` from LAYERS."""
+    out = {}
+    for rank, (name, mods) in enumerate(LAYERS):
+        for short in mods:
+            mod = "ssdtrain" + ("." + short if short else "")
+            assert mod not in out, f"{mod} is in two layers"
+            out[mod] = (rank, name)
+    return out
+
+
+def _core_graph():
+    """``{module: {(line, dependency)}}`` over ssdtrain's own modules (not the adapters)."""
+    return {mod: {(line, dep) for line, dep in _ssdtrain_imports(path)}
+            for mod, path in MODULES.items() if not mod.startswith("ssdtrain.integrations")}
+
+
+def test_every_module_has_a_layer():
+    layer = _layer_of()
+    core = set(_core_graph()) | EXTENSIONS
+    assert not core - set(layer), f"modules with no layer in LAYERS: {sorted(core - set(layer))}"
+    assert not set(layer) - core, f"LAYERS names modules that do not exist: " \
+                                  f"{sorted(set(layer) - core)}"
+
+
+def _against_layers(graph, layer):
+    """``[(module, line, what)]``: each import of ``graph`` that goes above its module's
+    layer, or from the policies or the estimate into the store."""
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        rank, name = layer[mod]
+        for line, dep in sorted(deps):
+            if dep == mod or dep not in layer:
+                continue
+            dep_rank, dep_name = layer[dep]
+            if dep_rank > rank:
+                bad.append((mod, line, f"{mod} ({name}) imports {dep} ({dep_name}, above it)"))
+            elif name in NOT_INTO_STORE and dep_name == "store":
+                bad.append((mod, line, f"{mod} ({name}) imports the store module {dep}"))
+    return bad
+
+
+def _cycles(graph):
+    """The import cycles of ``graph`` (strongly connected components of more than one
+    module), imports inside functions included; the package's ``__init__`` (every module
+    is imported through it) and self-imports aside."""
+    edges = {mod: {dep for _, dep in deps if dep in graph and dep not in (mod, "ssdtrain")}
+             for mod, deps in graph.items()}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    """Ranks follow LAYERS; the policies and the estimate never import the store."""
+    bad = [f"{_where(MODULES[mod], line)}: {what}"
+           for mod, line, what in _against_layers(_core_graph(), _layer_of())]
+    assert not bad, _report(bad, "imports against the layers")
+
+
+def test_no_import_cycle():
+    assert not _cycles(_core_graph()), f"import cycles: {_cycles(_core_graph())}"
+
+
+def test_the_layer_checks_catch_what_they_guard():
+    """Guards the checks: an upward import, an import of the store by the estimate and a
+    cycle (the one this layout removed: ``_config`` <-> ``_hosttier``), each planted in
+    a copy of the graph, are found; the real graph has none of them."""
+    layer, graph = _layer_of(), _core_graph()
+    assert layer["ssdtrain._store"][0] > layer["ssdtrain._policy"][0] > layer["ssdtrain._C"][0]
+    def planting(*edges):
+        copy = {mod: set(deps) for mod, deps in graph.items()}
+        for line, (mod, dep) in enumerate(edges, 1):
+            copy[mod].add((line, dep))
+        return copy
+
+    upward = planting(("ssdtrain._policy", "ssdtrain._store"),
+                      ("ssdtrain._estimate", "ssdtrain._table"),
+                      ("ssdtrain._config", "ssdtrain._hosttier"))
+    found = {(mod, line) for mod, line, _ in _against_layers(upward, layer)}
+    assert found == {("ssdtrain._policy", 1), ("ssdtrain._estimate", 2), ("ssdtrain._config", 3)}
+    cycle = planting(("ssdtrain._config", "ssdtrain._hosttier"),
+                     ("ssdtrain._hosttier", "ssdtrain._config"))
+    assert ["ssdtrain._config", "ssdtrain._hosttier"] in _cycles(cycle)
+    assert not _cycles(graph)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import ssdtrain
 from ssdtrain import _limits
-from ssdtrain._hosttier import budget_bytes, default_host_budget
+from ssdtrain._config import budget_bytes, default_host_budget
 from ssdtrain._limits import cgroup_memory, host_memory, parse_mountinfo, parse_proc_cgroup
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
