@@ -214,7 +214,7 @@ needs to use those bytes: on an H200 at 1/16 of a ~1B GPT's 10 GiB, the 630 MiB 
 back from pinned RAM in the last 11 ms of backward and backward idled 5.9 ms waiting
 for them; at 1/4, 29.9 ms (docs/results/gpu_trace_2026-11-28.md).
 
-So under ``"auto"`` each step's window (:meth:`AutoQuota.window`, ``Store.set_window``,
+So under ``"auto"`` each step's window (:meth:`AutoQuota.window`, ``StepLimits.window``,
 ``Stats.prefetch_window_bytes``) leads the loads by the time they take. With ``Q`` the
 quota, ``S`` the step's saved bytes, ``B`` backward's time (the baseline's step less its
 forward) and ``L`` the loads' time (``Q`` from RAM at the measured copy rate up to the

@@ -60,7 +60,9 @@ buffers of every module that runs (:class:`ModuleStateTracker`).
 """
 
 import collections
+import dataclasses
 import threading
+from typing import Optional
 
 import torch
 
@@ -70,7 +72,7 @@ from ._identity import StorageWeakRef, record_range, storage_key
 __all__ = ["ModuleStateTracker", "TRACKER", "is_offloadable_kind", "keep_reason", "TailWindow",
            "PassedRanges",
            "slot_bound", "KEEP_SMALL", "KEEP_KIND", "KEEP_LEAF", "KEEP_STATE", "KEEP_TAIL",
-           "KEEP_BUDGET", "KEEP_QUOTA", "KEEP_CAPTURE"]
+           "KEEP_BUDGET", "KEEP_QUOTA", "KEEP_CAPTURE", "StepLimits", "NO_LIMITS"]
 
 # Why a saved tensor or a record stays in memory (NOTE [ The pack decision ]).
 KEEP_SMALL = "small"    # fewer bytes than min_tensor_bytes
@@ -131,6 +133,40 @@ def slot_bound(nbytes: int) -> int:
     counts the worst misalignment."""
     return align_up(nbytes + BLOCK - 1)
 
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLimits:
+    """What one step (a forward pass and its backward) may do, fixed before its pass
+    opens and handed to the store with it (``Store.begin_pass``): nothing else sets a
+    step's limits, and a pass never sees half of one step's and half of another's.
+
+    The default is a step with no limits of its own: every eligible record is decided
+    by the tail window (``policy="static"``, and ``"adaptive"``, whose plan decides per
+    layer), the write-behind limit standing (the config's, or the applied plan's:
+    ``Store.limit_write_behind``) and the prefetch window ``prefetch_bytes``.
+    ``policy="auto"`` gives each step its own (NOTE [ The offload quota ] in _auto.py)."""
+
+    #: bytes the step may decide to write, its earliest records first (None: no quota)
+    quota: Optional[int] = None
+    #: with a quota, the least it writes (the memory floor; 0: none)
+    floor: int = 0
+    #: the write-behind limit for this step (None: the standing one)
+    write_behind: Optional[int] = None
+    #: the prefetch window for this step's reads (None: ``prefetch_bytes``)
+    window: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("quota", "write_behind", "window"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"StepLimits.{name} must be None or a byte count >= 0, "
+                                 f"got {value!r}")
+        if type(self.floor) is not int or self.floor < 0:
+            raise ValueError(f"StepLimits.floor must be a byte count >= 0, got {self.floor!r}")
+
+
+NO_LIMITS = StepLimits()
 
 class TailWindow:
     """The records of forward not decided yet: the last ``keep_tail_bytes`` of saved

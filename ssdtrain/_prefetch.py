@@ -83,7 +83,7 @@ class ReadPath:
         self.cfg = cfg
         # Bytes held or loading ahead of backward's use: prefetch_bytes, or under
         # policy "auto" what the step's loads need to arrive in time (NOTE [ Loads in
-        # time ] in _auto.py; Store.set_window).
+        # time ] in _auto.py; StepLimits.window, set by Store.begin_pass).
         self.window = cfg.prefetch_bytes
         self.stats = stats
         self._events = events

@@ -258,9 +258,8 @@ from ._config import ResolvedConfig
 from ._errors import OffloaderClosedError, SSDTrainError, SpillIOError
 from ._device import DeviceMap, _CopyFuture, leaf_of
 from ._identity import StorageWeakRef, byte_extent, record_range, storage_key
-from ._config import MAX_BYTES
 from ._budget import HostBudget
-from ._policy import KEEP_CAPTURE, TRACKER, PassedRanges, TailWindow, keep_reason
+from ._policy import KEEP_CAPTURE, NO_LIMITS, TRACKER, PassedRanges, TailWindow, keep_reason
 from ._spill import BLOCK
 from ._table import PassedRef, RecordTable
 from ._prefetch import ReadPath, _Pass
@@ -285,7 +284,7 @@ _WAIT_SLICE_S = 0.05  # Store._await's longest sleep between polls (a missed wak
 class Store:
     """The records of one offloader, and every transition between their states."""
 
-    def __init__(self, config, spill, engine, stats):
+    def __init__(self, config, spill, engine, stats, write_behind=None):
         if not isinstance(config, ResolvedConfig):  # NOTE [ One resolved config ]
             raise AssertionError("ssdtrain: the store runs on a ResolvedConfig "
                                  "(OffloadConfig.resolve()); please report this bug.")
@@ -359,13 +358,16 @@ class Store:
         # unpacks of tensors passed through queue nothing.
         self.on_backward_end = None
         self.layers = None                     # _adaptive.LayerPolicy (Offloader.track)
-        self.quota = None                      # each pass's offload quota (policy "auto",
-                                               # NOTE [ The offload quota ] in _auto.py)
-        self.quota_floor = 0                   # ... and the least it writes (its floor)
+        self.limits = NO_LIMITS                # the running pass's (begin_pass)
         # NOTE [ Hooks off past the window ] in _auto.py: once the running pass passed
         # through this many bytes after its quota was spent, on_cut() is called (once).
         self.cut_after = None
         self.on_cut = None
+        # The write-behind limit without a plan's: write_behind_bytes, or what the owner
+        # gives (policy "auto": none, NOTE [ The offload quota ] in _auto.py).
+        self._default_write_behind = config.write_behind_bytes if write_behind is None \
+            else write_behind
+        self._standing_write_behind = None     # the default, or a plan's (limit_write_behind)
         self.limit_write_behind(None)          # the write path's limit in force
         self.closed = False
         self._paused = False                   # wrap_engine(): the thread starts nothing
@@ -420,13 +422,16 @@ class Store:
             self._kick()
 
     def limit_write_behind(self, nbytes=None) -> None:
-        """Put ``nbytes`` in force as the write-behind limit (an applied plan's, lowered
-        to fit its memory budget), or the config's with ``None``: none under
-        ``policy="auto"``, whose forward never waits for a write (NOTE [ The offload
-        quota ] in _auto.py). The config itself is never changed (NOTE [ One resolved
+        """Put ``nbytes`` in force as the standing write-behind limit (an applied plan's,
+        lowered to fit its memory budget), or with ``None`` the store's default (the
+        config's, or the one it was made with: none under ``policy="auto"``, whose
+        forward never waits for a write but where a step says so, NOTE [ The offload
+        quota ] in _auto.py). A step's own limit (``StepLimits.write_behind``) replaces
+        it for that step. The config itself is never changed (NOTE [ One resolved
         config ])."""
         if nbytes is None:
-            nbytes = MAX_BYTES if self.cfg.policy == "auto" else self.cfg.write_behind_bytes
+            nbytes = self._default_write_behind
+        self._standing_write_behind = nbytes
         self._writes.write_behind = nbytes
 
     @property
@@ -439,22 +444,19 @@ class Store:
         """The prefetch window in force (NOTE [ Prefetch window ] in _prefetch.py)."""
         return self._reads.window
 
-    def set_window(self, nbytes: int) -> None:
-        """The prefetch window from the next read on: ``prefetch_bytes``, or under
-        ``policy="auto"`` the step's (NOTE [ Loads in time ] in _auto.py). One store of
-        an int, read by every pump."""
-        self._reads.window = int(nbytes)
-
     # ------------------------------------------------------------------ forward
-    def begin_pass(self):
+    def begin_pass(self, limits=NO_LIMITS):
+        """A forward pass opens, with its step's ``limits`` (a :class:`~ssdtrain._policy.
+        StepLimits`: the quota and its floor, the write-behind limit, the prefetch
+        window), in force from its first pack to the next pass."""
         if self._window.limit is not None:  # the spill budget: WritePath.await_retiring
             self._writes.await_retiring(self._locked, self._settle)
         with self._lock:
-            self._guarded_locked(self._begin_pass_locked)
+            self._guarded_locked(self._begin_pass_locked, limits)
         self._settle()
         self._devices.trim()  # NOTE [ Bounded staging ] in _device.py
 
-    def _begin_pass_locked(self):
+    def _begin_pass_locked(self, limits):
         self._check_open()
         self._sweep_locked()
         # Idle read buffers beyond what the last forward's end mapped would only add to
@@ -462,7 +464,14 @@ class Store:
         # the I/O thread (NOTE [ Unmapping off the training thread ]).
         self._buffers.trim_unused()
         self._current = _Pass()
-        self._window.begin_step(self.quota, self.quota_floor)
+        # The step's limits, all at once (NOTE [ Store lock discipline ]: a repair after
+        # an interrupt here leaves the last pass's, which the next begin_pass replaces).
+        self.limits = limits
+        self._window.begin_step(limits.quota, limits.floor)
+        self._writes.write_behind = self._standing_write_behind if limits.write_behind \
+            is None else limits.write_behind
+        self._reads.window = self.cfg.prefetch_bytes if limits.window is None \
+            else limits.window
 
     def _end_pass_locked(self):
         """Forward ended: writes the I/O thread has not started yet start now, the tail

@@ -12,7 +12,7 @@ from ._device import GDS_PROBE_MEMORY
 from ._errors import ConfigError, OffloaderClosedError, SSDTrainError
 from ._forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site, hooks_on_stack,
                        site_ended, with_site)
-from ._policy import TRACKER
+from ._policy import NO_LIMITS, TRACKER, StepLimits
 from ._spill import SpillSet
 from ._stats import Stats, _mib
 from ._store import Store
@@ -99,7 +99,9 @@ class Offloader:
         if config.host_budget_bytes is not None:  # NOTE [ Memory limits ] in _limits.py
             log.info("ssdtrain: host tier budget %s: %s", _mib(config.host_budget_bytes),
                      config.host_budget_reason)
-        self._store = Store(config, spill, engine, self._stats)
+        # policy "auto": no write-behind limit but a step's own (NOTE [ The offload quota ])
+        self._store = Store(config, spill, engine, self._stats,
+                            write_behind=MAX_BYTES if config.policy == "auto" else None)
         self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()
         self._auto = None     # _auto.AutoQuota: the quota of each step (policy "auto")
@@ -185,28 +187,34 @@ class Offloader:
         # the quota (NOTE [ The offload quota ]), whose S and times it would take as a
         # training step's; attach() opens no pass for such a call at all.
         self._auto_step = self._auto is not None and torch.is_grad_enabled()
-        if self._auto_step:
-            # What ended since backward is settled first: a copy the hooks started is
-            # settled by a poll only (NOTE [ Copies the hooks start ] in _device.py), and
-            # one still counted in flight would read as a lag.
-            self._store.settle()
-            # May probe the disk, once: before the pass opens.
-            quota = self._auto.begin_step()
-            # The sizing step (no quota), and every step under a memory floor, wait for
-            # writes past write_behind_bytes as "static" does (NOTE [ The offload quota ]).
-            self._store.limit_write_behind(self.config.write_behind_bytes
-                                           if self._auto.waits_for_writes else None)
-            self._store.quota = quota
-            self._store.quota_floor = 0 if quota is None else self._auto.floor
-            self._store.set_window(self._auto.window(self.config.prefetch_bytes))
-        elif self._stalls is not None:  # static: says once if the SSD is the bottleneck
-            self._stalls.begin_step(self._stats)
+        limits = self._step_limits()
+        if self._stalls is not None and not self._auto_step:
+            self._stalls.begin_step(self._stats)  # static: says once if the SSD is the bottleneck
         fwd.move(Phase.OPENING)
         fwd.site = site
-        self._store.begin_pass()
+        self._store.begin_pass(limits)
         if self._layers is not None:
             self._layers.begin_step()
         fwd.move(Phase.OPEN)
+
+    def _step_limits(self):
+        """The next step's :class:`~ssdtrain._policy.StepLimits`, before its pass opens:
+        policy ``"auto"``'s quota, floor, write-behind limit and prefetch window for a
+        training step (NOTE [ The offload quota ] in _auto.py), none of its own
+        otherwise (``"static"``; ``"adaptive"``, whose plan decides per layer)."""
+        if not self._auto_step:
+            return NO_LIMITS
+        auto = self._auto
+        # What ended since backward is settled first: a copy the hooks started is
+        # settled by a poll only (NOTE [ Copies the hooks start ] in _device.py), and
+        # one still counted in flight would read as a lag.
+        self._store.settle()
+        quota = auto.begin_step()  # may probe the disk, once: before the pass opens
+        # The sizing step (no quota), and every step under a memory floor, wait for
+        # writes past write_behind_bytes as "static" does (NOTE [ The offload quota ]).
+        return StepLimits(quota=quota, floor=0 if quota is None else auto.floor,
+                          write_behind=self.config.write_behind_bytes if auto.waits_for_writes
+                          else MAX_BYTES, window=auto.window(self.config.prefetch_bytes))
 
     def _forward_raised(self, exc) -> None:
         """A forward of this offloader raised ``exc`` (``with``, ``intercept()``, an

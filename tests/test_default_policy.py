@@ -482,7 +482,6 @@ def test_quota_decides_a_prefix_of_the_step_records(sizes, quota, tail):
 def _fixed_quota(off, quota):
     """The controller as is, with ``quota`` in force from now on (no measuring)."""
     off._auto.begin_step = lambda: quota
-    off._store.quota = quota
 
 
 def _written_seqs(off):

@@ -1,0 +1,77 @@
+"""A step's limits (``StepLimits`` in ssdtrain/_policy.py): fixed before its pass opens,
+handed to the store with the pass, and replaced whole by the next pass's."""
+
+import pytest
+import torch
+from helpers import SaveForBackward
+
+from ssdtrain._policy import NO_LIMITS, StepLimits
+
+N = 64 << 10  # bytes per record
+
+
+@pytest.mark.parametrize("bad", [dict(quota=-1), dict(quota=1.5), dict(quota=True),
+                                 dict(floor=None), dict(floor=-4), dict(write_behind="1"),
+                                 dict(window=-1)])
+def test_bad_limits_are_refused(bad):
+    with pytest.raises(ValueError, match="StepLimits"):
+        StepLimits(**bad)
+
+
+def test_no_limits_is_a_step_without_any():
+    assert NO_LIMITS == StepLimits() and NO_LIMITS.quota is None and NO_LIMITS.floor == 0
+    with pytest.raises(AttributeError):
+        NO_LIMITS.quota = 1  # frozen: a pass never sees a limit change under it
+
+
+def _step(off, records=8):
+    """One forward of ``records`` saves of N bytes each and its backward; the bytes the
+    step decided to write."""
+    before = off.stats().offloaded_bytes
+    sink, anchor = [], torch.zeros((), requires_grad=True)
+    with off:
+        out = anchor
+        for i in range(records):
+            out = SaveForBackward.apply(out, sink, torch.full((N // 4,), float(i)))
+    off.wait()
+    out.backward()
+    assert [s[0][0].item() for s in sink] == [float(i) for i in reversed(range(records))]
+    return off.stats().offloaded_bytes - before
+
+
+def test_each_pass_runs_under_the_limits_it_opened_with(make_offloader, monkeypatch):
+    """A static offloader whose steps are given limits: a quota of three records writes
+    the earliest three (the tail window keeps nothing under a quota); the next step,
+    given none, is the tail window's again (the last two records kept); each pass's
+    write-behind limit and prefetch window are the ones it opened with."""
+    off = make_offloader(keep_tail_bytes=2 * N, write_behind_bytes=4 * N, prefetch_bytes=N,
+                         min_tensor_bytes=4096)
+    store = off._store
+    given = []
+    monkeypatch.setattr(off, "_step_limits", lambda: given.pop(0))
+    given.append(StepLimits(quota=3 * N, write_behind=N, window=5 * N))
+    assert _step(off) == 3 * N
+    assert store.limits.quota == 3 * N
+    assert (store.write_behind, store.window) == (N, 5 * N)
+    given.append(NO_LIMITS)
+    assert _step(off) == 6 * N
+    assert store.limits is NO_LIMITS
+    assert (store.write_behind, store.window) == (4 * N, N)  # the config's, again
+    given.append(StepLimits(quota=0))
+    assert _step(off) == 0
+
+
+def test_a_plans_write_behind_stands_until_a_step_gives_its_own(make_offloader, monkeypatch):
+    """``limit_write_behind`` (an applied plan's) is the standing limit: steps without a
+    limit of their own run under it, a step with one under its own, and the step after
+    that under the standing one again."""
+    off = make_offloader(keep_tail_bytes=0, write_behind_bytes=4 * N, min_tensor_bytes=4096)
+    store = off._store
+    store.limit_write_behind(2 * N)
+    given = [NO_LIMITS, StepLimits(write_behind=7 * N), NO_LIMITS]
+    monkeypatch.setattr(off, "_step_limits", lambda: given.pop(0))
+    seen = []
+    for _ in range(3):
+        _step(off, records=2)
+        seen.append(store.write_behind)
+    assert seen == [2 * N, 7 * N, 2 * N]
