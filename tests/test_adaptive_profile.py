@@ -229,8 +229,10 @@ def test_memory_let_go_late_is_released_at_layer_boundaries(make_offloader, capl
     if not release:
         monkeypatch.setattr(off._layers, "_release_dropped", lambda: False)
     caplog.set_level(logging.WARNING, logger="ssdtrain")
+    measured = []  # each step's peak: how late the frees land (the I/O thread's lag) varies
     for _ in range(2):
         assert_same(ref, run_step(model, (x,), off))
+        measured.append(off.stats().budget_measured_bytes)
     st = off.stats()
     if release:
         assert st.budget_measured_bytes == budget and st.budget_exceeded_bytes == 0
@@ -238,8 +240,8 @@ def test_memory_let_go_late_is_released_at_layer_boundaries(make_offloader, capl
     else:
         # The kept layers' records on top of the recomputed layer's working set.
         late = sum(layer.saved_bytes for layer, c in zip(p.layers, choices) if c == KEEP)
-        assert st.budget_measured_bytes >= budget + late // 2, (st, late)
-        assert st.budget_exceeded_bytes == st.budget_measured_bytes - budget
+        assert min(measured) >= budget + late // 2, (measured, budget, late)
+        assert st.budget_exceeded_bytes == max(measured) - budget, (st, measured)
         warned = _warnings(caplog)
         assert len(warned) == 1 and "was exceeded" in warned[0] and "set_plan()" in warned[0]
 
