@@ -59,20 +59,25 @@ from torch import nn
 
 import ssdtrain
 
-__all__ = ["STORE_MODULES", "store_files", "Scenario", "LineCounter", "InterruptAt", "Hung",
+__all__ = ["STORE_MODULES", "STEP_MODULES", "module_file", "module_files", "where_of",
+           "store_files", "Scenario", "LineCounter", "InterruptAt", "Hung",
            "baseline", "targets", "run_case", "Outcome", "Sweep", "sweep", "sigint_loop",
            "sweep_in_children", "poisoned", "watchdog", "bounded_call", "settle_and_check",
            "make_offloader", "run_child", "child_env", "KiB"]
 
 KiB = 1024
 
-# The store, as split by the rebuild; whichever of them exist are traced.
-STORE_MODULES = ("_store.py", "_records.py", "_table.py", "_iothread.py", "_events.py",
-                 "_writeback.py", "_prefetch.py", "_readbuf.py", "_spill.py", "_device.py",
-                 "_hosttier.py", "_budget.py", "_probe.py",
+# The modules a sweep interrupts are named as modules, not files: each is found where
+# Python imports it from (module_file), and one that no longer exists stops the sweep
+# with an error instead of silently leaving its lines unswept.
+# The store (the runtime under its lock).
+STORE_MODULES = ("ssdtrain._store", "ssdtrain._records", "ssdtrain._table",
+                 "ssdtrain._iothread", "ssdtrain._events", "ssdtrain._writeback",
+                 "ssdtrain._prefetch", "ssdtrain._readbuf", "ssdtrain._spill",
+                 "ssdtrain._device", "ssdtrain._hosttier", "ssdtrain._budget", "ssdtrain._probe",
                  # the polled engine's completions run on the training thread (NOTE
                  # [ Polled completions ] in ssdtrain/io/base.py)
-                 "io/native.py", "io/base.py")
+                 "ssdtrain.io.native", "ssdtrain.io.base")
 # SSDTRAIN_TEST_INJECT_LOOPBACK=1 (inherited by the child processes): every offloader made here
 # takes its CPU tensors for device memory of a loopback device (ssdtrain/_loopback.py), so
 # the sweeps run over the device path (NOTE [ Device records ] in _device.py).
@@ -94,40 +99,53 @@ def host_budget():
 # What a training step passes through above the store (NOTE [ Forward phases ] in
 # ssdtrain/_forward.py): the public API, the forward's phases, attach, the module-state
 # tracker, the layer policy and its profiler and planner.
-STEP_MODULES = ("api.py", "_forward.py", "_attach.py", "_policy.py", "_adaptive.py",
-                "_profile.py", "_planner.py", "_auto.py")
-# The integrations' per-step hooks (relative to the checkout's integrations/).
-INTEGRATION_MODULES = ("deepspeed.py", "megatron.py")
+STEP_MODULES = ("ssdtrain.api", "ssdtrain._forward", "ssdtrain._attach", "ssdtrain._policy",
+                "ssdtrain._adaptive", "ssdtrain._profile", "ssdtrain._planner", "ssdtrain._auto")
+# The integrations' per-step hooks.
+INTEGRATION_MODULES = ("ssdtrain.integrations.deepspeed", "ssdtrain.integrations.megatron")
 
 FILE_SETS = ("store", "step")
 
 
-def _paths(directory, names):
+def module_file(name: str) -> str:
+    """The source file Python imports module ``name`` (``ssdtrain._store``) from, found
+    without running the module (its parent packages are imported)."""
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise LookupError(f"no Python source for module {name!r}: a sweep names a module "
+                          f"that was moved or renamed; update tests/inject.py")
+    return spec.origin
+
+
+def module_files(names) -> frozenset:
+    """``co_filename`` values of the modules ``names`` (an iterable, or a comma-separated
+    string): the path as imported, its real path and its absolute path, so a symlinked
+    checkout matches too."""
+    if isinstance(names, str):
+        names = [n for n in names.split(",") if n]
     out = set()
     for name in names:
-        path = os.path.join(directory, name)
-        if os.path.exists(path):
-            out.update((path, os.path.realpath(path), os.path.abspath(path)))
-    return out
+        path = module_file(name)
+        out.update((path, os.path.realpath(path), os.path.abspath(path)))
+    return frozenset(out)
+
+
+def where_of(module: str) -> str:
+    """How an :class:`Outcome`'s ``where`` names a line of ``module``:
+    ``"ssdtrain/_store.py:"`` (its :func:`short` path and the colon before the line)."""
+    return short(module_file(module)) + ":"
 
 
 def store_files() -> frozenset:
-    """``co_filename`` values of the store modules present in this checkout (discovered at
-    run time: the split of ``_store.py`` is in progress). Both the path as imported and
-    its real path are included, so a symlinked checkout matches too."""
-    return frozenset(_paths(os.path.dirname(ssdtrain.__file__), STORE_MODULES))
+    """``co_filename`` values of :data:`STORE_MODULES`."""
+    return module_files(STORE_MODULES)
 
 
 def step_files() -> frozenset:
     """``co_filename`` values of :data:`STEP_MODULES` and the integrations' hook modules
-    (wherever ``ssdtrain.integrations`` is: inside the package or the checkout's
-    ``integrations/``)."""
-    pkg = os.path.dirname(ssdtrain.__file__)
-    names = _paths(pkg, STEP_MODULES)
-    for d in (os.path.join(pkg, "integrations"),
-              os.path.join(os.path.dirname(pkg), "integrations")):
-        names |= _paths(d, INTEGRATION_MODULES)
-    return frozenset(names)
+    (wherever ``ssdtrain.integrations`` is imported from)."""
+    return module_files(STEP_MODULES + INTEGRATION_MODULES)
 
 
 def traced_files(which: str) -> frozenset:
@@ -1135,8 +1153,8 @@ def _main(argv=None):
                         help="comma-separated module:qualified.name of functions: interrupt "
                              "only their lines")
     parser.add_argument("--only", default="",
-                        help="comma-separated file names: interrupt only lines of these (the "
-                             "baseline still traces every file of --files)")
+                        help="comma-separated module names (ssdtrain._hosttier): interrupt only "
+                             "lines of these (the baseline still traces every module of --files)")
     parser.add_argument("--shard", type=_shard_arg, default=None, metavar="I/N",
                         help="run only part I (0-based) of N of the selected targets: target "
                              "j when j %% N == I (the sweeps' weekly turns)")
@@ -1179,8 +1197,8 @@ def _main(argv=None):
             counts = baseline(sc, lambda: make_offloader(args.spill, sc, engine=args.engine),
                               files=files)
             if args.only:
-                keep = set(args.only.split(","))
-                counts = {k: n for k, n in counts.items() if os.path.basename(k[0]) in keep}
+                keep = module_files(args.only)
+                counts = {k: n for k, n in counts.items() if k[0] in keep}
             for name in filter(None, args.skip_function.split(",")):
                 import importlib
                 import inspect
@@ -1199,7 +1217,7 @@ def _main(argv=None):
             if args.select != "full":
                 tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]
             if args.only:
-                tgts = [t for t in tgts if os.path.basename(t[0]) in args.only.split(",")]
+                tgts = [t for t in tgts if t[0] in module_files(args.only)]
             every = len(tgts)
             if args.shard:  # NOTE [ Sweeps take turns by week ] (tests/helpers.py)
                 tgts = shard_of(tgts, *args.shard)

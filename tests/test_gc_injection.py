@@ -55,7 +55,7 @@ KiB = 1024
 CONFIG = dict(policy="static",
               min_tensor_bytes=1 * KiB, keep_tail_bytes=0, prefetch_bytes=1024 * KiB,
               io_timeout_s=5, io_threads=2)
-STORE_MODULES = tuple("ssdtrain." + name[:-3].replace("/", ".") for name in inject.STORE_MODULES)
+STORE_MODULES = inject.STORE_MODULES
 _LOCK_TYPE = type(threading.Lock())
 
 

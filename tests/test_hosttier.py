@@ -511,7 +511,7 @@ def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
         pytest.skip(shard.skip_reason("host-tier sweep", part))
     inject = _host_tier_children(monkeypatch)
     result, base = inject.sweep_in_children("posix", "first", spill_dir, budget_s=400,
-                                            extra=("--only", "_hosttier.py,_budget.py"),
+                                            extra=("--only", "ssdtrain._hosttier,ssdtrain._budget"),
                                             shard=(part, HOST_TIER_PARTS))
     print(result.summary())
     assert base is not None, result.stopped
@@ -519,13 +519,14 @@ def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
         pytest.fail(result.message(), pytrace=False)
     assert len(result.outcomes) == base["targets"] > 0, result.summary()
     assert base["all_targets"] >= 10, base  # the whole sweep, all parts
-    assert all("_hosttier.py" in o.where or "_budget.py" in o.where
+    assert all(o.where.startswith((inject.where_of("ssdtrain._hosttier"),
+                                   inject.where_of("ssdtrain._budget")))
                for o in result.outcomes), result.summary()
     assert sum(o.fired for o in result.outcomes) >= 0.5 * len(result.outcomes), \
         result.summary()
 
 
-@pytest.mark.parametrize("only", ["_device.py", "_hosttier.py"])
+@pytest.mark.parametrize("only", ["ssdtrain._device", "ssdtrain._hosttier"])
 def test_interrupt_at_each_line_of_the_copies_the_hooks_start(spill_dir, monkeypatch, only):
     """The sweep above with the native engine (polled: NOTE [ The data path on the hooks'
     thread ] in _store.py), whose hooks start the copies to RAM themselves and settle
@@ -543,13 +544,15 @@ def test_interrupt_at_each_line_of_the_copies_the_hooks_start(spill_dir, monkeyp
     if result.failing or result.stopped:
         pytest.fail(result.message(), pytrace=False)
     assert len(result.outcomes) == base["targets"] > 0, result.summary()
-    assert all(only in o.where for o in result.outcomes), result.summary()
-    if only == "_device.py":  # the poll that settles a copy the hooks started is a target
+    assert all(o.where.startswith(inject.where_of(only)) for o in result.outcomes), \
+        result.summary()
+    if only == "ssdtrain._device":  # the poll that settles a copy the hooks started is a target
         import inspect
         from ssdtrain._device import DeviceTransfers
         lines, first = inspect.getsourcelines(DeviceTransfers.poll)
         settle = first + next(i for i, line in enumerate(lines) if "fut.set_result" in line)
-        assert any(o.where.startswith(f"ssdtrain/_device.py:{settle} ") for o in result.outcomes), \
+        assert any(o.where.startswith(f"{inject.where_of(only)}{settle} ")
+                   for o in result.outcomes), \
             result.summary()
     assert sum(o.fired for o in result.outcomes) >= 0.5 * len(result.outcomes), \
         result.summary()

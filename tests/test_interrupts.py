@@ -146,9 +146,9 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # NOTE [ Sweeping the step above the store ]
 #
 # The same harness, one level up: KeyboardInterrupt at the lines of the modules a step
-# passes through above the store (inject.STEP_MODULES: api.py, _forward.py,
-# _attach.py, _policy.py, _adaptive.py, _profile.py, _planner.py, and the adapters'
-# hooks in integrations/), each way a step can enter the offloader
+# passes through above the store (inject.STEP_MODULES: api, _forward, _attach,
+# _policy, _adaptive, _profile, _planner, _auto, and the adapters' hooks in
+# integrations/; named as modules, found where Python imports them from), each way a step can enter the offloader
 # (inject.Scenario.MODES). Every case also checks that close() leaves nothing behind:
 # no saved-tensor hooks on the thread's stack, the module-state tracker stopped, no
 # hook or recompute wrapper on the model, file descriptors and threads back to what
@@ -175,30 +175,31 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # week (NOTE [ Sweeps take turns by week ] in tests/helpers.py); every part with
 # SSDTRAIN_TEST_ALL_SHARDS=1.
 STEP_SWEEPS = {
-    "with": dict(engine="posix", select="first", only="api.py,_forward.py,_policy.py",
+    "with": dict(engine="posix", select="first", only="ssdtrain.api,ssdtrain._forward,ssdtrain._policy",
                  parts=2),
-    "attach": dict(engine="native", select="last", only="_attach.py", parts=2),
-    "adaptive": dict(engine="posix", select="first", only="_adaptive.py",
+    "attach": dict(engine="native", select="last", only="ssdtrain._attach", parts=2),
+    "adaptive": dict(engine="posix", select="first", only="ssdtrain._adaptive",
                      skip="ssdtrain._profile:measure_bandwidth", parts=3),
-    "deepspeed": dict(engine="posix", select="first", only="deepspeed.py", parts=1),
-    "default": dict(engine="posix", select="first", only="_auto.py", parts=1),
+    "deepspeed": dict(engine="posix", select="first", only="ssdtrain.integrations.deepspeed", parts=1),
+    "default": dict(engine="posix", select="first", only="ssdtrain._auto", parts=1),
     # the API's lines that differ under the default policy, in the same scenario
-    "default-api": dict(scenario="default", engine="posix", select="first", only="api.py",
+    "default-api": dict(scenario="default", engine="posix", select="first", only="ssdtrain.api",
                         only_function="ssdtrain.api:Offloader._open_forward,"
+                                      "ssdtrain.api:Offloader._step_limits,"
                                       "ssdtrain.api:Offloader._hook_on,"
                                       "ssdtrain.api:Offloader._close_step", parts=1),
     # the hooks coming off past the quota and the prefetch window (NOTE [ Hooks off
     # past the window ] in _auto.py): the API's and the forward state's lines, then the
     # store's pack that calls it
-    "cut": dict(scenario="cut", engine="posix", select="first", only="api.py,_forward.py",
+    "cut": dict(scenario="cut", engine="posix", select="first", only="ssdtrain.api,ssdtrain._forward",
                 only_function="ssdtrain.api:Offloader._hook_on,ssdtrain.api:Offloader._cut,"
                               "ssdtrain.api:Offloader._unhook,"
                               "ssdtrain._forward:ForwardState.pop_if_top", parts=1),
     "cut-store": dict(scenario="cut", files="store", engine="posix", select="last",
-                      only="_store.py", only_function="ssdtrain._store:Store.pack", parts=1),
+                      only="ssdtrain._store", only_function="ssdtrain._store:Store.pack", parts=1),
     # the probe it runs (the disk's bandwidth, the memory's headroom), a store module
     "default-probe": dict(scenario="default", files="store", engine="posix", select="first",
-                          only="_probe.py", parts=1),
+                          only="ssdtrain._probe", parts=1),
 }
 STEP_PARTS = [(mode, part) for mode in sorted(STEP_SWEEPS)
               for part in range(STEP_SWEEPS[mode]["parts"])]
@@ -242,8 +243,8 @@ def test_interrupt_at_each_step_line(spill_dir, mode, part):
                        shard=(part, cfg["parts"]) if cfg["parts"] > 1 else None,
                        scenario=cfg.get("scenario"), only_function=cfg.get("only_function", ""),
                        files=cfg.get("files", "step"))
-    want = set(cfg["only"].split(",")) if cfg["only"] else set()
-    assert {f.split("/")[1] for f in base["files"]} >= want, base["files"]
+    want = {inject.short(inject.module_file(m)) for m in cfg["only"].split(",") if m}
+    assert set(base["files"]) >= want, base["files"]
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def test_interrupt_at_each_device_line(spill_dir, part):
     shard = weekly_shard(DEVICE_PARTS)
     if not shard.runs(part):
         pytest.skip(shard.skip_reason("device-line sweep", part))
-    _sweep(spill_dir, only="_device.py", shard=(part, DEVICE_PARTS))
+    _sweep(spill_dir, only="ssdtrain._device", shard=(part, DEVICE_PARTS))
 
 
 @pytest.mark.slow
