@@ -296,3 +296,36 @@ def finish(script, json_path, data, failed):
         print(f"{script}: runs failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+# --------------------------------------------------------------------------- tables
+def md_header(columns):
+    """A markdown table's first two lines: ``columns`` are the header cells, each ending
+    in ``">"`` for a right-aligned (numeric) column (the ``">"`` is not shown). Every
+    benchmark's tables start here (or in :func:`md_table`), so they all read alike."""
+    head = [c[:-1] if c.endswith(">") else c for c in columns]
+    rule = ["---:" if c.endswith(">") else "---" for c in columns]
+    return "| " + " | ".join(head) + " |\n| " + " | ".join(rule) + " |"
+
+
+def md_row(cells):
+    """One line of a markdown table (cells: strings, or anything ``str()`` takes)."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def md_table(columns, rows):
+    """A markdown table, as text (no trailing newline): :func:`md_header` of
+    ``columns``, then a :func:`md_row` per row; a row of the wrong length raises.
+
+    >>> print(md_table(["way", "ms>"], [["none", "1.0"]]))
+    | way | ms |
+    | --- | ---: |
+    | none | 1.0 |
+    """
+    lines = [md_header(columns)]
+    for row in rows:
+        if len(row) != len(columns):
+            raise ValueError(f"md_table: a row of {len(row)} cells for {len(columns)} "
+                             f"columns: {list(row)}")
+        lines.append(md_row(row))
+    return "\n".join(lines)

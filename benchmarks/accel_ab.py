@@ -37,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import accel_emulator as E  # noqa: E402
+from _common import md_header  # noqa: E402
 
 MiB = 1 << 20
 
@@ -196,9 +197,9 @@ def main(argv=None):
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)   # 1 ns timer slack, as the emulator
     with tempfile.TemporaryDirectory(prefix="ssdtrain-ab-", dir=args.spill_dir) as spill:
-        print("| TFLOP/s | mode | plan | step (ms) | least (ms) | predicted (ms) | vs none "
-              "| vs fastest static that fits | CPU (ms) | peak (MiB) | exact |")
-        print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        print(md_header(["TFLOP/s>", "mode", "plan", "step (ms)>", "least (ms)>",
+                         "predicted (ms)>", "vs none>", "vs fastest static that fits>",
+                         "CPU (ms)>", "peak (MiB)>", "exact"]))
         for tf in args.tflops:
             rows, budget, fit = run(args, tf, spill)
             print("\n".join(rows), flush=True)

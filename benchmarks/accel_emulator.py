@@ -102,8 +102,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
 from _common import (  # noqa: E402
-    MiB, add_worker_arguments, command_line, finish, median, mount_of, progress, run_worker,
-    work_dir, worker_env)
+    MiB, add_worker_arguments, command_line, finish, md_header, median, mount_of, progress,
+    run_worker, work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "accel_emulator.json")
@@ -984,10 +984,9 @@ def report(args, shape, spec, bw, bw_end, tflops, budget, modes, runs, failed, s
     say("Predicted: the budget run's cost model (its profile and probe at that R), forward "
         "to the end of backward; for the static modes, that model applied to their plan.")
     say("")
-    say("| R | R eff | TFLOP/s | mode | plan | step (ms) | predicted (ms) | vs none | stall (ms) "
-        "| peak (MiB) | vs none | written (MiB) | read (MiB) | launch lost (ms) | exact |")
-    say("| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | --- |")
+    say(md_header(["R>", "R eff>", "TFLOP/s>", "mode", "plan", "step (ms)>", "predicted (ms)>",
+                   "vs none>", "stall (ms)>", "peak (MiB)>", "vs none>", "written (MiB)>",
+                   "read (MiB)>", "launch lost (ms)>", "exact"]))
     for r in args.ratios:
         none = agg.get(("none", r))
         for m in modes:

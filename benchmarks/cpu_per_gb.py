@@ -45,7 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import command_line, finish, median, progress, work_dir  # noqa: E402
+from _common import command_line, finish, md_table, median, progress, work_dir  # noqa: E402
 from io_bandwidth import _deepspeed_op, _make_records, parse_size  # noqa: E402
 
 MiB = 1 << 20
@@ -199,17 +199,17 @@ def main(argv=None):
     print(f"## cpu_per_gb: {total / 1e9:.2f} GB in {len(sizes)} records of "
           f"{record // MiB} MiB, {args.rounds} rounds interleaved in one process, "
           f"{args.io_threads} I/O threads, chunk {chunk // MiB} MiB, O_DIRECT\n")
-    print("| config | CPU s/GB write [min, max] | CPU s/GB read [min, max] | write GB/s | read GB/s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    summary = {}
+    summary, rows = {}, []
     for name in names:
         w, rd = cpu[name, "write"], cpu[name, "read"]
         summary[name] = {"cpu_s_per_gb_write": median(w), "cpu_s_per_gb_read": median(rd),
                          "gb_s_write": median(wall[name, "write"]),
                          "gb_s_read": median(wall[name, "read"])}
-        print(f"| {label[name]} | {median(w):.3f} [{min(w):.3f}, {max(w):.3f}] | "
-              f"{median(rd):.3f} [{min(rd):.3f}, {max(rd):.3f}] | "
-              f"{summary[name]['gb_s_write']:.2f} | {summary[name]['gb_s_read']:.2f} |")
+        rows.append([label[name], f"{median(w):.3f} [{min(w):.3f}, {max(w):.3f}]",
+                     f"{median(rd):.3f} [{min(rd):.3f}, {max(rd):.3f}]",
+                     f"{summary[name]['gb_s_write']:.2f}", f"{summary[name]['gb_s_read']:.2f}"])
+    print(md_table(["config", "CPU s/GB write [min, max]>", "CPU s/GB read [min, max]>",
+                    "write GB/s>", "read GB/s>"], rows))
     if ds_reason:
         print(f"\nDeepSpeed not run: {ds_reason}")
     print("\nCPU s/GB: CPU time of the whole process (all threads, getrusage) per GB moved, "

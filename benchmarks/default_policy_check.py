@@ -42,7 +42,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
-import _common  # noqa: E402,F401  (puts this checkout's ssdtrain first unless PYTHONPATH says)
+import _common  # noqa: E402  (puts this checkout's ssdtrain first unless PYTHONPATH says)
 
 import torch  # noqa: E402
 
@@ -157,11 +157,10 @@ def main(argv=None):
           + (f", {args.optimizer_s} s between optimizer steps" if args.scenario == "accum"
              else ""))
     print()
-    print("| step | share offloaded | reason |")
-    print("| ---: | ---: | --- |")
-    for i, r in enumerate(rows):
-        share = "no hooks" if math.isnan(r["share"]) else f"{r['share']:.2f}"
-        print(f"| {i} | {share} | {r['reason'][:90]} |")
+    print(_common.md_table(
+        ["step>", "share offloaded>", "reason"],
+        [[i, "no hooks" if math.isnan(r["share"]) else f"{r['share']:.2f}", r["reason"][:90]]
+         for i, r in enumerate(rows)]))
     print()
     print(f"Mean share after {args.warmup} steps: {summary['mean_share_after_warmup']:.2f} "
           f"({summary['steps_without_hooks']} of {summary['steps_after_warmup']} without "

@@ -86,7 +86,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
 from _common import (  # noqa: E402
-    add_worker_arguments, command_line, digest, median, proc_status, reset_peak_rss,
+    add_worker_arguments, command_line, digest, md_table, median, proc_status, reset_peak_rss,
     spawn_worker, work_dir, worker_env)
 from gpu_smoke import cuda_unavailable_reason  # noqa: E402  (the same check, the same words)
 
@@ -574,10 +574,8 @@ def render(data):
     lines = [f"# gpu_bench {data['date']} on {data['device']}", "",
              f"Command: `{data['command']}`", ""]
     ma = data["models"].get("A", {})
-    lines += [f"## Table A: GPT {ma.get('params', 0) / 1e9:.2f}B, {ma.get('model')}", "",
-              "| mode | budget | step (s) | x none | peak (GiB) | peak over start (GiB) | "
-              "exact | offloaded (GiB/step) | notes |",
-              "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+    lines += [f"## Table A: GPT {ma.get('params', 0) / 1e9:.2f}B, {ma.get('model')}", ""]
+    rows = []
     for d in data["details"]:
         if d["table"] != "A":
             continue
@@ -592,25 +590,28 @@ def render(data):
             notes.append(f"quota: {d.get('reason', '')}")
         if "saved_bytes" in d:
             notes.append(f"saves {d['saved_bytes'] / GiB:.2f} GiB of activations")
-        lines.append(f"| {d['mode']} | {d['budget'] or '-'} | {d['step_s']:.3f} | {ratio} | "
-                     f"{d['peak_gib']:.2f} | {d['peak_delta_gib']:.2f} | "
-                     f"{'yes' if d['exact'] else 'NO'} | {off} | {'; '.join(notes)} |")
+        rows.append([d["mode"], d["budget"] or "-", f"{d['step_s']:.3f}", ratio,
+                     f"{d['peak_gib']:.2f}", f"{d['peak_delta_gib']:.2f}",
+                     "yes" if d["exact"] else "NO", off, "; ".join(notes)])
+    lines.append(md_table(["mode", "budget", "step (s)>", "x none>", "peak (GiB)>",
+                           "peak over start (GiB)>", "exact", "offloaded (GiB/step)>", "notes"],
+                          rows))
     mb = data["models"].get("B", {})
     lines += ["", f"## Table B: Llama-3-8B-shaped stack, {mb.get('layers')} layers, batch 1, "
-              f"every layer recomputed", "",
-              "| seq | mode | step (s) | x checkpoint | peak (GiB) | peak over start (GiB) | "
-              "exact | inputs (GiB) | offloaded (GiB/step) | written to SSD (GiB/step) |",
-              "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+              f"every layer recomputed", ""]
+    rows = []
     for d in data["details"]:
         if d["table"] != "B":
             continue
         ratio = "-" if d["step_ratio"] is None else f"{d['step_ratio']:.3f}"
         off = f"{d['offloaded_gib']:.2f}" if "offloaded_gib" in d else "-"
         wr = f"{d['written_gib']:.2f}" if "written_gib" in d else "-"
-        lines.append(f"| {d['seq']} | {d['mode']} | {d['step_s']:.3f} | {ratio} | "
-                     f"{d['peak_gib']:.2f} | {d['peak_delta_gib']:.2f} | "
-                     f"{'yes' if d['exact'] else 'NO'} | {d['inputs_bytes'] / GiB:.2f} | {off} | "
-                     f"{wr} |")
+        rows.append([d["seq"], d["mode"], f"{d['step_s']:.3f}", ratio, f"{d['peak_gib']:.2f}",
+                     f"{d['peak_delta_gib']:.2f}", "yes" if d["exact"] else "NO",
+                     f"{d['inputs_bytes'] / GiB:.2f}", off, wr])
+    lines.append(md_table(["seq>", "mode", "step (s)>", "x checkpoint>", "peak (GiB)>",
+                           "peak over start (GiB)>", "exact", "inputs (GiB)>",
+                           "offloaded (GiB/step)>", "written to SSD (GiB/step)>"], rows))
     lines += ["", "## Targets", ""]
     lines += [f"- {text}: **{_YES[met]}**" for text, met in data["targets"]]
     if data["missing"]:

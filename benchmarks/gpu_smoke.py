@@ -90,8 +90,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
 from _common import (  # noqa: E402
     add_offload_arguments, add_worker_arguments, command_line, digest, finish, jsonable_config,
-    measured, median, model_from_args, offload_overrides, proc_status, progress, reset_peak_rss,
-    run_worker, stats_delta, work_dir, worker_env)
+    md_table, measured, median, model_from_args, offload_overrides, proc_status, progress,
+    reset_peak_rss, run_worker, stats_delta, work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(tempfile.gettempdir(), "ssdtrain-gpu_smoke.json")
@@ -516,26 +516,28 @@ def _notes(mode, s):
     return "; ".join(notes)
 
 
+TABLE = ["mode", "step time median (s)>", "ratio to none>", "peak device memory (GiB)>",
+         "step peak over start (GiB)>", "ratio to none>", "host peak RSS delta (GiB)>",
+         "pinned host peak (GiB)>", "grads equal", "deterministic in process", "notes"]
+
+
 def render_table(summary, modes):
-    lines = ["| mode | step time median (s) | ratio to none | peak device memory (GiB) | "
-             "step peak over start (GiB) | ratio to none | host peak RSS delta (GiB) | "
-             "pinned host peak (GiB) | grads equal | deterministic in process | notes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+    rows = []
     for mode in modes:
         s = summary.get(mode, {"failed": True})
         if s.get("failed"):
-            lines.append(f"| {mode} | - | - | - | - | - | - | - | - | - | {_notes(mode, s)} |")
+            rows.append([mode] + ["-"] * 9 + [_notes(mode, s)])
             continue
-        equal, repeats = _YES_NO[s["grads_equal"]], _YES_NO[s.get("deterministic_in_process")]
-        ratio = f"{s['step_ratio']:.3f}" if "step_ratio" in s else "-"
-        mratio = f"{s['memory_ratio']:.3f}" if "memory_ratio" in s else "-"
         pinned = s.get("host_pinned_peak_median")
-        pinned = "-" if pinned is None else f"{pinned / GiB:.2f}"
-        lines.append(f"| {mode} | {s['step_s_median']:.3f} | {ratio} | "
-                     f"{s['peak_mem_median'] / GiB:.2f} | {s['peak_mem_delta_median'] / GiB:.2f} | "
-                     f"{mratio} | {s['host_peak_rss_delta_median'] / GiB:.2f} | {pinned} | "
-                     f"{equal} | {repeats} | {_notes(mode, s)} |")
-    return "\n".join(lines)
+        rows.append([mode, f"{s['step_s_median']:.3f}",
+                     f"{s['step_ratio']:.3f}" if "step_ratio" in s else "-",
+                     f"{s['peak_mem_median'] / GiB:.2f}", f"{s['peak_mem_delta_median'] / GiB:.2f}",
+                     f"{s['memory_ratio']:.3f}" if "memory_ratio" in s else "-",
+                     f"{s['host_peak_rss_delta_median'] / GiB:.2f}",
+                     "-" if pinned is None else f"{pinned / GiB:.2f}",
+                     _YES_NO[s["grads_equal"]], _YES_NO[s.get("deterministic_in_process")],
+                     _notes(mode, s)])
+    return md_table(TABLE, rows)
 
 
 def build_parser():

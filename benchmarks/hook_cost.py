@@ -68,7 +68,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
-from _common import command_line, finish, median, mount_of, progress, work_dir  # noqa: E402
+from _common import (command_line, finish, md_table, median, mount_of, progress,  # noqa: E402
+                     work_dir)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "hook_cost.json")
@@ -333,22 +334,20 @@ def measure_records(args, spill_dir, configs, update, write):
 
 
 def render_records(rows):
-    lines = ["| size | config | verify | fate | pack median (µs) | pack p99 (µs) | "
-             "unpack prefetched median (µs) | p99 (µs) | unpack on-demand median (µs) | "
-             "p99 (µs) | records |",
-             "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-
     def cell(u, key):
         return f"{u[key]:.1f}" if u else "-"
 
+    out = []
     for r in rows:
         pre, dem = r["unpack"].get("prefetched"), r["unpack"].get("on-demand")
         verify = "-" if r["config"] == "identity" else ("on" if r["verify"] else "off")
-        lines.append(f"| {r['size_text']} | {r['config']} | {verify} | {r['fate']} | "
-                     f"{r['pack']['median_us']:.1f} | {r['pack']['p99_us']:.1f} | "
-                     f"{cell(pre, 'median_us')} | {cell(pre, 'p99_us')} | "
-                     f"{cell(dem, 'median_us')} | {cell(dem, 'p99_us')} | {r['pack']['n']} |")
-    return "\n".join(lines)
+        out.append([r["size_text"], r["config"], verify, r["fate"],
+                    f"{r['pack']['median_us']:.1f}", f"{r['pack']['p99_us']:.1f}",
+                    cell(pre, "median_us"), cell(pre, "p99_us"), cell(dem, "median_us"),
+                    cell(dem, "p99_us"), r["pack"]["n"]])
+    return md_table(["size>", "config", "verify", "fate", "pack median (µs)>", "pack p99 (µs)>",
+                     "unpack prefetched median (µs)>", "p99 (µs)>",
+                     "unpack on-demand median (µs)>", "p99 (µs)>", "records>"], out)
 
 
 # -------------------------------------------------------------------------- the GPT part
@@ -445,24 +444,23 @@ def measure_gpt(args, spill_dir, write):
 
 def render_gpt(gpt):
     ref = next((r for r in gpt["runs"] if r["engine"] == "none"), None)
-    lines = ["| engine | step (s) | ratio to none | inside ssdtrain (ms/step) | % of step | "
-             "pack (ms/step) | unpack (ms/step) | enter+exit (ms/step) | packs/step | "
-             "pack median (µs) | unpack median (µs) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = []
     for r in gpt["runs"]:
         s = r["summary"]
         ratio = f"{s['step_s_median'] / ref['summary']['step_s_median']:.3f}" if ref else "-"
         if r["engine"] == "none":
-            lines.append(f"| none | {s['step_s_median']:.3f} | 1.000 | - | - | - | - | - | - | - "
-                         f"| - |")
+            rows.append(["none", f"{s['step_s_median']:.3f}", "1.000"] + ["-"] * 8)
             continue
-        lines.append(f"| {r['label']} | {s['step_s_median']:.3f} | {ratio} | "
-                     f"{s['inside_s_median'] * 1e3:.1f} | {s['inside_share_median']:.2%} | "
-                     f"{s['pack_s_median'] * 1e3:.1f} | {s['unpack_s_median'] * 1e3:.1f} | "
-                     f"{(s['enter_s_median'] + s['exit_s_median']) * 1e3:.1f} | "
-                     f"{s['packs_per_step']:.0f} | {s['pack_median_us_median']:.1f} | "
-                     f"{s['unpack_median_us_median']:.1f} |")
-    return "\n".join(lines)
+        rows.append([r["label"], f"{s['step_s_median']:.3f}", ratio,
+                     f"{s['inside_s_median'] * 1e3:.1f}", f"{s['inside_share_median']:.2%}",
+                     f"{s['pack_s_median'] * 1e3:.1f}", f"{s['unpack_s_median'] * 1e3:.1f}",
+                     f"{(s['enter_s_median'] + s['exit_s_median']) * 1e3:.1f}",
+                     f"{s['packs_per_step']:.0f}", f"{s['pack_median_us_median']:.1f}",
+                     f"{s['unpack_median_us_median']:.1f}"])
+    return md_table(["engine", "step (s)>", "ratio to none>", "inside ssdtrain (ms/step)>",
+                     "% of step>", "pack (ms/step)>", "unpack (ms/step)>",
+                     "enter+exit (ms/step)>", "packs/step>", "pack median (µs)>",
+                     "unpack median (µs)>"], rows)
 
 
 def check_targets(rows, gpt, compute="cpu"):

@@ -35,7 +35,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402,F401  (this checkout's ssdtrain first)
+import _common  # noqa: E402  (this checkout's ssdtrain first)
 
 KiB = 1 << 10
 WAYS = ("none", "hooked", "cut")
@@ -133,16 +133,16 @@ def main(argv=None):
     print(f"{args.count} saves of {args.size} B, {args.fill} ops between saves, quota "
           f"{args.share:.4g} of the step ({quota / (1 << 20):.1f} MiB), prefetch "
           f"{args.prefetch_mib} MiB; {args.rounds} rounds interleaved, medians")
-    print("| way | forward (ms) | backward (ms) | added per save, forward (us) | "
-          "added per save, backward (us) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    out = {}
+    out, rows = {}, []
     for w in WAYS:
         af = (fw[w] - fw["none"]) / args.count * 1e6
         ab = (bw[w] - bw["none"]) / args.count * 1e6
         out[w] = {"forward_s": fw[w], "backward_s": bw[w], "added_forward_us": af,
                   "added_backward_us": ab, "rounds": res[w]}
-        print(f"| {w} | {fw[w] * 1e3:.2f} | {bw[w] * 1e3:.2f} | {af:.1f} | {ab:.1f} |")
+        rows.append([w, f"{fw[w] * 1e3:.2f}", f"{bw[w] * 1e3:.2f}", f"{af:.1f}", f"{ab:.1f}"])
+    print(_common.md_table(["way", "forward (ms)>", "backward (ms)>",
+                            "added per save, forward (us)>", "added per save, backward (us)>"],
+                           rows))
     print("Command: " + " ".join(["benchmarks/hooks_cut.py"] + (argv or sys.argv[1:])))
     if args.json:
         with open(args.json, "w") as f:

@@ -79,8 +79,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
 from _common import (  # noqa: E402
-    add_worker_arguments, command_line, finish, median, mount_of, progress, spawn_worker, work_dir,
-    worker_env)
+    add_worker_arguments, command_line, finish, md_table, median, mount_of, progress, spawn_worker,
+    work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "io_bandwidth.json")
@@ -650,15 +650,11 @@ def _cache_note(s):
 
 
 def render_table(summary, configs, skipped):
-    head = ("| config | write GB/s median [min-max] | write / raw | read GB/s median [min-max] "
-            "| read / raw | CPU s/GB write | CPU s/GB read | disk/logical w, r | page cache "
-            "| notes |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    rows = []
     for config in configs:
         s = summary.get(config, {"failed": True})
         if s.get("failed"):
-            lines.append(f"| {config} | - | - | - | - | - | - | - | - | FAILED (see stderr / "
-                         f"JSON) |")
+            rows.append([config] + ["-"] * 8 + ["FAILED (see stderr / JSON)"])
             continue
         cells = [config]
         for phase in ("write", "read"):
@@ -673,10 +669,12 @@ def render_table(summary, configs, skipped):
                   _cache_note(s),
                   f"{s['engine']}; {s['repeats']} repeats; verified: "
                   f"{'yes' if s['verified'] else 'NO'} ({s['verify_method']})"]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
     for config, why in skipped.items():
-        lines.append(f"| {config} | - | - | - | - | - | - | - | - | not run: {why} |")
-    return "\n".join(lines)
+        rows.append([config] + ["-"] * 8 + [f"not run: {why}"])
+    return md_table(["config", "write GB/s median [min-max]>", "write / raw>",
+                     "read GB/s median [min-max]>", "read / raw>", "CPU s/GB write>",
+                     "CPU s/GB read>", "disk/logical w, r>", "page cache", "notes"], rows)
 
 
 def check_targets(summary):

@@ -111,7 +111,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
-from _common import command_line, finish, median, mount_of, progress, work_dir  # noqa: E402
+from _common import (command_line, finish, md_table, median, mount_of, progress,  # noqa: E402
+                     work_dir)
 from hook_cost import parse_size, size_text  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -634,37 +635,31 @@ def _fmt(s, digits=0):
 
 
 def render(blocks, modes):
-    lines = ["| size | GIL-held | mode | fwd added µs/save [min, max] | in pack | in enter+exit "
-             "| elsewhere | off-CPU | bwd added µs/save [min, max] | in unpack | stall on reads "
-             "| net of stall | off-CPU |",
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: | ---: |"]
+    rows = []
     for b in blocks:
         for mode in modes:
             s = b["summary"][mode]
-            head = f"| {size_text(b['size'])} | {b['gil_held']:g} | {mode} "
+            head = [size_text(b["size"]), f"{b['gil_held']:g}", mode]
             if mode == "none":
-                lines.append(head + f"| ({s['forward_us_per_save']['median']:.0f} µs/save) "
-                             f"| - | - | - | - | ({s['backward_us_per_save']['median']:.0f} "
-                             f"µs/save) | - | - | - | - |")
+                rows.append(head + [f"({s['forward_us_per_save']['median']:.0f} µs/save)"]
+                            + ["-"] * 4
+                            + [f"({s['backward_us_per_save']['median']:.0f} µs/save)"]
+                            + ["-"] * 4)
                 continue
-            lines.append(
-                head + f"| {_fmt(s['forward_added_us'])} | {s['pack_us_per_save']:.1f} "
-                f"| {s['enter_exit_added_us']:.0f} | {s['forward_elsewhere_us']:.0f} "
-                f"| {_fmt(s['forward_added_off_cpu_us']['median'])} "
-                f"| {_fmt(s['backward_added_us'])} | {s['unpack_us_per_save']:.1f} "
-                f"| {s['stall_us_per_save']:.0f} | {_fmt(s['backward_added_net_of_stall_us'])} "
-                f"| {_fmt(s['backward_added_off_cpu_us']['median'])} |")
-    return "\n".join(lines)
+            rows.append(head + [
+                _fmt(s["forward_added_us"]), f"{s['pack_us_per_save']:.1f}",
+                f"{s['enter_exit_added_us']:.0f}", f"{s['forward_elsewhere_us']:.0f}",
+                _fmt(s["forward_added_off_cpu_us"]["median"]), _fmt(s["backward_added_us"]),
+                f"{s['unpack_us_per_save']:.1f}", f"{s['stall_us_per_save']:.0f}",
+                _fmt(s["backward_added_net_of_stall_us"]),
+                _fmt(s["backward_added_off_cpu_us"]["median"])])
+    return md_table(["size>", "GIL-held>", "mode", "fwd added µs/save [min, max]>", "in pack>",
+                     "in enter+exit>", "elsewhere>", "off-CPU>", "bwd added µs/save [min, max]>",
+                     "in unpack>", "stall on reads>", "net of stall>", "off-CPU>"], rows)
 
 
 def render_io(blocks):
-    lines = ["| size | GIL-held | mode | saves/step | written/step (in the loop) | read/step "
-             "| prefetch hits / misses | forwarded | store thread CPU µs/save (fwd / wait / bwd) "
-             "| io workers CPU µs/save (fwd / wait / bwd) | training thread switches/save, "
-             "fwd (vol / invol) | bwd (vol / invol) | markers wrong |",
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: |"]
+    rows = []
     for b in blocks:
         for mode, s in b["summary"].items():
             st = s.get("stats_per_step")
@@ -677,16 +672,21 @@ def render_io(blocks):
                 return (f"{s[f'vcs_{phase}_main_per_save']:.2f} / "
                         f"{s[f'ics_{phase}_main_per_save']:.2f}")
             if st is None:
-                io = "| - | - | - | - "
+                io = ["-"] * 4
             else:
-                io = (f"| {st['records_written']:.0f} ({st['records_written_in_loop']:.0f}) "
-                      f"| {st['records_read']:.0f} | {st['prefetch_hits']:.0f} / "
-                      f"{st['prefetch_misses']:.0f} | {st['forwarded']:.0f} ")
-            lines.append(
-                f"| {size_text(b['size'])} | {b['gil_held']:g} | {mode} | {b['count']} " + io +
-                f"| {cpu('ssdtrain-store')} | {cpu('ssdtrain-io')} | {switches('forward')} "
-                f"| {switches('backward')} | {s['bad_markers']} |")
-    return "\n".join(lines)
+                io = [f"{st['records_written']:.0f} ({st['records_written_in_loop']:.0f})",
+                      f"{st['records_read']:.0f}",
+                      f"{st['prefetch_hits']:.0f} / {st['prefetch_misses']:.0f}",
+                      f"{st['forwarded']:.0f}"]
+            rows.append([size_text(b["size"]), f"{b['gil_held']:g}", mode, b["count"]] + io +
+                        [cpu("ssdtrain-store"), cpu("ssdtrain-io"), switches("forward"),
+                         switches("backward"), s["bad_markers"]])
+    return md_table(["size>", "GIL-held>", "mode", "saves/step>", "written/step (in the loop)>",
+                     "read/step>", "prefetch hits / misses>", "forwarded>",
+                     "store thread CPU µs/save (fwd / wait / bwd)>",
+                     "io workers CPU µs/save (fwd / wait / bwd)>",
+                     "training thread switches/save, fwd (vol / invol)>",
+                     "bwd (vol / invol)>", "markers wrong>"], rows)
 
 
 def targets(blocks):

@@ -42,8 +42,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
 import accel_emulator as emu  # noqa: E402
-from _common import (MiB, command_line, finish, median, mount_of, progress,  # noqa: E402
-                     run_worker, work_dir, worker_env)
+from _common import (MiB, command_line, finish, md_header, median, mount_of,  # noqa: E402
+                     progress, run_worker, work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "plan_vs_emulator.json")
@@ -236,11 +236,10 @@ def report(args, data):
         "`none-cal.`: the same model with `--step-seconds` = none's measured step at that R "
         "(the device's speed measured without offload; a diagnostic, not the target).")
     say("")
-    say("| R | TFLOP/s | --step-seconds | mode | blocks | predicted step (ms) | measured step "
-        "(ms) | error | none-cal. (ms) | error | predicted stall (ms) | measured stall (ms) "
-        "| predicted peak (MiB) | measured peak (MiB) | budget (MiB) | exact |")
-    say("| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: | ---: | --- |")
+    say(md_header(["R>", "TFLOP/s>", "--step-seconds>", "mode", "blocks",
+                   "predicted step (ms)>", "measured step (ms)>", "error>", "none-cal. (ms)>",
+                   "error>", "predicted stall (ms)>", "measured stall (ms)>",
+                   "predicted peak (MiB)>", "measured peak (MiB)>", "budget (MiB)>", "exact"]))
     rows = []
     for r in data["ratios"]:
         step_s = data["step_seconds"][str(r)]
@@ -351,9 +350,9 @@ def from_emulator(args, path):
         f"{d['overhead_s'] * 1e3:.0f} ms; --step-seconds = 3 x forward FLOPs / TFLOP/s + "
         f"overhead. Measured: that run's table (one repeat).")
     say("")
-    say("| R | --step-seconds | mode | blocks | predicted step (ms) | measured step (ms) | "
-        "error | adaptive's own prediction (ms) | predicted peak (MiB) | measured peak (MiB) |")
-    say("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    say(md_header(["R>", "--step-seconds>", "mode", "blocks", "predicted step (ms)>",
+                   "measured step (ms)>", "error>", "adaptive's own prediction (ms)>",
+                   "predicted peak (MiB)>", "measured peak (MiB)>"]))
     rows = []
     for row in d["summary"]:
         choices = choices_of(row["mode"], row.get("plan"), n)

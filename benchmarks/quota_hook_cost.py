@@ -32,6 +32,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import md_table  # noqa: E402
 from hook_cost import _Saved  # noqa: E402 (the op that saves one tensor)
 
 KiB = 1 << 10
@@ -92,14 +93,13 @@ def main(argv=None):
             res[w].append(one_round(w, args.size, args.count, spill, Save))
     print(f"{args.count} saves of {args.size} B per step, {args.rounds} rounds; median of "
           f"per-round medians, us")
-    print("| way | pack (us) | unpack (us) |")
-    print("| --- | ---: | ---: |")
-    out = {}
+    out, rows = {}, []
     for w in WAYS:
         pk = statistics.median(x[0] for x in res[w])
         up = statistics.median(x[1] for x in res[w])
         out[w] = {"pack_us": pk, "unpack_us": up, "rounds": res[w]}
-        print(f"| {w} | {pk:.1f} | {up:.1f} |")
+        rows.append([w, f"{pk:.1f}", f"{up:.1f}"])
+    print(md_table(["way", "pack (us)>", "unpack (us)>"], rows))
     print("Command: " + " ".join(["benchmarks/quota_hook_cost.py"] + (argv or sys.argv[1:])))
     if args.json:
         with open(args.json, "w") as f:

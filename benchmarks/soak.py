@@ -53,6 +53,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
+from _common import md_header  # noqa: E402
+
 MiB = 1 << 20
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "soak.json")
@@ -280,11 +283,9 @@ def main(argv=None):
           f"device {args.device}, host tier {args.host_budget_mib} MiB, write-behind "
           f"{args.write_behind_mib} MiB, prefetch {args.prefetch_mib} MiB: idle staging "
           f"limit {_mib(soak.limit)} MiB. After each phase (every graph gone, wait()):")
-    print("| phase | steps | staging (MiB) | idle (MiB) | peak (MiB) | live | spill (MiB) "
-          "| RSS (MiB) | fds | threads | tasks | faults fired | raised | wrong step "
-          "| unneeded | ok |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| ---: | ---: | ---: | --- |")
+    print(md_header(["phase>", "steps>", "staging (MiB)>", "idle (MiB)>", "peak (MiB)>",
+                     "live>", "spill (MiB)>", "RSS (MiB)>", "fds>", "threads>", "tasks>",
+                     "faults fired>", "raised>", "wrong step>", "unneeded>", "ok"]))
     t0 = time.monotonic()
     step = phase = 0
     try:

@@ -69,7 +69,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
 from _common import (  # noqa: E402
     add_offload_arguments, add_worker_arguments, command_line, digest, finish, jsonable_config,
-    measured, median, model_from_args, mount_of, offload_overrides, proc_status, progress,
+    md_table, measured, median, model_from_args, mount_of, offload_overrides, proc_status, progress,
     reset_peak_rss, run_worker, stats_delta, work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -611,22 +611,21 @@ def _notes(mode, s):
 
 
 def render_table(summary, modes):
-    lines = ["| mode | step time median (s) | ratio to none | peak RSS delta (MiB) | ratio to none "
-             "| written (MiB/step) | grads equal | notes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    rows = []
     for mode in modes:
         s = summary.get(mode, {"failed": True})
         if s.get("failed"):
-            lines.append(f"| {mode} | - | - | - | - | - | - | {_notes(mode, s)} |")
+            rows.append([mode, "-", "-", "-", "-", "-", "-", _notes(mode, s)])
             continue
-        ratio = f"{s['step_ratio']:.3f}" if "step_ratio" in s else "-"
-        mratio = f"{s['memory_ratio']:.3f}" if "memory_ratio" in s else "-"
-        lines.append(
-            f"| {mode} | {s['step_s_median']:.3f} | {ratio} | "
-            f"{s['peak_rss_delta_median'] / MiB:.0f} | {mratio} | "
-            f"{s['written_bytes_per_step'] / MiB:.0f} | "
-            f"{'yes' if s['grads_equal'] else 'NO'} | {_notes(mode, s)} |")
-    return "\n".join(lines)
+        rows.append([mode, f"{s['step_s_median']:.3f}",
+                     f"{s['step_ratio']:.3f}" if "step_ratio" in s else "-",
+                     f"{s['peak_rss_delta_median'] / MiB:.0f}",
+                     f"{s['memory_ratio']:.3f}" if "memory_ratio" in s else "-",
+                     f"{s['written_bytes_per_step'] / MiB:.0f}",
+                     "yes" if s["grads_equal"] else "NO", _notes(mode, s)])
+    return md_table(["mode", "step time median (s)>", "ratio to none>",
+                     "peak RSS delta (MiB)>", "ratio to none>", "written (MiB/step)>",
+                     "grads equal", "notes"], rows)
 
 
 def build_parser():
@@ -796,14 +795,13 @@ def main(argv=None):
         print()
         print(render_table(analog["summary"], args.modes))
         print()
-        print(f"| mode | ratio to none, {args.threads} threads (all cores) | ratio to none, "
-              f"{analog['threads']} compute threads |")
-        print("| --- | ---: | ---: |")
+        rows = []
         for mode in args.modes:
             a, b = summary.get(mode, {}), analog["summary"].get(mode, {})
-            ra = f"{a['step_ratio']:.3f}" if "step_ratio" in a else "-"
-            rb = f"{b['step_ratio']:.3f}" if "step_ratio" in b else "-"
-            print(f"| {mode} | {ra} | {rb} |")
+            rows.append([mode, f"{a['step_ratio']:.3f}" if "step_ratio" in a else "-",
+                         f"{b['step_ratio']:.3f}" if "step_ratio" in b else "-"])
+        print(md_table(["mode", f"ratio to none, {args.threads} threads (all cores)>",
+                        f"ratio to none, {analog['threads']} compute threads>"], rows))
         print()
     ref = summary.get("none", {})
     if ref and not ref.get("failed"):

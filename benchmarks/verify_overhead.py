@@ -27,6 +27,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
+from _common import md_table  # noqa: E402
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(REPO_ROOT, "benchmarks", "results", "verify_overhead.json")
 # ~0.5 GiB of fp32 activations per step, ~0.4 GiB of them offloaded with the defaults.
@@ -128,10 +131,9 @@ def main(argv=None):
     cpu_ratio = med([q["cpu"] for q in pairs])
     gbps = crc_throughput((16 if args.tiny else 256) << 20)
     per_step = stats[True].offloaded_bytes / (args.pairs + 1)  # measured steps + warm-up
-    print("| verify | median step wall (s) | median step CPU (s) | engine |")
-    print("|---|---|---|---|")
-    for v in (False, True):
-        print(f"| {'on' if v else 'off'} | {wall[v]:.3f} | {cpu[v]:.3f} | {stats[v].engine} |")
+    print(md_table(["verify", "median step wall (s)>", "median step CPU (s)>", "engine"],
+                   [["on" if v else "off", f"{wall[v]:.3f}", f"{cpu[v]:.3f}", stats[v].engine]
+                    for v in (False, True)]))
     print(f"\nverify on / off, median of {len(pairs)} ABBA pairs: wall {wall_ratio:.3f}, "
           f"CPU {cpu_ratio:.3f}; gradients bitwise equal: {equal}")
     print("per-pair wall ratios: " + ", ".join(f"{q['wall']:.3f}" for q in pairs))

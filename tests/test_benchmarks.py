@@ -115,3 +115,33 @@ def test_step_overhead_compute_threads_tiny(tmp_path, spill_dir):
     assert sorted((r["mode"], r["compute_threads"]) for r in traced) == \
         [("ssdtrain", 2), ("ssdtrain_tail0", 2)]
     assert list(spill_dir.iterdir()) == []
+
+
+def _common_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_bench_common",
+                                                  REPO_ROOT / "benchmarks" / "_common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_md_table_aligns_and_refuses_a_short_row():
+    import pytest
+    common = _common_module()
+    assert common.md_table(["way", "ms>"], [["none", 1.5], ["ssd", "2.0"]]).splitlines() == [
+        "| way | ms |", "| --- | ---: |", "| none | 1.5 |", "| ssd | 2.0 |"]
+    with pytest.raises(ValueError, match="a row of 1 cells for 2 columns"):
+        common.md_table(["way", "ms>"], [["none"]])
+
+
+def test_every_benchmark_table_comes_from_md_table():
+    """The header rule of a markdown table (``| --- |``, ``---: |``) is written in
+    benchmarks/_common.py only: every benchmark's table goes through md_header/md_table,
+    so they read alike and one change reaches all."""
+    import re
+    rule = re.compile(r"\|\s*-{3}:?\s*\|")
+    found = [f"{path.name}:{i}" for path in sorted((REPO_ROOT / "benchmarks").glob("*.py"))
+             if path.name != "_common.py"
+             for i, line in enumerate(path.read_text().splitlines(), 1) if rule.search(line)]
+    assert not found, f"tables built by hand (use _common.md_table): {found}"
