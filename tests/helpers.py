@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from ssdtrain import testing
 
 __all__ = ["run_step", "StepResult", "numerics_env", "assert_same", "ReferenceNotReproduced",
            "SaveForBackward", "save_and_unpack", "EngineCalls", "WeeklyShard", "weekly_shard",
@@ -233,7 +234,7 @@ class EngineCalls:
     """
 
     def __init__(self, offloader):
-        self.engine = offloader._store.engine
+        self.engine = testing.engine(offloader)
         self.writes = []
         self.reads = []
         self._lock = threading.Lock()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import ssdtrain
+from ssdtrain import testing
 from helpers import assert_same, run_step
 from ssdtrain import _profile
 from ssdtrain._planner import KEEP, OFFLOAD, RECOMPUTE, predict
@@ -86,7 +87,7 @@ def test_adaptive_plans_when_the_first_layer_gets_the_raw_input(make_offloader, 
         assert (off.active_plan is not None) == (step >= 3), step
     assert not _warnings(caplog)
     p = off.active_plan
-    assert off._store.write_behind == p.write_behind_bytes
+    assert testing.write_behind(off) == p.write_behind_bytes
     # The first block's backward was timed (its end from its parameters' gradients),
     # or it has none; the others' as before.
     for s in off._layers.profiler.profiled:

@@ -9,6 +9,7 @@ import torch
 
 import models
 import ssdtrain
+from ssdtrain import testing
 from helpers import assert_grads_equal, grads
 from loopback_helpers import LoopbackDevice, attach, device_chain
 from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS
@@ -86,7 +87,7 @@ def test_a_step_that_stops_fitting_after_the_hooks_went_off_raises_the_floor(mak
     for _ in range(3):
         before = off.stats().offloaded_bytes
         device_chain(off, dev, k, n)
-        off._store.check_invariants()
+        testing.check_invariants(off)
         seen.append((off._auto.intercepts, off._auto.floor, off.stats().offloaded_bytes - before))
     assert seen[WARMUP + 1][:2] == (False, 0), seen   # the step that stopped fitting
     floor = off._auto.floor

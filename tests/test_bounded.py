@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
+from ssdtrain import testing
 from helpers import SaveForBackward
 from loopback_helpers import LoopbackDevice, attach, device_chain
 from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS
@@ -154,7 +155,7 @@ def test_a_disk_that_falls_behind_the_default_holds_at_most_write_behind_bytes(
             assert off.live_records() == 0
             held.append(unreferenced_bytes(off))
             quotas.append(off.stats().offload_quota_bytes)
-            off._store.check_invariants()
+            testing.check_invariants(off)
     finally:
         disk.land()
     assert max(held) <= wb + n, held
@@ -207,7 +208,7 @@ def test_what_is_held_for_writes_is_bounded_whatever_the_disk_does(
         disk.land()
         off.wait()
         assert unreferenced_bytes(off) == 0 and off.resident_bytes() == 0
-        off._store.check_invariants()
+        testing.check_invariants(off)
     finally:
         off.close()
 
@@ -237,7 +238,7 @@ def test_a_step_whose_forward_runs_out_of_memory_makes_the_next_one_fit(make_off
     assert len(told) == 1 and "next step offloads every eligible tensor" in told[0], told
     for _ in range(4):
         device_chain(off, dev, 30, n)           # fits: sized again, then under the floor
-        off._store.check_invariants()
+        testing.check_invariants(off)
     assert off._auto.floor > 0
     oom, resized = off._auto.samples[-4:-2]
     assert oom.out_of_memory and resized.quota is None, (oom, resized)  # sized again
@@ -369,7 +370,7 @@ def test_the_host_tier_holds_its_budget_plus_write_behind_whatever_link_and_disk
         disk.land()
         off.wait()
         assert unreferenced_bytes(off) == 0
-        off._store.check_invariants()
+        testing.check_invariants(off)
     finally:
         off.close()
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import ConfigError, OffloadConfig, Offloader
 from ssdtrain._config import parse_bytes
 
@@ -125,7 +126,7 @@ def test_engine_names_select_an_engine(value, tmp_path):
     off = Offloader(OffloadConfig(spill_dir=str(tmp_path), engine=value))
     try:
         expected = {"auto": "native" if native.available() else "posix"}.get(value, value)
-        assert off._store.engine.name == expected
+        assert testing.engine(off).name == expected
         assert off.stats().engine.startswith(expected)
     finally:
         off.close()
@@ -426,10 +427,10 @@ def test_offloader_applies_overrides(tmp_path):
         assert off.config.direct_io == "off"
         assert off.config.spill_dir == [str(tmp_path)]
         assert cfg.io_threads == 4 and cfg.direct_io == "auto"  # caller's config untouched
-        engine = off._store.engine
+        engine = testing.engine(off)
         engine = getattr(engine, "inner", engine)  # under tests/late_io.py's wrapper
         assert engine._pool._max_workers == 2
-        assert [f.direct for f in off._store.spill.files] == [False]
+        assert [f.direct for f in testing.spill(off).files] == [False]
     finally:
         off.close()
 
@@ -637,7 +638,7 @@ def test_tmpfs_spill_dir_warns_and_works(caplog):
             assert "RAM" in msg and "tmpfs" in msg and shm in msg, msg
             # Linux >= 6.6 accepts O_DIRECT on tmpfs, older kernels refuse it: either way
             # the engine name must say which mode is in use.
-            direct = off._store.spill.files[0].direct
+            direct = testing.spill(off).files[0].direct
             assert ("+O_DIRECT" if direct else "+buffered") in off.stats().engine
 
             with off:

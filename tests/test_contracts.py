@@ -29,6 +29,7 @@ import torch
 
 import inject
 from ssdtrain import _records
+from ssdtrain import testing
 from ssdtrain._records import Record, State
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -313,7 +314,7 @@ def test_the_bandwidth_probe_keeps_its_buffer_and_slot_past_a_timeout(make_offlo
     inj._hung.clear()  # the hung write ends now: its owner goes, then its future
     fut.set_result(nbytes)
     assert off.spill_bytes_in_use() == 0
-    off._store.check_invariants()
+    testing.check_invariants(off)
     inj.faults.clear()
     w, r = measure_bandwidth(off._store, nbytes=nbytes, repeats=1)
     assert w > 0 and r > 0 and off.spill_bytes_in_use() == 0

@@ -27,6 +27,7 @@ import torch
 
 import hf_tiny
 import ssdtrain
+from ssdtrain import testing
 from helpers import weekly_shard
 from ssdtrain import estimate as E
 from ssdtrain._estimate import EstimateError, measure
@@ -181,7 +182,7 @@ def test_what_is_written_does_not_depend_on_the_io_thread(make_offloader):
     for lag in (0, 100):
         off = make_offloader(**SETTINGS)
         assert _step(off, *resaves(), lag) == want, f"lag {lag}"
-        off._store.check_invariants()
+        testing.check_invariants(off)
     assert want[2] == 4 << 20
 
 
@@ -209,7 +210,7 @@ def test_a_slow_disk_does_not_change_what_fits_under_max_spill_bytes(make_offloa
         written.append(off.stats().offloaded_bytes - before)
     assert written == [written[0]] * 3 and written[0] >= 4 << 20, written
     off.wait()
-    off._store.check_invariants()
+    testing.check_invariants(off)
 
 
 def dropped_in_forward():

@@ -39,6 +39,7 @@ from torch import nn  # noqa: E402
 deepspeed = pytest.importorskip("deepspeed")
 
 import ssdtrain  # noqa: E402
+from ssdtrain import testing
 from helpers import free_port  # noqa: E402
 from ssdtrain.integrations import deepspeed as ssd_deepspeed  # noqa: E402
 from ssdtrain.integrations.distributed import rank_subdir_name  # noqa: E402
@@ -202,7 +203,7 @@ class ParamWrites:
         self.param_writes = []
         self._alive = []
         self._handles = [m.register_forward_pre_hook(self._record) for m in model.modules()]
-        engine = offloader._store.engine
+        engine = testing.engine(offloader)
         write = engine.write
 
         def checked_write(file, offset, address, nbytes, **kw):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import manual_engine
 import models
 import ssdtrain
+from ssdtrain import testing
 from helpers import assert_grads_equal, grads
 from ssdtrain import estimate as E
 from ssdtrain._auto import (BASELINE_STEPS, SIZING_STEPS, AutoQuota, StepSample, next_scale, probe_bytes,
@@ -655,7 +656,7 @@ def test_a_spent_quota_keeps_tensors_without_records_counted_as_records(spill_di
         assert off._store._table.ahead == a.unique_bytes
         loss.backward()
         assert_grads_equal(grads(ref_model), grads(model))
-        off._store.check_invariants()
+        testing.check_invariants(off)
         assert off._store._table.ahead == 0                    # used: out of the window
     finally:
         static.close()
@@ -674,13 +675,13 @@ def test_passed_bytes_leave_the_window_when_their_graph_dies(spill_dir):
         table = off._store._table
         assert table.ahead > 0 and len(table.passed) == 1
         del loss
-        off._store.check_invariants()                          # drains the release
+        testing.check_invariants(off)                          # drains the release
         assert table.ahead == 0 and not table.passed
         with off:                                              # and the next step's are counted
             loss = model(*inputs)
         assert table.ahead > 0
         loss.backward()
-        off._store.check_invariants()
+        testing.check_invariants(off)
         assert table.ahead == 0 and not table.passed
     finally:
         off.close()

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from helpers import assert_same, run_step, save_and_unpack
 from models import mlp
 from ssdtrain import _checksum
@@ -217,13 +218,13 @@ def test_budget_keep_bounds_disk_and_grads_exact(make_offloader, caplog, limit):
     off = make_offloader(max_spill_bytes=limit, **DISK)
     limit = off.config.max_spill_bytes
     peak = [0]
-    alloc = off._store.spill.alloc
+    alloc = testing.spill(off).alloc
 
     def watched(nbytes, misalign):
         slot = alloc(nbytes, misalign)
-        peak[0] = max(peak[0], off._store.spill.used_bytes())
+        peak[0] = max(peak[0], testing.spill(off).used_bytes())
         return slot
-    off._store.spill.alloc = watched
+    testing.spill(off).alloc = watched
     with caplog.at_level(logging.WARNING, logger="ssdtrain"):
         for _ in range(2):
             assert_same(ref, run_step(model, inputs, off))

@@ -46,6 +46,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import _fork
 from ssdtrain.io import native
 from ssdtrain.io.base import Engine, EngineWrapper
@@ -138,7 +139,7 @@ def _copy_outcome(src, dst):
 
 def install_gate(off) -> GatedEngine:
     """Wraps ``off``'s engine in a :class:`GatedEngine` (as ``faulty.install`` does)."""
-    gate = GatedEngine(off._store.engine)
+    gate = GatedEngine(testing.engine(off))
     off._store.engine = gate
     return gate
 
@@ -364,10 +365,10 @@ def test_e_inherited_engine_refuses_requests_in_the_child(make_offloader, engine
     model, inputs = models.mlp()
     off = make_offloader(engine=engine, **DISK)
     run_step(model, inputs, off)
-    eng = off._store.engine
+    eng = testing.engine(off)
     native_engine = getattr(eng, "inner", eng)  # under tests/late_io.py's wrapper
     buf = torch.zeros(4096, dtype=torch.uint8)
-    file = off._store.spill.files[0]
+    file = testing.spill(off).files[0]
     # Far beyond any slot, and congruent to the address modulo the block (O_DIRECT).
     offset = (1 << 30) + buf.data_ptr() % 4096
 

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
+from ssdtrain import testing
 from helpers import assert_same, gated, part_id, run_step, weekly_shard
 from loopback_helpers import LoopbackDevice, SaveForBackward, UnpackCheck, attach
 from models import ALL_MODELS
@@ -140,7 +141,7 @@ def test_half_budget_on_equal_records_writes_exactly_the_earliest_half(make_offl
             del d
     off.wait()
     assert [s.value for s in _states(off)] == ["on_disk"] * 4 + ["hosted"] * 4
-    off._store.check_invariants()
+    testing.check_invariants(off)
     assert dev.in_use() == 0  # every saved block left device memory
     out.backward()
     assert all(torch.equal(s[0], v) for s, v in zip(reversed(sink), values))
@@ -165,7 +166,7 @@ def test_unlimited_budget_without_spill_dir_touches_no_disk(make_offloader, tmp_
     off = _offloader(make_offloader, LoopbackDevice(claim_host_tensors=True),
                      spill_dir=None, host_budget_bytes="unlimited")
     calls = []
-    engine = off._store.engine
+    engine = testing.engine(off)
     for op in ("write", "read"):
         real = getattr(engine, op)
         monkeypatch.setattr(engine, op, lambda *a, _r=real, _op=op, **k: calls.append(_op)
@@ -175,7 +176,7 @@ def test_unlimited_budget_without_spill_dir_touches_no_disk(make_offloader, tmp_
     off.wait()
     st_ = off.stats()
     assert off.config.spill_dir == [] and off.config.host_budget_bytes == MAX_BYTES
-    assert off._store.spill.files == []
+    assert testing.spill(off).files == []
     assert st_.offloaded_bytes > 0 and st_.host_loaded_bytes > 0
     assert (calls, st_.records_written, st_.bytes_read, os.listdir(tmp)) == ([], 0, 0, [])
     assert "no SSD tier" in st_.engine
@@ -230,7 +231,7 @@ def _evicted_while_written(make_offloader, monkeypatch, prefetch_bytes):
     dev = LoopbackDevice()
     off = _offloader(make_offloader, dev, host_budget_bytes=N, prefetch_bytes=prefetch_bytes,
                      verify=False)
-    engine = off._store.engine
+    engine = testing.engine(off)
     real, gate = engine.write, threading.Event()
     monkeypatch.setattr(engine, "write", gated(real, gate))
     sink, anchor, values = [], torch.zeros((), requires_grad=True), []
@@ -268,7 +269,7 @@ def test_backward_loads_a_record_whose_eviction_write_is_still_running_from_ram(
     assert (st_.bytes_written, st_.bytes_read, st_.host_loaded_bytes) == (N, 0, 2 * N)
     assert st_.prefetch_misses == 2 and st_.prefetch_hits == 0
     assert st_.stall_seconds > 0 and off.live_records() == 0
-    off._store.check_invariants()
+    testing.check_invariants(off)
 
 
 def test_prefetch_of_a_record_whose_eviction_write_is_still_running_uses_its_ram_copy(
@@ -292,7 +293,7 @@ def test_prefetch_of_a_record_whose_eviction_write_is_still_running_uses_its_ram
     loaded = st_.host_loaded_bytes
     assert (st_.bytes_written, st_.bytes_read) == (N, 0) and loaded in (N, 2 * N)
     assert st_.prefetch_hits == 2 and st_.prefetch_misses == 0
-    off._store.check_invariants()
+    testing.check_invariants(off)
     assert [s.value for s in _states(off)] == ["on_disk", "hosted"]
     sink.clear()
     out.backward()  # the evicted record comes back from the SSD now, the other from RAM
@@ -301,7 +302,7 @@ def test_prefetch_of_a_record_whose_eviction_write_is_still_running_uses_its_ram
     assert (st_.bytes_read, st_.host_loaded_bytes) == (N, loaded + N)
     del out
     assert off.live_records() == 0
-    off._store.check_invariants()
+    testing.check_invariants(off)
 
 
 def test_no_ssd_tier_keeps_what_does_not_fit_on_the_device(make_offloader, caplog):
@@ -356,7 +357,7 @@ def test_budget_is_never_exceeded_and_ram_holds_the_latest(sizes, budget, ssd, s
                 out = SaveForBackward.apply(out, sink, d)
                 del d
         off.wait()
-        off._store.check_invariants()
+        testing.check_invariants(off)
         states = [s.value for s in _states(off)]
         hosted = [n for n, s in zip(sizes, states) if s == "hosted"]
         assert sum(hosted) <= budget

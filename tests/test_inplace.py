@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
@@ -62,7 +63,7 @@ class _GatedWrites:
     """
 
     def __init__(self, off):
-        engine = off._store.engine
+        engine = testing.engine(off)
         self._engine = getattr(engine, "inner", engine)  # under tests/late_io.py's wrapper
         self._orig = self._engine._write_piece
         self._gate = threading.Event()

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import SSDTrainError
 
 WAIT_S = 20.0  # how long a test waits for the I/O thread before it fails
@@ -295,7 +296,7 @@ def test_memory_is_released_by_the_io_thread(make_offloader):
     test has dropped its own reference."""
     off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096, prefetch_bytes=0)
     gate = threading.Event()
-    engine = off._store.engine
+    engine = testing.engine(off)
     real = engine.write
 
     def gated(*args, **kwargs):

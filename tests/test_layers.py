@@ -46,7 +46,7 @@ LAYERS = (
                "_hosttier", "_probe"}),
     ("policies", {"_auto", "_adaptive", "_profile", "_planner", "_attach", "_forward"}),
     ("estimate", {"_estimate", "estimate"}),
-    ("top", {"", "api", "__main__", "check", "tools"}),
+    ("top", {"", "api", "__main__", "check", "tools", "testing"}),
 )
 # Layers that reach the store only through the top (api): the policies set a step's
 # limits through the Offloader, and the estimate replays the pack decision without one.

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
@@ -365,11 +366,11 @@ def test_close_returns_the_slots_of_records_graphs_still_hold(spill_dir):
     off.close()
     assert off.spill_bytes_in_use() == 0
     assert off.live_records() == 0 and off.resident_bytes() == 0
-    off._store.check_invariants()
+    testing.check_invariants(off)
     del loss
     gc.collect()
     assert off.spill_bytes_in_use() == 0
-    off._store.check_invariants()
+    testing.check_invariants(off)
 
 
 def test_a_freed_graph_has_no_live_records_while_its_writes_are_in_flight(spill_dir):
@@ -395,11 +396,11 @@ def test_a_freed_graph_has_no_live_records_while_its_writes_are_in_flight(spill_
         del loss
         assert off.live_records() == 0
         assert off.resident_bytes() > 0 and off.spill_bytes_in_use() > 0  # still writing
-        off._store.check_invariants()
+        testing.check_invariants(off)
     finally:
         gate.release()
     _assert_nothing_left(off)
-    off._store.check_invariants()
+    testing.check_invariants(off)
     off.close()
 
 
@@ -513,7 +514,7 @@ def test_no_growth_over_50_steps(spill_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), **dict(DISK, prefetch_bytes="1MiB"))
-    spill_file = off._store.spill.files[0]
+    spill_file = testing.spill(off).files[0]
     spill_fd = spill_file.fd
     spill_target = _fd_target(spill_fd)
     assert spill_target is not None
@@ -652,7 +653,7 @@ def _settled_resources(before, timeout=30.0):
 def test_offloader_released_when_collected(spill_dir):
     before = _resources()
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", **DISK)
-    spill_fd = off._store.spill.files[0].fd
+    spill_fd = testing.spill(off).files[0].fd
     spill_target = _fd_target(spill_fd)
     assert spill_target is not None
     ref = run_step(*ALL_MODELS["mlp"](torch.float32))
@@ -727,7 +728,7 @@ def test_collected_with_writes_in_flight(spill_dir):
     and no error may be raised on an I/O thread."""
     before = _resources()
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", **DISK)
-    engine = off._store.engine
+    engine = testing.engine(off)
     engine = getattr(engine, "inner", engine)  # the posix engine under tests/late_io.py's
     write_piece = engine._write_piece
     gate = threading.Event()

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import _auto
 from ssdtrain._auto import AutoQuota, quota_bound
 from ssdtrain.tools import pin_auto_quota, set_load_lead
@@ -260,7 +261,7 @@ def test_the_window_is_prefetch_bytes_itself_where_nothing_asks_for_more(tmp_pat
             with off:
                 loss = (x * x).sum()
             off.wait()
-            assert off._store.window == prefetch == off.stats().prefetch_window_bytes
+            assert testing.prefetch_window(off) == prefetch == off.stats().prefetch_window_bytes
             if prefetch == 0:
                 assert all(r.state.value != "loaded" for r in off.records())
             loss.backward()

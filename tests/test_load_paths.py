@@ -30,6 +30,7 @@ import time
 
 import pytest
 import torch
+from ssdtrain import testing
 
 from helpers import SaveForBackward, assert_same, gated, run_step
 from loopback_helpers import LoopbackDevice, UnpackCheck, attach
@@ -67,7 +68,7 @@ class _Gates:
             dev.kernel(lambda: self._event.wait(60))
 
     def hold_writes(self, off, monkeypatch):
-        engine = off._store.engine
+        engine = testing.engine(off)
         real = engine.write
         monkeypatch.setattr(engine, "write", gated(real, self._event))
 

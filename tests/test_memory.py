@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ssdtrain import testing
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
@@ -209,7 +210,7 @@ class _SlowWrites:
     """Delays every write's completion by ``delay`` seconds: a disk slower than forward."""
 
     def __init__(self, offloader, delay):
-        engine = offloader._store.engine
+        engine = testing.engine(offloader)
         self._write, self.delay = engine.write, delay
         engine.write = self.write
 

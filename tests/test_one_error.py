@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain.io import faulty
 from ssdtrain.io.faulty import Fault
 
@@ -71,7 +72,7 @@ def _clean(off):
     gc.collect()
     off.wait()
     assert (off.live_records(), off.resident_bytes(), off.spill_bytes_in_use()) == (0, 0, 0)
-    off._store.check_invariants()
+    testing.check_invariants(off)
 
 
 def _fail_hung(inj, err, n=K):

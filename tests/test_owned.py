@@ -42,6 +42,7 @@ import pytest
 
 import inject
 from ssdtrain._spill import BLOCK
+from ssdtrain import testing
 from ssdtrain.io.base import EngineWrapper
 from ssdtrain.io.posix import memory_at
 
@@ -178,7 +179,7 @@ class _Sites(inject.Scenario):
 
     def step(self, i, off):
         if off is not None and self.probe and i == 0:
-            off._store.probe.time_io(64 * KiB, repeats=1)
+            testing.probe(off).time_io(64 * KiB, repeats=1)
         return super().step(i, off)
 
 
@@ -219,7 +220,7 @@ def _offloader(spill_dir, sc, site):
         _loopback._IDLE_S = min(_loopback._IDLE_S, inject.LOOPBACK_IDLE_S)
         _loopback.attach(off, _loopback.LoopbackDevice(claim_host_tensors=True,
                                                        d2h_delay=0.002, h2d_delay=0.002))
-    witness = Witness(off._store.engine)
+    witness = Witness(testing.engine(off))
     off._store.engine = witness
     return off, witness
 

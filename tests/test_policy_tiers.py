@@ -24,6 +24,7 @@ import torch
 
 import models
 import ssdtrain
+from ssdtrain import testing
 from helpers import assert_same, run_step
 from loopback_helpers import LoopbackDevice, SaveForBackward, attach, device_chain
 from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS, AutoQuota, StallWatch
@@ -74,7 +75,7 @@ def test_every_policy_with_every_tier_is_exact_over_steps(policy, tier, device,
     try:
         for _ in range(STEPS):
             assert_same(ref, run_step(model, inputs, off))
-            off._store.check_invariants()
+            testing.check_invariants(off)
         st = off.stats()
         if tier == "host":
             assert st.bytes_written == 0  # no SSD tier: nothing touches a disk
@@ -95,18 +96,18 @@ def test_auto_with_the_host_tier_alone_prices_its_copies(make_offloader):
     dev = LoopbackDevice(claim_host_tensors=True)
     off = _make(make_offloader, "auto", "host", "loopback", dev)
     probed = []
-    real = off._store.probe.time_copies
+    real = testing.probe(off).time_copies
 
     def probe(nbytes, repeats):
         probed.append(nbytes)
         return real(nbytes, repeats)
-    off._store.probe.time_copies = probe
+    testing.probe(off).time_copies = probe
     try:
         for _ in range(WARMUP):
             assert_same(ref, run_step(model, inputs, off))
         copies = dict(dev.copies)
         ctl = off._auto
-        ctl._copy_probe = lambda n: (n / 1e12, n / 1e12) if off._store.probe.time_copies(n, 2) \
+        ctl._copy_probe = lambda n: (n / 1e12, n / 1e12) if testing.probe(off).time_copies(n, 2) \
             else None  # probed for real, priced as a fast link so the quota is > 0
         loaded = 0
         for _ in range(3):
@@ -147,11 +148,11 @@ def test_time_copies_goes_out_and_back_on_the_copy_streams(make_offloader):
     dev = LoopbackDevice(claim_host_tensors=True)
     off = _make(make_offloader, "static", "host", "loopback", dev)
     try:
-        assert off._store.probe.time_copies(MiB, 2) is None  # no device tensor seen yet
+        assert testing.probe(off).time_copies(MiB, 2) is None  # no device tensor seen yet
         model, inputs = models.mlp()
         run_step(model, inputs, off)
         before = dict(dev.copies)
-        out_s, in_s = off._store.probe.time_copies(MiB, 3)
+        out_s, in_s = testing.probe(off).time_copies(MiB, 3)
         assert dev.copies["d2h"] - before.get("d2h", 0) == 3
         assert dev.copies["h2d"] - before.get("h2d", 0) == 3
         assert 0 < out_s < float("inf") and 0 < in_s < float("inf")
@@ -162,7 +163,7 @@ def test_time_copies_goes_out_and_back_on_the_copy_streams(make_offloader):
     plain = make_offloader(min_tensor_bytes=4096)
     attach(plain, LoopbackDevice(claim_host_tensors=True))
     run_step(*models.mlp(), plain)
-    assert plain._store.probe.time_copies(MiB, 2) is None
+    assert testing.probe(plain).time_copies(MiB, 2) is None
 
 
 class _Stats:
@@ -310,7 +311,7 @@ def test_auto_offloads_at_least_what_must_leave_memory_to_fit(make_offloader):
     quotas = []
     for _ in range(WARMUP + 3):
         device_chain(off, dev, k, n)
-        off._store.check_invariants()
+        testing.check_invariants(off)
         quotas.append(off.stats().offload_quota_bytes)
     ctl = off._auto
     assert quotas[0] is None and 0 < ctl.floor < k * n
@@ -374,7 +375,7 @@ def test_invariants_hold_while_a_bandwidth_probe_is_in_flight(make_offloader):
     off = make_offloader(engine="posix", io_timeout_s=30)
     engine = manual_engine.install(off)
     done = []
-    t = threading.Thread(target=lambda: done.append(off._store.probe.time_io(MiB, repeats=1)))
+    t = threading.Thread(target=lambda: done.append(testing.probe(off).time_io(MiB, repeats=1)))
     t.start()
     try:
         for _ in range(500):
@@ -382,7 +383,7 @@ def test_invariants_hold_while_a_bandwidth_probe_is_in_flight(make_offloader):
                 break
             t.join(0.01)
         assert engine.pending()
-        off._store.check_invariants()
+        testing.check_invariants(off)
     finally:
         for _ in range(3000):  # the write, then the read it submits
             engine.complete_all()
@@ -390,7 +391,7 @@ def test_invariants_hold_while_a_bandwidth_probe_is_in_flight(make_offloader):
             if not t.is_alive():
                 break
     assert done and not t.is_alive()
-    off._store.check_invariants()
+    testing.check_invariants(off)
 
 
 def test_writes_a_slow_disk_has_not_finished_do_not_raise_the_floor(make_offloader):
@@ -478,7 +479,7 @@ def test_headroom_counts_a_write_that_ends_during_the_reading_once(make_offloade
         while not engine.pending() and time.monotonic() < deadline:
             time.sleep(0.005)   # the write is submitted once the copy to staging ended
         assert engine.pending()
-        store, real = off._store, off._store.probe.headroom
+        store, real = off._store, testing.probe(off).headroom
 
         def read_then_complete():
             room = real()
@@ -509,7 +510,7 @@ def test_a_probe_request_whose_submission_was_cut_short_keeps_its_slot_and_buffe
 
     import manual_engine
     off = make_offloader(engine="posix")
-    probe = off._store.probe
+    probe = testing.probe(off)
     engine = manual_engine.install(off)
     real, got = engine.write, []
 
@@ -533,14 +534,14 @@ def test_a_probe_request_whose_submission_was_cut_short_keeps_its_slot_and_buffe
     for rec in off._store.records():
         assert rec.slot is None or rec.slot.block + rec.slot.nblocks <= slot.block or \
             slot.block + slot.nblocks <= rec.slot.block, "the probe's slot handed to a record"
-    assert off._store.spill.outside_bytes() >= 1 << 20  # counts against max_spill_bytes
-    off._store.check_invariants()
+    assert testing.spill(off).outside_bytes() >= 1 << 20  # counts against max_spill_bytes
+    testing.check_invariants(off)
     del slot
     engine.complete_all()                 # the request ends: its buffer and slot go
     assert got[0].exception(timeout=30) is None  # it landed, from a live buffer
     assert ref() is None
-    assert off._store.spill.outside_bytes() == 0
+    assert testing.spill(off).outside_bytes() == 0
     assert off.stats().quarantined_bytes == 0
     off.wait()
     assert off.spill_bytes_in_use() == 0
-    off._store.check_invariants()
+    testing.check_invariants(off)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import _spill
 from ssdtrain._errors import ConfigError
 from ssdtrain._spill import SpillFile, default_spill_dir
@@ -234,7 +235,7 @@ def test_another_user_cannot_open_the_data(shared_dir, monkeypatch):
         with off:
             loss = (x * 2).sin().sum()
             off.wait()
-        (fd,) = {f.fd for f in off._store.spill.files}
+        (fd,) = {f.fd for f in testing.spill(off).files}
         assert off.spill_bytes_in_use() > 0
         targets = {"proc fd": f"/proc/{os.getpid()}/fd/{fd}", "named fallback": named_path,
                    "private dir entry": os.path.join(private, "probe")}
@@ -281,7 +282,7 @@ def test_another_user_cannot_open_the_data(shared_dir, monkeypatch):
 _CRASH_CHILD = textwrap.dedent("""
     import os, sys, time
     import torch, ssdtrain
-    from ssdtrain import _spill
+    from ssdtrain import _spill, testing
     if sys.argv[2] == "no-tmpfile":   # a file system without O_TMPFILE: the fallback path
         real_open = os.open
         def no_tmpfile(path, flags, mode=0o777, *, dir_fd=None):
@@ -297,7 +298,7 @@ _CRASH_CHILD = textwrap.dedent("""
         for _ in range(8):            # 8 x 4 MiB saved, written while forward goes on
             y = (y * 1.0001).sin()
         off.wait()
-        (fd,) = [f.fd for f in off._store.spill.files]
+        (fd,) = [f.fd for f in testing.spill(off).files]
         print("READY", fd, off.spill_bytes_in_use(), flush=True)
         time.sleep(600)               # mid-step: SIGKILL arrives here
 """)

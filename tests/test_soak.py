@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
+from ssdtrain import testing
 from loopback_helpers import LoopbackDevice, attach
 from ssdtrain._store import Handle, Record
 from ssdtrain.tools import BLOCK
@@ -104,7 +105,7 @@ def test_soak(tmp_path):
     spill.mkdir()
     off = ssdtrain.Offloader(policy="static", spill_dir=str(spill), min_tensor_bytes=4096,
                              keep_tail_bytes="64KiB", prefetch_bytes="256KiB")
-    spill_fd = off._store.spill.files[0].fd
+    spill_fd = testing.spill(off).files[0].fd
     seen = {"fds": [], "threads": [], "rss": [], "size": [], "records": [], "dead": 0,
             "previous": []}
 
@@ -298,7 +299,7 @@ class _FaultSoak:
         off.wait()
         assert off.live_records() == 0, f"phase {phase}: records left"
         assert off.spill_bytes_in_use() == 0 and off.resident_bytes() == 0, phase
-        off._store.check_invariants()
+        testing.check_invariants(off)
         s = off.stats()
         # Nothing live, nothing in flight: what the pool holds is idle, within its limit,
         # and it is every pinned byte the device handed out.

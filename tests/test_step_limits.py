@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import SaveForBackward
 
+from ssdtrain import testing
 from ssdtrain._policy import NO_LIMITS, StepLimits
 
 N = 64 << 10  # bytes per record
@@ -46,17 +47,16 @@ def test_each_pass_runs_under_the_limits_it_opened_with(make_offloader, monkeypa
     write-behind limit and prefetch window are the ones it opened with."""
     off = make_offloader(keep_tail_bytes=2 * N, write_behind_bytes=4 * N, prefetch_bytes=N,
                          min_tensor_bytes=4096)
-    store = off._store
     given = []
     monkeypatch.setattr(off, "_step_limits", lambda: given.pop(0))
     given.append(StepLimits(quota=3 * N, write_behind=N, window=5 * N))
     assert _step(off) == 3 * N
-    assert store.limits.quota == 3 * N
-    assert (store.write_behind, store.window) == (N, 5 * N)
+    assert testing.step_limits(off).quota == 3 * N
+    assert (testing.write_behind(off), testing.prefetch_window(off)) == (N, 5 * N)
     given.append(NO_LIMITS)
     assert _step(off) == 6 * N
-    assert store.limits is NO_LIMITS
-    assert (store.write_behind, store.window) == (4 * N, N)  # the config's, again
+    assert testing.step_limits(off) is NO_LIMITS
+    assert (testing.write_behind(off), testing.prefetch_window(off)) == (4 * N, N)  # the config's
     given.append(StepLimits(quota=0))
     assert _step(off) == 0
 
@@ -66,12 +66,20 @@ def test_a_plans_write_behind_stands_until_a_step_gives_its_own(make_offloader, 
     limit of their own run under it, a step with one under its own, and the step after
     that under the standing one again."""
     off = make_offloader(keep_tail_bytes=0, write_behind_bytes=4 * N, min_tensor_bytes=4096)
-    store = off._store
-    store.limit_write_behind(2 * N)
+    off._store.limit_write_behind(2 * N)  # as an applied plan does
     given = [NO_LIMITS, StepLimits(write_behind=7 * N), NO_LIMITS]
     monkeypatch.setattr(off, "_step_limits", lambda: given.pop(0))
     seen = []
     for _ in range(3):
         _step(off, records=2)
-        seen.append(store.write_behind)
+        seen.append(testing.write_behind(off))
     assert seen == [2 * N, 7 * N, 2 * N]
+
+
+def test_the_inspection_surface_takes_an_offloader_only(make_offloader):
+    off = make_offloader()
+    testing.check_invariants(off)
+    assert testing.engine(off).name in ("native", "posix", "kvikio")
+    assert testing.spill(off).files and testing.probe(off) is not None
+    with pytest.raises(TypeError, match="expected an ssdtrain.Offloader, got int"):
+        testing.check_invariants(3)

@@ -42,6 +42,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain.io.base import io_error
 
 # 64 KiB of float32: below glibc's mmap threshold, so memory freed by resize_ stays
@@ -123,7 +124,7 @@ class GatedWrites:
     each released write fail with that errno instead, as the device would."""
 
     def __init__(self, offloader, fail=None):
-        self.inner = offloader._store.engine
+        self.inner = testing.engine(offloader)
         self.fail = fail
         self.writes = 0
         self._gate = threading.Event()

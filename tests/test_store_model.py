@@ -63,6 +63,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import InplaceModificationError, OffloaderClosedError, SpillIOError
 
 _TESTS = str(Path(__file__).resolve().parent)
@@ -828,8 +829,8 @@ def test_manual_engine_runs_requests_only_when_told(tmp_path):
                                                     io_timeout_s=IO_TIMEOUT_S))
     try:
         engine = install(off)
-        assert isinstance(off._store.engine, ManualEngine) and engine.inner.name == "posix"
-        file = off._store.spill.files[0]
+        assert isinstance(testing.engine(off), ManualEngine) and engine.inner.name == "posix"
+        file = testing.spill(off).files[0]
         src = _page_aligned(4096)  # O_DIRECT: address and file offset agree modulo BLOCK
         src.copy_(torch.arange(4096) % 251)
         dst = _page_aligned(4096)
@@ -853,7 +854,7 @@ def test_manual_engine_runs_requests_only_when_told(tmp_path):
         assert isinstance(left.exception(), SpillIOError) and not engine.pending()
         assert [r.op for r in engine.log] == ["write", "read", "read", "read"]
     finally:
-        off._store.engine = off._store.engine.inner  # already shut down: close() is quick
+        off._store.engine = testing.engine(off).inner  # already shut down: close() is quick
         off.close()
 
 
@@ -865,7 +866,7 @@ def test_manual_engine_abandon(tmp_path):
                                                     io_timeout_s=IO_TIMEOUT_S))
     engine = install(off)
     try:
-        file = off._store.spill.files[0]
+        file = testing.spill(off).files[0]
         src = _page_aligned(4096)
         before = engine.write(file, 0, src.data_ptr(), 4096)
         engine.abandon()

@@ -48,6 +48,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import SpillIOError, _checksum
 from ssdtrain.io import native
 from ssdtrain.io.base import Capabilities, Engine, EngineWrapper
@@ -186,7 +187,7 @@ class SlowEngine(EngineWrapper):
 
 def install_slow(off, delay_s, ops) -> SlowEngine:
     """Wraps ``off``'s engine in a :class:`SlowEngine` (as ``faulty.install`` does)."""
-    slow = SlowEngine(off._store.engine, delay_s, ops)
+    slow = SlowEngine(testing.engine(off), delay_s, ops)
     off._store.engine = slow
     return slow
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from helpers import assert_same, run_step
 from ssdtrain._planner import KEEP, OFFLOAD, RECOMPUTE
 from ssdtrain._profile import default_layers
@@ -162,7 +163,7 @@ def test_adaptive_plans_after_profiling_and_stays_exact(make_offloader):
         assert off._layers.profiler.step.recompute == (step == 2)
     p = off.plan()
     assert p is off._layers.plan and p.fits and p.prediction.peak_bytes <= budget
-    assert off._store.write_behind == p.write_behind_bytes <= budget
+    assert testing.write_behind(off) == p.write_behind_bytes <= budget
     assert off._layers.history[0][0] == "profiled"
     # The recompute-all step gave compute-only times, never above the offloaded ones,
     # and a non-negative CPU cost per offloaded byte.
@@ -208,7 +209,7 @@ def test_replan_when_stalls_exceed_the_threshold(make_offloader):
     # backward waits for them, longer than a step takes on this machine right now, so
     # the stalls are well above the threshold however busy the machine is.
     delay = max(0.2, 2 * step_s)
-    engine = off._store.engine
+    engine = testing.engine(off)
     read = engine.read
 
     def slow_read(*args, **kwargs):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 
 N = 256  # 256 x 256 fp32 = 256 KiB per saved tensor
 
@@ -28,7 +29,7 @@ def _failing_offloader(spill_dir):
                                                 errno=5, filename=str(spill_dir)))
         return fut
 
-    off._store.engine.write = write
+    testing.engine(off).write = write
     return off, calls
 
 
