@@ -12,9 +12,10 @@ from ._device import GDS_PROBE_MEMORY
 from ._errors import ConfigError, OffloaderClosedError, SSDTrainError
 from ._forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site, hooks_on_stack,
                        site_ended, with_site)
-from ._policy import NO_LIMITS, TRACKER, StepLimits
+from ._policy import TRACKER
 from ._spill import SpillSet
 from ._stats import Stats, _mib
+from ._steps import step_policy
 from ._store import Store
 from .io import make_engine
 
@@ -104,27 +105,9 @@ class Offloader:
                             write_behind=MAX_BYTES if config.policy == "auto" else None)
         self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()
-        self._auto = None     # _auto.AutoQuota: the quota of each step (policy "auto")
-        self._auto_step = False  # the pass open (or last opened) is a step of its quota
-        self._stalls = None   # _auto.StallWatch (policy "static")
-        if config.policy == "static":
-            from ._auto import StallWatch
-            self._stalls = StallWatch(log.warning)
-        if config.policy == "auto":
-            from ._auto import AutoQuota
-            store = self._store
-            host = config.host_budget_bytes
-            self._auto = AutoQuota(
-                config.max_slowdown,
-                (lambda nbytes: store.probe.time_io(nbytes, repeats=2)) if spill.files else None,
-                self._stats, window_bytes=config.prefetch_bytes,
-                tail_bytes=config.keep_tail_bytes,
-                copy_probe=None if host is None else
-                (lambda nbytes: store.probe.time_copies(nbytes, repeats=2)),
-                host_bytes=host or 0, sync=store.probe.synchronize_devices,
-                headroom=store.headroom, write_behind_bytes=config.write_behind_bytes,
-                warn=log.warning, outbound=store.outbound_bytes)
-            store.on_backward_end = self._auto.end_backward
+        # What the policy does at each step's boundaries (NOTE [ Step policies ] in _steps.py)
+        self._steps = step_policy(config, self._store, self._stats, log.warning)
+        self._auto = self._steps.quota  # _auto.AutoQuota under policy "auto", else None
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
@@ -183,13 +166,10 @@ class Offloader:
             raise SSDTrainError("ssdtrain: policy='adaptive' plans per layer and needs the "
                                 "layers: call offloader.track(model) before the first forward "
                                 "(or use policy='static').")
-        # A pass with grad mode off (evaluation) saves nothing for backward: not a step of
-        # the quota (NOTE [ The offload quota ]), whose S and times it would take as a
-        # training step's; attach() opens no pass for such a call at all.
-        self._auto_step = self._auto is not None and torch.is_grad_enabled()
-        limits = self._step_limits()
-        if self._stalls is not None and not self._auto_step:
-            self._stalls.begin_step(self._stats)  # static: says once if the SSD is the bottleneck
+        # The step's limits (NOTE [ Step policies ]). A pass with grad mode off
+        # (evaluation) saves nothing for backward: no step of a policy that measures
+        # (attach() opens no pass for such a call at all).
+        limits = self._steps.begin_step(torch.is_grad_enabled())
         fwd.move(Phase.OPENING)
         fwd.site = site
         self._store.begin_pass(limits)
@@ -197,32 +177,12 @@ class Offloader:
             self._layers.begin_step()
         fwd.move(Phase.OPEN)
 
-    def _step_limits(self):
-        """The next step's :class:`~ssdtrain._policy.StepLimits`, before its pass opens:
-        policy ``"auto"``'s quota, floor, write-behind limit and prefetch window for a
-        training step (NOTE [ The offload quota ] in _auto.py), none of its own
-        otherwise (``"static"``; ``"adaptive"``, whose plan decides per layer)."""
-        if not self._auto_step:
-            return NO_LIMITS
-        auto = self._auto
-        # What ended since backward is settled first: a copy the hooks started is
-        # settled by a poll only (NOTE [ Copies the hooks start ] in _device.py), and
-        # one still counted in flight would read as a lag.
-        self._store.settle()
-        quota = auto.begin_step()  # may probe the disk, once: before the pass opens
-        # The sizing step (no quota), and every step under a memory floor, wait for
-        # writes past write_behind_bytes as "static" does (NOTE [ The offload quota ]).
-        return StepLimits(quota=quota, floor=0 if quota is None else auto.floor,
-                          write_behind=self.config.write_behind_bytes if auto.waits_for_writes
-                          else MAX_BYTES, window=auto.window(self.config.prefetch_bytes))
-
     def _forward_raised(self, exc) -> None:
         """A forward of this offloader raised ``exc`` (``with``, ``intercept()``, an
-        attached module's call): an out-of-memory error is a measurement of policy
-        ``"auto"`` (NOTE [ The offload quota ], step 0), taken before it propagates, so
-        that the next step offloads enough to fit."""
-        if self._auto_step and _out_of_memory(exc):
-            self._auto.out_of_memory()
+        attached module's call): the step policy sees it (under policy ``"auto"`` an
+        out-of-memory error is a measurement, NOTE [ The offload quota ], step 0, taken
+        before it propagates, so that the next step offloads enough to fit)."""
+        self._steps.forward_raised(exc, _out_of_memory(exc))
 
     def _recover_forward(self, site=None, hook_site=None) -> None:
         """Before a forward operation (NOTE [ Forward phases ]): finish a transition an
@@ -331,8 +291,7 @@ class Offloader:
             self._store.raise_pending_error()
 
     def _close_step(self):
-        if self._auto is not None:
-            self._auto.end_forward()
+        self._steps.end_forward()
         if self._layers is not None:
             self._layers.end_forward()
         self._store.end_pass()
@@ -382,17 +341,17 @@ class Offloader:
                                 "begin_forward() first (or use `with offloader:`).")
         fwd.move(Phase.HOOKING)
         fwd.hook_site = site
-        auto = self._auto
+        steps = self._steps
         # A step of policy "auto" with nothing to offload intercepts nothing, and starts
         # no module tracker (NOTE [ The offload quota ], step 5), unless our hooks would
         # shadow another pair. (TRACKER.stop ignores a user it did not start.)
         below = hooks_on_stack()
-        if auto is None or auto.intercepts or self._layers is not None or below:
+        if steps.intercepts or self._layers is not None or below:
             TRACKER.start(fwd)
             # NOTE [ Hooks off past the window ] in _auto.py: armed only where popping
             # ours mid-forward exposes no other pair, and no plan needs every record.
             store = self._store
-            if auto is not None and auto.may_cut and self._layers is None and not below:
+            if steps.may_cut and self._layers is None and not below:
                 store.on_cut = self._cut
                 store.cut_after = max(1, store.window)
             # Read on each entry: tests replace the store's hooks to spy on them.

@@ -100,7 +100,8 @@ def host_budget():
 # ssdtrain/_forward.py): the public API, the forward's phases, attach, the module-state
 # tracker, the layer policy and its profiler and planner.
 STEP_MODULES = ("ssdtrain.api", "ssdtrain._forward", "ssdtrain._attach", "ssdtrain._policy",
-                "ssdtrain._adaptive", "ssdtrain._profile", "ssdtrain._planner", "ssdtrain._auto")
+                "ssdtrain._steps", "ssdtrain._adaptive", "ssdtrain._profile", "ssdtrain._planner",
+                "ssdtrain._auto")
 # The integrations' per-step hooks.
 INTEGRATION_MODULES = ("ssdtrain.integrations.deepspeed", "ssdtrain.integrations.megatron")
 

@@ -147,7 +147,7 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 #
 # The same harness, one level up: KeyboardInterrupt at the lines of the modules a step
 # passes through above the store (inject.STEP_MODULES: api, _forward, _attach,
-# _policy, _adaptive, _profile, _planner, _auto, and the adapters' hooks in
+# _policy, _steps, _adaptive, _profile, _planner, _auto, and the adapters' hooks in
 # integrations/; named as modules, found where Python imports them from), each way a step can enter the offloader
 # (inject.Scenario.MODES). Every case also checks that close() leaves nothing behind:
 # no saved-tensor hooks on the thread's stack, the module-state tracker stopped, no
@@ -175,7 +175,8 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # week (NOTE [ Sweeps take turns by week ] in tests/helpers.py); every part with
 # SSDTRAIN_TEST_ALL_SHARDS=1.
 STEP_SWEEPS = {
-    "with": dict(engine="posix", select="first", only="ssdtrain.api,ssdtrain._forward,ssdtrain._policy",
+    "with": dict(engine="posix", select="first",
+                 only="ssdtrain.api,ssdtrain._forward,ssdtrain._policy,ssdtrain._steps",
                  parts=2),
     "attach": dict(engine="native", select="last", only="ssdtrain._attach", parts=2),
     "adaptive": dict(engine="posix", select="first", only="ssdtrain._adaptive",
@@ -183,9 +184,12 @@ STEP_SWEEPS = {
     "deepspeed": dict(engine="posix", select="first", only="ssdtrain.integrations.deepspeed", parts=1),
     "default": dict(engine="posix", select="first", only="ssdtrain._auto", parts=1),
     # the API's lines that differ under the default policy, in the same scenario
-    "default-api": dict(scenario="default", engine="posix", select="first", only="ssdtrain.api",
+    "default-api": dict(scenario="default", engine="posix", select="first",
+                        only="ssdtrain.api,ssdtrain._steps",
                         only_function="ssdtrain.api:Offloader._open_forward,"
-                                      "ssdtrain.api:Offloader._step_limits,"
+                                      "ssdtrain._steps:AutoSteps.begin_step,"
+                                      "ssdtrain._steps:AutoSteps.forward_raised,"
+                                      "ssdtrain._steps:AutoSteps.end_forward,"
                                       "ssdtrain.api:Offloader._hook_on,"
                                       "ssdtrain.api:Offloader._close_step", parts=1),
     # the hooks coming off past the quota and the prefetch window (NOTE [ Hooks off

@@ -44,7 +44,8 @@ LAYERS = (
     ("config", {"_config"}),
     ("store", {"_store", "_table", "_iothread", "_events", "_writeback", "_prefetch",
                "_hosttier", "_probe"}),
-    ("policies", {"_auto", "_adaptive", "_profile", "_planner", "_attach", "_forward"}),
+    ("policies", {"_auto", "_steps", "_adaptive", "_profile", "_planner", "_attach",
+                  "_forward"}),
     ("estimate", {"_estimate", "estimate"}),
     ("top", {"", "api", "__main__", "check", "tools", "testing"}),
 )

@@ -48,7 +48,7 @@ def test_each_pass_runs_under_the_limits_it_opened_with(make_offloader, monkeypa
     off = make_offloader(keep_tail_bytes=2 * N, write_behind_bytes=4 * N, prefetch_bytes=N,
                          min_tensor_bytes=4096)
     given = []
-    monkeypatch.setattr(off, "_step_limits", lambda: given.pop(0))
+    monkeypatch.setattr(off._steps, "begin_step", lambda training: given.pop(0))
     given.append(StepLimits(quota=3 * N, write_behind=N, window=5 * N))
     assert _step(off) == 3 * N
     assert testing.step_limits(off).quota == 3 * N
@@ -68,7 +68,7 @@ def test_a_plans_write_behind_stands_until_a_step_gives_its_own(make_offloader, 
     off = make_offloader(keep_tail_bytes=0, write_behind_bytes=4 * N, min_tensor_bytes=4096)
     off._store.limit_write_behind(2 * N)  # as an applied plan does
     given = [NO_LIMITS, StepLimits(write_behind=7 * N), NO_LIMITS]
-    monkeypatch.setattr(off, "_step_limits", lambda: given.pop(0))
+    monkeypatch.setattr(off._steps, "begin_step", lambda training: given.pop(0))
     seen = []
     for _ in range(3):
         _step(off, records=2)
@@ -83,3 +83,23 @@ def test_the_inspection_surface_takes_an_offloader_only(make_offloader):
     assert testing.spill(off).files and testing.probe(off) is not None
     with pytest.raises(TypeError, match="expected an ssdtrain.Offloader, got int"):
         testing.check_invariants(3)
+
+
+@pytest.mark.parametrize("policy", ["static", "auto", "adaptive"])
+def test_each_policy_is_a_step_policy_type(make_offloader, policy):
+    """NOTE [ Step policies ]: the Offloader holds one StepPolicy per config, and only
+    "auto" has limits of its own; a pass with grad mode off gets none under any."""
+    from ssdtrain._steps import AdaptiveSteps, AutoSteps, StaticSteps, StepPolicy
+    off = make_offloader(policy=policy, **({"memory_budget_bytes": 1 << 30}
+                                           if policy == "adaptive" else {}))
+    steps = off._steps
+    assert isinstance(steps, StepPolicy)
+    assert type(steps) is {"static": StaticSteps, "auto": AutoSteps,
+                           "adaptive": AdaptiveSteps}[policy]
+    assert (steps.quota is not None) == (policy == "auto") and steps.quota is off._auto
+    assert steps.begin_step(False) is NO_LIMITS
+    if policy != "auto":
+        assert steps.begin_step(True) is NO_LIMITS
+        assert steps.intercepts and not steps.may_cut
+    else:
+        assert steps.training is False
