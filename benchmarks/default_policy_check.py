@@ -122,6 +122,44 @@ def run(args, spill_dir):
     return rows
 
 
+def static_ab(args, spill_dir):
+    """What offloading every eligible tensor costs the scenario's steps here, so that a
+    share the default keeps low can be told from noise: the step (forward and backward,
+    each write landed) with no offloader, with ``policy="static"``, and with
+    ``policy="static", verify=False``, in turn in one process, ``--static-ab`` rounds
+    after two warm-up rounds. ``{way: {"step_s": median, "ratio": to none}}``."""
+    import contextlib
+    import statistics
+    build = gpt2_step_fn if args.scenario == "gpt2" else \
+        (lambda seed: accum_step_fn(seed, args.optimizer_s))
+    micro_batch, optimizer_step = build(args.seed)
+    extra = {} if args.scenario == "gpt2" else {"keep_tail_bytes": 0}
+    ways = {"none": contextlib.nullcontext(),
+            "static": ssdtrain.Offloader(spill_dir=spill_dir, policy="static", **extra),
+            "static, verify off": ssdtrain.Offloader(spill_dir=spill_dir, policy="static",
+                                                     verify=False, **extra)}
+    times = {w: [] for w in ways}
+    names = list(ways)
+    try:
+        for r in range(args.static_ab + 2):
+            for w in names[r % 3:] + names[:r % 3]:
+                off = ways[w]
+                t = time.perf_counter()
+                micro_batch(off)
+                if w != "none":
+                    off.wait()
+                if r >= 2:
+                    times[w].append(time.perf_counter() - t)
+                optimizer_step()
+        offloaded = {w: 0 if w == "none" else ways[w].stats().offloaded_bytes for w in names}
+    finally:
+        for w in names[1:]:
+            ways[w].close()
+    med = {w: statistics.median(v) for w, v in times.items()}
+    return {w: {"step_s": med[w], "ratio": med[w] / med["none"], "steps": times[w],
+                "offloaded_bytes": offloaded[w]} for w in names}
+
+
 def summarize(rows, warmup):
     after = rows[warmup:]
     shares = [0.0 if math.isnan(r["share"]) else r["share"] for r in after]
@@ -143,14 +181,26 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="steps (micro-batches) not summarized")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--spill-dir", default=None)
+    p.add_argument("--static-ab", type=int, default=0, metavar="ROUNDS",
+                   help="then time the scenario's steps with no offloader, with "
+                        "policy='static' and with verify off as well, in turn, ROUNDS rounds "
+                        "(what offloading everything costs here; default 0: not run)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     if args.micro_batches is None:
         args.micro_batches = 1 if args.scenario == "gpt2" else 4
     if args.steps < 1 or args.micro_batches < 1 or args.optimizer_s < 0 or args.warmup < 0:
         p.error("--steps and --micro-batches must be >= 1, --optimizer-s and --warmup >= 0")
+    if args.static_ab < 0:
+        p.error("--static-ab must be >= 0")
     with tempfile.TemporaryDirectory(dir=args.spill_dir) as spill_dir:
         rows = run(args, spill_dir)
+        ab = static_ab(args, spill_dir) if args.static_ab else None
     summary = summarize(rows, args.warmup)
     print(f"## default_policy_check: {args.scenario}, {args.steps} optimizer steps x "
           f"{args.micro_batches} micro-batch(es)"
@@ -165,12 +215,22 @@ def main(argv=None):
     print(f"Mean share after {args.warmup} steps: {summary['mean_share_after_warmup']:.2f} "
           f"({summary['steps_without_hooks']} of {summary['steps_after_warmup']} without "
           f"hooks, counted 0); reasons that said 'lowered': {summary['lowered']}.")
+    if ab is not None:
+        print()
+        print(f"Every eligible tensor offloaded, {args.static_ab} rounds in turn, "
+              f"{torch.get_num_threads()} torch threads (median step: forward, backward, "
+              f"writes landed):")
+        print()
+        print(_common.md_table(["way", "step (ms)>", "x none>"],
+                               [[w, f"{a['step_s'] * 1e3:.0f}", f"{a['ratio']:.3f}"]
+                                for w, a in ab.items()]))
     print(f"ssdtrain from {os.path.dirname(ssdtrain.__file__)}; command: "
           f"{' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"scenario": args.scenario, "args": vars(args), "rows": rows,
-                       "summary": summary, "ssdtrain": os.path.dirname(ssdtrain.__file__)},
+                       "summary": summary, "static_ab": ab,
+                       "ssdtrain": os.path.dirname(ssdtrain.__file__)},
                       f, indent=1)
     return summary
 
