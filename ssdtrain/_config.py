@@ -583,8 +583,8 @@ def _normalize_dirs(value) -> Optional[List[str]]:
 
 # ------------------------------------------------------- host_budget_bytes
 def default_host_budget(memory=None):
-    """``host_budget_bytes="auto"`` (NOTE [ Host tier ] in _hosttier.py): ``(bytes, why)``, half of the
-    host memory this process may use (``memory``: a ``_limits.HostMemory``, by default
+    """``host_budget_bytes="auto"`` (NOTE [ Host tier ] in _hosttier.py): ``(bytes,
+    why)``, half of the host memory this process may use (``memory``: a ``_limits.HostMemory``, by default
     :func:`~ssdtrain._limits.host_memory`'s), and where that came from."""
     memory = host_memory() if memory is None else memory
     return memory.total // 2, "half of " + memory.describe()

@@ -12,8 +12,8 @@ memory, and only an SSD can free it).
 
 **What is decided, and when (``INV-DECIDED``).** A record leaves the tail window at a
 pack (NOTE [ The pack decision ] in _policy.py), and is then *admitted* to the host
-tier: its bytes are counted in :class:`~ssdtrain._budget.HostBudget` (in the order records are admitted,
-which is save order, dedup moves in the window included). When the admitted bytes go
+tier: its bytes are counted in :class:`~ssdtrain._budget.HostBudget` (in the order
+records are admitted, which is save order, dedup moves in the window included). When the admitted bytes go
 beyond the budget:
 
 * with an SSD tier, the *earliest admitted* records leave the tier for the SSD until
@@ -74,8 +74,8 @@ process may use: the effective limit of its own memory cgroup (the least along i
 path, v1 or v2) or, without one, the machine's RAM (``_limits.host_memory``, NOTE [
 Memory limits ] in _limits.py). ``RLIMIT_MEMLOCK`` does not cap it: CUDA's pinned
 memory is not counted against it (that NOTE says why); it is charged to the cgroup.
-:func:`~ssdtrain._config.default_host_budget` computes it and says where the number came from
-(``ResolvedConfig.host_budget_reason``, logged when an offloader is made).
+:func:`~ssdtrain._config.default_host_budget` computes it and says where the number
+came from (``ResolvedConfig.host_budget_reason``, logged when an offloader is made).
 """
 
 from __future__ import annotations

@@ -134,7 +134,6 @@ def slot_bound(nbytes: int) -> int:
     return align_up(nbytes + BLOCK - 1)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class StepLimits:
     """What one step (a forward pass and its backward) may do, fixed before its pass
@@ -167,6 +166,7 @@ class StepLimits:
 
 
 NO_LIMITS = StepLimits()
+
 
 class TailWindow:
     """The records of forward not decided yet: the last ``keep_tail_bytes`` of saved

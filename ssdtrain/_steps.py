@@ -26,9 +26,11 @@ phase code does not change.
 from __future__ import annotations
 
 from ._auto import AutoQuota, StallWatch
+from ._config import MAX_BYTES
 from ._policy import NO_LIMITS, StepLimits
 
-__all__ = ["StepPolicy", "StaticSteps", "AutoSteps", "AdaptiveSteps", "step_policy"]
+__all__ = ["StepPolicy", "StaticSteps", "AutoSteps", "AdaptiveSteps", "step_policy",
+           "standing_write_behind"]
 
 
 class StepPolicy:
@@ -36,7 +38,7 @@ class StepPolicy:
     boundary does nothing, every step intercepts, none is cut."""
 
     #: the quota controller, for a policy that has one (tools and tests read it)
-    quota = None
+    controller = None
 
     @property
     def intercepts(self) -> bool:
@@ -79,7 +81,7 @@ class AutoSteps(StepPolicy):
     quota ] in _auto.py).
 
     Args:
-        quota: the :class:`~ssdtrain._auto.AutoQuota`.
+        controller: the quota controller, an :class:`~ssdtrain._auto.AutoQuota`.
         settle: settles what ended since backward, before a step's measurements are
             taken (a copy the hooks started is settled by a poll only, NOTE [ Copies
             the hooks start ] in _device.py, and one still counted in flight would read
@@ -88,9 +90,9 @@ class AutoSteps(StepPolicy):
         no_limit: the write-behind limit of a step that does not wait for writes.
     """
 
-    def __init__(self, quota: AutoQuota, settle, write_behind_bytes: int, prefetch_bytes: int,
-                 no_limit: int):
-        self.quota = quota
+    def __init__(self, controller: AutoQuota, settle, write_behind_bytes: int,
+                 prefetch_bytes: int, no_limit: int):
+        self.controller = controller
         self._settle = settle
         self._write_behind = write_behind_bytes
         self._prefetch = prefetch_bytes
@@ -99,11 +101,11 @@ class AutoSteps(StepPolicy):
 
     @property
     def intercepts(self) -> bool:
-        return self.quota.intercepts
+        return self.controller.intercepts
 
     @property
     def may_cut(self) -> bool:
-        return self.quota.may_cut
+        return self.controller.may_cut
 
     def begin_step(self, training: bool) -> StepLimits:
         # A pass with grad mode off (evaluation) saves nothing for backward: not a step of
@@ -111,7 +113,7 @@ class AutoSteps(StepPolicy):
         self.training = training
         if not training:
             return NO_LIMITS
-        auto = self.quota
+        auto = self.controller
         self._settle()
         quota = auto.begin_step()  # may probe the disk, once: before the pass opens
         # The sizing step (no quota), and every step under a memory floor, wait for
@@ -124,10 +126,18 @@ class AutoSteps(StepPolicy):
         """An out-of-memory error is a measurement (NOTE [ The offload quota ], step 0),
         taken before it propagates, so that the next step offloads enough to fit."""
         if self.training and out_of_memory:
-            self.quota.out_of_memory()
+            self.controller.out_of_memory()
 
     def end_forward(self) -> None:
-        self.quota.end_forward()
+        self.controller.end_forward()
+
+
+def standing_write_behind(config):
+    """The write-behind limit a store of ``config`` stands by between steps' own limits
+    (``Store(write_behind=...)``): none under ``policy="auto"``, whose forward waits for
+    writes only where a step's limits say so (NOTE [ The offload quota ] in _auto.py),
+    else ``None`` (the config's ``write_behind_bytes``)."""
+    return MAX_BYTES if config.policy == "auto" else None
 
 
 def step_policy(config, store, stats, warn) -> StepPolicy:
@@ -137,9 +147,8 @@ def step_policy(config, store, stats, warn) -> StepPolicy:
         return StaticSteps(stats, warn)
     if config.policy == "adaptive":
         return AdaptiveSteps()
-    from ._config import MAX_BYTES
     host = config.host_budget_bytes
-    quota = AutoQuota(
+    controller = AutoQuota(
         config.max_slowdown,
         (lambda nbytes: store.probe.time_io(nbytes, repeats=2)) if store.spill.files else None,
         stats, window_bytes=config.prefetch_bytes, tail_bytes=config.keep_tail_bytes,
@@ -147,6 +156,6 @@ def step_policy(config, store, stats, warn) -> StepPolicy:
         (lambda nbytes: store.probe.time_copies(nbytes, repeats=2)),
         host_bytes=host or 0, sync=store.probe.synchronize_devices, headroom=store.headroom,
         write_behind_bytes=config.write_behind_bytes, warn=warn, outbound=store.outbound_bytes)
-    store.on_backward_end = quota.end_backward
-    return AutoSteps(quota, store.settle, config.write_behind_bytes, config.prefetch_bytes,
-                     MAX_BYTES)
+    store.on_backward_end = controller.end_backward
+    return AutoSteps(controller, store.settle, config.write_behind_bytes,
+                     config.prefetch_bytes, MAX_BYTES)

@@ -15,7 +15,7 @@ from ._forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site, hooks_
 from ._policy import TRACKER
 from ._spill import SpillSet
 from ._stats import Stats, _mib
-from ._steps import step_policy
+from ._steps import standing_write_behind, step_policy
 from ._store import Store
 from .io import make_engine
 
@@ -100,14 +100,13 @@ class Offloader:
         if config.host_budget_bytes is not None:  # NOTE [ Memory limits ] in _limits.py
             log.info("ssdtrain: host tier budget %s: %s", _mib(config.host_budget_bytes),
                      config.host_budget_reason)
-        # policy "auto": no write-behind limit but a step's own (NOTE [ The offload quota ])
         self._store = Store(config, spill, engine, self._stats,
-                            write_behind=MAX_BYTES if config.policy == "auto" else None)
+                            write_behind=standing_write_behind(config))
         self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()
         # What the policy does at each step's boundaries (NOTE [ Step policies ] in _steps.py)
         self._steps = step_policy(config, self._store, self._stats, log.warning)
-        self._auto = self._steps.quota  # _auto.AutoQuota under policy "auto", else None
+        self._auto = self._steps.controller  # _auto.AutoQuota under policy "auto", else None
 
     # ---------------------------------------------------------------- context
     def __enter__(self):

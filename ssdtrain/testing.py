@@ -4,8 +4,9 @@ documented inspection surface.
 The store behind an offloader is private and its shape changes (docs/ARCHITECTURE.md).
 A test that reached into it (``off._store.check_invariants()``) would break whenever it
 does, and one that only reads what it needs through here breaks only if the meaning
-changes. Nothing here changes what the offloader does; each function reads the state
-as it is, without waiting for anything.
+changes. Nothing here waits for I/O or changes what the offloader decides; only
+:func:`check_invariants` acts, as every store operation does first: it applies the
+completions already queued (a request that ended, a handle that died) before it looks.
 
 * :func:`check_invariants`: the store's invariants (records, tables, counts, the tail
   window, the host tier) hold, else ``AssertionError`` naming each that does not.
@@ -32,8 +33,9 @@ def _store(off):
 
 
 def check_invariants(off) -> None:
-    """Raise ``AssertionError`` naming every store invariant that does not hold now
-    (docs/ARCHITECTURE.md, "Invariants"); return None when all hold."""
+    """Apply the completions already queued, then raise ``AssertionError`` naming every
+    store invariant that does not hold (docs/ARCHITECTURE.md, "Invariants"); return None
+    when all hold."""
     _store(off).check_invariants()
 
 

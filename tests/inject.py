@@ -1218,7 +1218,8 @@ def _main(argv=None):
             if args.select != "full":
                 tgts = [t for t in tgts if t[2] == (1 if args.select == "first" else t[3])]
             if args.only:
-                tgts = [t for t in tgts if t[0] in module_files(args.only)]
+                keep = module_files(args.only)
+                tgts = [t for t in tgts if t[0] in keep]
             every = len(tgts)
             if args.shard:  # NOTE [ Sweeps take turns by week ] (tests/helpers.py)
                 tgts = shard_of(tgts, *args.shard)

@@ -148,8 +148,8 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # The same harness, one level up: KeyboardInterrupt at the lines of the modules a step
 # passes through above the store (inject.STEP_MODULES: api, _forward, _attach,
 # _policy, _steps, _adaptive, _profile, _planner, _auto, and the adapters' hooks in
-# integrations/; named as modules, found where Python imports them from), each way a step can enter the offloader
-# (inject.Scenario.MODES). Every case also checks that close() leaves nothing behind:
+# integrations/; named as modules, found where Python imports them from), each way a
+# step can enter the offloader (inject.Scenario.MODES). Every case also checks that close() leaves nothing behind:
 # no saved-tensor hooks on the thread's stack, the module-state tracker stopped, no
 # hook or recompute wrapper on the model, file descriptors and threads back to what
 # the process held before the offloader (inject.check_released).
@@ -181,7 +181,8 @@ STEP_SWEEPS = {
     "attach": dict(engine="native", select="last", only="ssdtrain._attach", parts=2),
     "adaptive": dict(engine="posix", select="first", only="ssdtrain._adaptive",
                      skip="ssdtrain._profile:measure_bandwidth", parts=3),
-    "deepspeed": dict(engine="posix", select="first", only="ssdtrain.integrations.deepspeed", parts=1),
+    "deepspeed": dict(engine="posix", select="first", only="ssdtrain.integrations.deepspeed",
+                      parts=1),
     "default": dict(engine="posix", select="first", only="ssdtrain._auto", parts=1),
     # the API's lines that differ under the default policy, in the same scenario
     "default-api": dict(scenario="default", engine="posix", select="first",
@@ -195,7 +196,8 @@ STEP_SWEEPS = {
     # the hooks coming off past the quota and the prefetch window (NOTE [ Hooks off
     # past the window ] in _auto.py): the API's and the forward state's lines, then the
     # store's pack that calls it
-    "cut": dict(scenario="cut", engine="posix", select="first", only="ssdtrain.api,ssdtrain._forward",
+    "cut": dict(scenario="cut", engine="posix", select="first",
+                only="ssdtrain.api,ssdtrain._forward",
                 only_function="ssdtrain.api:Offloader._hook_on,ssdtrain.api:Offloader._cut,"
                               "ssdtrain.api:Offloader._unhook,"
                               "ssdtrain._forward:ForwardState.pop_if_top", parts=1),

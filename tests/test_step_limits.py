@@ -96,7 +96,8 @@ def test_each_policy_is_a_step_policy_type(make_offloader, policy):
     assert isinstance(steps, StepPolicy)
     assert type(steps) is {"static": StaticSteps, "auto": AutoSteps,
                            "adaptive": AdaptiveSteps}[policy]
-    assert (steps.quota is not None) == (policy == "auto") and steps.quota is off._auto
+    assert (steps.controller is not None) == (policy == "auto")
+    assert steps.controller is off._auto
     assert steps.begin_step(False) is NO_LIMITS
     if policy != "auto":
         assert steps.begin_step(True) is NO_LIMITS
