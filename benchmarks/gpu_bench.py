@@ -60,7 +60,7 @@ offloaded per measured step.
 
 Without CUDA the script says why and exits 2. The hidden ``--cpu-dry-run`` runs both
 tables on the CPU with small shapes (ssdtrain's rows on the loopback device,
-``ssdtrain/_loopback.py``, so they take the device path): the tests run it.
+``ssdtrain/testing/loopback.py``, so they take the device path): the tests run it.
 
 Example::
 

@@ -9,7 +9,7 @@ holding the activations autograd saves for backward, on the GPT of
 * ``ssdtrain``: ``with ssdtrain.Offloader(...)`` around forward, SSD only (no host
   tier: every offloaded record is written to ``--spill-dir`` and read back from it);
 * ``ssdtrain-host``: the host-RAM tier with the SSD beyond it (``host_budget_bytes``
-  from ``--host-budget``, NOTE [ Host tier ] in ``ssdtrain/_hosttier.py``): records go
+  from ``--host-budget``, NOTE [ Host tier ] in ``ssdtrain/_store/hosttier.py``): records go
   to pinned RAM while the budget allows, the earliest saved on to the SSD;
 * ``ssdtrain-ram``: the host tier alone (``host_budget_bytes="unlimited"``, no
   ``spill_dir``: nothing touches the disk). This is the mode to hold against
@@ -61,7 +61,7 @@ the mode repeats itself at all.
 
 Without CUDA the script prints why and exits with status 2. (The hidden
 ``--cpu-dry-run`` runs the same loop on the CPU for the tests; there the ssdtrain modes
-run on the loopback device, ``ssdtrain/_loopback.py``, which gives CPU tensors the
+run on the loopback device, ``ssdtrain/testing/loopback.py``, which gives CPU tensors the
 device path and so the host tier, as a GPU would.)
 
 Example::

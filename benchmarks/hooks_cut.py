@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What taking the hooks off past the quota saves the training thread (NOTE [ Hooks off
-past the window ] in ssdtrain/_auto.py).
+past the window ] in ssdtrain/_policies/auto.py).
 
 A launch-like loop (``--count`` saves of ``--size`` bytes through a
 ``torch.autograd.Function``, ``--fill`` small tensor ops between saves, as a thread

@@ -2,7 +2,7 @@
 """What a saved tensor costs the training thread past ``policy="auto"``'s quota.
 
 Once a step's offload quota is spent, a tensor whose storage has no record is kept in
-memory without becoming one (NOTE [ The pack decision ] in ssdtrain/_policy.py). This
+memory without becoming one (NOTE [ The pack decision ] in ssdtrain/_decision/policy.py). This
 times ssdtrain's pack and unpack hooks (``ssdtrain.tools.HookTimer``) for the same op
 loop in three ways, interleaved in one process:
 

@@ -19,7 +19,7 @@ returned; then it checks, through the public API only:
 
 * pinned staging: ``Stats.staging_bytes`` (all pinned memory ssdtrain holds) is at most
   the idle limit, ``write_behind_bytes + prefetch_bytes + host_budget_bytes``, and is all
-  idle (``Stats.staging_idle_bytes``; NOTE [ Bounded staging ] in ssdtrain/_device.py);
+  idle (``Stats.staging_idle_bytes``; NOTE [ Bounded staging ] in ssdtrain/_device/transfers.py);
 * ``live_records()``, ``spill_bytes_in_use()``, ``resident_bytes()`` are 0;
 * open file descriptors (``/proc/self/fd``) and threads (``threading.active_count()``,
   ``/proc/self/task``) are no more than after the first two phases;
@@ -27,7 +27,7 @@ returned; then it checks, through the public API only:
   the second phase on;
 * every error raised was raised in the step whose own write failed, and every fault
   that fired is raised or counted (``Stats.unneeded_failures``; NOTE [ One event, one
-  error ] in ssdtrain/_events.py).
+  error ] in ssdtrain/_store/events.py).
 
 Output: a markdown table (one row per phase, or every ``--print-every``-th), a summary,
 and JSON (``--json``, default ``benchmarks/results/soak.json``) with every phase's numbers.

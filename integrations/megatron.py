@@ -160,7 +160,7 @@ class LayerStats:
     Counted while the layer runs under interception (synchronously, at pack time);
     layers that are not offloaded stay at zero, and so do the layers of a step of
     ``policy="auto"`` after its hooks came off past its quota and prefetch window
-    (``Stats.hooks_cut_steps``; NOTE [ Hooks off past the window ] in ``_auto.py``).
+    (``Stats.hooks_cut_steps``; NOTE [ Hooks off past the window ] in ``_policies/auto.py``).
     """
 
     passes: int = 0
@@ -370,7 +370,7 @@ class _BlockOffloadContext:
     # before ``begin_forward()``, ``_intercept`` before the intercept is entered), and
     # the next block forward (or ``disable``) that finds either set ends whatever
     # the offloader has open with ``Offloader.abort_forward``, whose undos are
-    # idempotent (NOTE [ Forward phases ] in ssdtrain/_forward.py). Without it, a
+    # idempotent (NOTE [ Forward phases ] in ssdtrain/_offloader/forward.py). Without it, a
     # pass opened by ``begin_forward()`` (no ``with`` site) stays open for good, and
     # every later forward raises "already open".
     def _begin(self):

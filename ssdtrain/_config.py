@@ -255,7 +255,7 @@ class OffloadConfig:
     the limit, and a full device is a write error, see ``on_spill_error``)."""
 
     host_budget_bytes: Union[int, str, None] = None
-    """The host-RAM tier (NOTE [ Host tier ] in ``ssdtrain/_hosttier.py``): most bytes of
+    """The host-RAM tier (NOTE [ Host tier ] in ``ssdtrain/_store/hosttier.py``): most bytes of
     device records (CUDA tensors) held in pinned host memory. Records that leave device
     memory go to RAM while the budget allows; beyond it the earliest saved go to the SSD
     (backward needs them last), and backward loads from RAM what is there. With a host
@@ -464,7 +464,9 @@ class OffloadConfig:
         """
         if isinstance(self, ResolvedConfig):
             return self
-        from . import _checksum, _device, _spill, io  # the store layer resolves (Layers)
+        from .io import checksum as _checksum, spill as _spill
+        from ._device import transfers as _device
+        from . import io  # the store layer resolves (Layers)
         host, host_why = resolve_budget(self.host_budget_bytes)
         if self.spill_dir is not None:
             dirs = self.spill_dir
@@ -583,7 +585,7 @@ def _normalize_dirs(value) -> Optional[List[str]]:
 
 # ------------------------------------------------------- host_budget_bytes
 def default_host_budget(memory=None):
-    """``host_budget_bytes="auto"`` (NOTE [ Host tier ] in _hosttier.py): ``(bytes,
+    """``host_budget_bytes="auto"`` (NOTE [ Host tier ] in _store/hosttier.py): ``(bytes,
     why)``, half of the host memory this process may use (``memory``: a ``_limits.HostMemory``, by default
     :func:`~ssdtrain._limits.host_memory`'s), and where that came from."""
     memory = host_memory() if memory is None else memory

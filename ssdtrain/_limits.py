@@ -10,8 +10,8 @@ follow from it (:func:`host_memory`):
 
 * ``total``: the least of ``MemTotal`` (``/proc/meminfo``) and the cgroup's
   *effective limit*. ``host_budget_bytes="auto"`` is half of it (NOTE [ Host tier ] in
-  _hosttier.py); ``policy="auto"``'s memory floor keeps 10% of it free on a CPU-only
-  run (NOTE [ The offload quota ] in _auto.py, step 0, through ``Probe.headroom``).
+  _store/hosttier.py); ``policy="auto"``'s memory floor keeps 10% of it free on a CPU-only
+  run (NOTE [ The offload quota ] in _policies/auto.py, step 0, through ``Probe.headroom``).
 * ``available``: the least of ``MemAvailable`` and, at each cgroup level with a limit,
   that limit less its usage plus its inactive file pages (page cache the kernel
   reclaims before it kills anything: v2 ``memory.stat``'s ``inactive_file``, v1's

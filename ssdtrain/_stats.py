@@ -24,7 +24,7 @@ class Stats:
     offloaded_bytes: int = 0
     """Bytes sent to the spill tier (each record once; with a host tier, to RAM or to
     the SSD: ``host_spilled_bytes`` says how many went on to the SSD), counted when pack
-    decides it (NOTE [ The pack decision ] in ``_policy.py``): the same in every run of the same
+    decides it (NOTE [ The pack decision ] in ``_decision/policy.py``): the same in every run of the same
     model, and what ``ssdtrain estimate`` gives. A record that dies before its write
     starts is not written (``records_written`` counts the writes done); one whose write
     fails is counted here too, and raises or is kept (``on_spill_error``)."""
@@ -62,7 +62,7 @@ class Stats:
     unneeded_failures: int = 0
     """Records whose write (or copy to the host tier, or eviction's write) failed when no
     graph needed them any more (the graph gone, or backward done with them): nothing was
-    lost, so no step raises these (NOTE [ One event, one error ] in ``_events.py``,
+    lost, so no step raises these (NOTE [ One event, one error ] in ``_store/events.py``,
     docs/failure.md); each is counted here and the first is logged as a warning."""
     over_budget_bytes: int = 0
     """Bytes kept in memory because writing them would exceed ``max_spill_bytes``, or
@@ -72,32 +72,32 @@ class Stats:
     disk slots kept for the rest of the process after an interrupt cut a request's
     submission short. Nothing is kept any more: such a request holds its memory and slot
     until it ends, and they are released then (docs/failure.md, NOTE [ Memory owned by
-    requests ] in ``_store.py``)."""
+    requests ] in ``_store/store.py``)."""
     staging_bytes: int = 0
     """Pinned host memory held now for device records' copies (in use, and idle for reuse;
-    NOTE [ Device records ] in _device.py)."""
+    NOTE [ Device records ] in _device/transfers.py)."""
     peak_staging_bytes: int = 0
     """The most pinned host memory held for device records' copies at once."""
     staging_idle_bytes: int = 0
     """The part of ``staging_bytes`` kept idle for reuse: never more than
     ``write_behind_bytes + prefetch_bytes + host_budget_bytes`` (NOTE [ Bounded staging ]
-    in ``_device.py``). After :meth:`Offloader.wait` the rest of ``staging_bytes`` is
+    in ``_device/transfers.py``). After :meth:`Offloader.wait` the rest of ``staging_bytes`` is
     what live records hold (the host tier's pinned copies)."""
     read_buffer_bytes: int = 0
     """Host memory mapped now for host records' reads from the SSD (in use, and idle for
-    reuse; NOTE [ Read buffer pool ] in ``_readbuf.py``). Device records read into
+    reuse; NOTE [ Read buffer pool ] in ``io/readbuf.py``). Device records read into
     pinned staging instead (:attr:`staging_bytes`)."""
     read_buffer_idle_bytes: int = 0
     """The part of ``read_buffer_bytes`` kept idle for reuse: at most ``prefetch_bytes``
     plus a slab and one buffer, and while forward runs at most what the last forward's
     end mapped for its first reads (NOTE [ Read buffers across steps ] in
-    ``_readbuf.py``)."""
+    ``io/readbuf.py``)."""
     bytes_written: int = 0
     """Bytes of completed writes to the SSD tier (from device, host memory or the host
     tier)."""
     host_bytes: int = 0
     """Bytes of device records the host tier holds now (``host_budget_bytes``, NOTE [
-    Host tier ] in ``_hosttier.py``): in RAM, being copied there, or due to be; never
+    Host tier ] in ``_store/hosttier.py``): in RAM, being copied there, or due to be; never
     more than the budget."""
     peak_host_bytes: int = 0
     """The most bytes the host tier held at once (at most ``host_budget_bytes``)."""
@@ -111,12 +111,12 @@ class Stats:
     offload_quota_bytes: Optional[int] = None
     """With ``policy="auto"``: the most bytes the current step may decide
     to offload, chosen when it began from what earlier steps measured (NOTE [ The offload
-    quota ] in ``_auto.py``; 0 in the first steps, which measure). ``None`` with the
+    quota ] in ``_policies/auto.py``; 0 in the first steps, which measure). ``None`` with the
     other policies."""
     offload_bound_bytes: Optional[int] = None
     """With ``policy="auto"``: the bytes of a step the tiers can take during forward and
     give back during backward (the *free bound*, NOTE [ The offload quota ], step 3 in
-    ``_auto.py``), from the bandwidths and step times measured so far; the quota is a
+    ``_policies/auto.py``), from the bandwidths and step times measured so far; the quota is a
     share of it. 0 until something is measured; ``None`` with the other policies."""
     offload_quota_reason: str = ""
     """Why :attr:`offload_quota_bytes` is what it is: the measurements it came from and
@@ -124,13 +124,13 @@ class Stats:
     prefetch_window_bytes: int = 0
     """The prefetch window of the latest step: ``prefetch_bytes``, or with
     ``policy="auto"`` more when the step's loads take longer than the part of backward
-    that would hide them (NOTE [ Loads in time ] in ``_auto.py``); never more than the
+    that would hide them (NOTE [ Loads in time ] in ``_policies/auto.py``); never more than the
     bytes the step keeps in memory at forward's end."""
     hooks_cut_steps: int = 0
     """With ``policy="auto"``: steps whose saved-tensor hooks came off during forward,
     once the quota was spent and the prefetch window's bytes more were passed
     through: what they saved after that was not intercepted at all, and is not counted
-    in the byte counters (NOTE [ Hooks off past the window ] in ``_auto.py``)."""
+    in the byte counters (NOTE [ Hooks off past the window ] in ``_policies/auto.py``)."""
     quota_kept_bytes: int = 0
     """Bytes kept in memory because the step's offload quota was spent (also counted in
     ``kept_bytes``)."""
@@ -139,7 +139,7 @@ class Stats:
     ssdtrain held in the latest step, measured at each tracked layer's boundary (records
     in memory, memory let go of but not yet released, and a recomputed layer's working
     set as profiled: what the budget counts; NOTE [ Measured memory ] in
-    ``_adaptive.py``). 0 before such a step."""
+    ``_policies/adaptive.py``). 0 before such a step."""
     budget_exceeded_bytes: int = 0
     """The most bytes by which a step's measured peak (:attr:`budget_measured_bytes`)
     went over ``memory_budget_bytes``; 0 while every step stayed within it. The first

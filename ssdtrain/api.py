@@ -8,15 +8,15 @@ import weakref
 import torch
 
 from ._config import MAX_BYTES, OffloadConfig
-from ._device import GDS_PROBE_MEMORY
+from ._device.transfers import GDS_PROBE_MEMORY
 from ._errors import ConfigError, OffloaderClosedError, SSDTrainError
-from ._forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site, hooks_on_stack,
-                       site_ended, with_site)
-from ._policy import TRACKER
-from ._spill import SpillSet
+from ._offloader.forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site,
+                                 hooks_on_stack, site_ended, with_site)
+from ._decision.policy import TRACKER
+from .io.spill import SpillSet
 from ._stats import Stats, _mib
-from ._steps import standing_write_behind, step_policy
-from ._store import Store
+from ._policies.steps import standing_write_behind, step_policy
+from ._store.store import Store
 from .io import make_engine
 
 __all__ = ["Offloader", "offload", "Stats", "RecordView", "SavedHandle", "keep_in_memory"]
@@ -102,9 +102,9 @@ class Offloader:
                      config.host_budget_reason)
         self._store = Store(config, spill, engine, self._stats,
                             write_behind=standing_write_behind(config))
-        self._forward = ForwardState()  # NOTE [ Forward phases ] (in _forward.py)
+        self._forward = ForwardState()  # NOTE [ Forward phases ] (in _offloader/forward.py)
         self._layers = None   # _adaptive.LayerPolicy, set by track()
-        # What the policy does at each step's boundaries (NOTE [ Step policies ] in _steps.py)
+        # What the policy does at each step's boundaries (NOTE [ Step policies ] in _policies/steps.py)
         self._steps = step_policy(config, self._store, self._stats, log.warning)
         self._auto = self._steps.controller  # _auto.AutoQuota under policy "auto", else None
 
@@ -347,7 +347,7 @@ class Offloader:
         below = hooks_on_stack()
         if steps.intercepts or self._layers is not None or below:
             TRACKER.start(fwd)
-            # NOTE [ Hooks off past the window ] in _auto.py: armed only where popping
+            # NOTE [ Hooks off past the window ] in _policies/auto.py: armed only where popping
             # ours mid-forward exposes no other pair, and no plan needs every record.
             store = self._store
             if steps.may_cut and self._layers is None and not below:
@@ -359,7 +359,7 @@ class Offloader:
 
     def _cut(self):
         """The store's pack, past the quota and the prefetch window: our hooks come off
-        for the rest of this forward (NOTE [ Hooks off past the window ] in _auto.py).
+        for the rest of this forward (NOTE [ Hooks off past the window ] in _policies/auto.py).
         Only on the thread that intercepts, while ours are on top of its stack."""
         fwd, auto = self._forward, self._auto
         if fwd.phase is not Phase.INTERCEPTING or fwd.thread != threading.get_ident():
@@ -580,7 +580,7 @@ class Offloader:
                f"spill_dir={self.config.spill_dir}>"
 
     # ---------------------------------------------------------------- attach
-    _attachments = ()  # Attachment objects (ssdtrain/_attach.py), one per attached module
+    _attachments = ()  # Attachment objects (ssdtrain/_offloader/attach.py), one per attached module
 
     def attach(self, model: torch.nn.Module) -> torch.nn.Module:
         """Offload every training forward of ``model`` without touching the training loop.
@@ -612,7 +612,7 @@ class Offloader:
                 model(batch).backward()
             off.detach()
         """
-        from ._attach import Attachment
+        from ._offloader.attach import Attachment
         if not isinstance(model, torch.nn.Module):
             raise SSDTrainError(f"ssdtrain: attach() needs a torch.nn.Module, got "
                                 f"{type(model).__name__}; pass the model the trainer calls.")
@@ -672,8 +672,8 @@ class Offloader:
             ConfigError: no layers were given or found, or a module is listed twice.
             SSDTrainError: called inside a forward pass, or on a closed offloader.
         """
-        from ._adaptive import LayerPolicy
-        from ._profile import default_layers
+        from ._policies.adaptive import LayerPolicy
+        from ._policies.profile import default_layers
         self._recover_forward()
         if self.in_forward:
             raise SSDTrainError("ssdtrain: track() called inside a forward pass; call it "
@@ -734,7 +734,7 @@ class Offloader:
         first call.
 
         Returns:
-            A ``ssdtrain._planner.Plan``: ``choices`` (one of ``"keep"``, ``"offload"``,
+            A ``ssdtrain._policies.planner.Plan``: ``choices`` (one of ``"keep"``, ``"offload"``,
             ``"recompute"`` per layer), ``layers`` (the measured costs),
             ``prediction`` (``step_s``, ``stall_s``, ``peak_bytes``...), ``fits``.
 

@@ -50,8 +50,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ._config import OffloadConfig
-from ._cuda import default_device, rng_state as _rng_state, set_rng_state as _set_rng_state
-from ._cuda import synchronize as _sync
+from ._device.cuda import (default_device, rng_state as _rng_state,
+                           set_rng_state as _set_rng_state)
+from ._device.cuda import synchronize as _sync
 from ._errors import ConfigError
 
 __all__ = ["check_model", "CheckResult", "Mismatch", "Varying", "main",
@@ -902,7 +903,7 @@ def _factory(a):
 def _build(a, build, device):
     """The factory's ``(model, inputs)`` on ``device``, or a :class:`_Failure` naming
     the factory."""
-    from ._estimate import EstimateError
+    from .estimate.replay import EstimateError
 
     what = f"the factory {a.factory}" if a.factory is not None else \
         f"building the model of --hf-config {a.hf_config}"

@@ -21,15 +21,15 @@ from typing import List, Tuple
 
 import torch
 
-from . import _checksum
+from .io import checksum as _checksum
 from ._align import BLOCK
 from ._config import MAX_BYTES
-from ._loopback import LoopbackDevice
-from ._loopback import attach as attach_loopback
-from ._planner import predict, rok_plans
-from ._readbuf import ReadBuffers
+from .testing.loopback import LoopbackDevice
+from .testing.loopback import attach as attach_loopback
+from ._policies.planner import predict, rok_plans
+from .io.readbuf import ReadBuffers
 from ._errors import SSDTrainError
-from ._spill import SpillFile, SpillSet, filesystem_type
+from .io.spill import SpillFile, SpillSet, filesystem_type
 
 __all__ = ["BLOCK", "SpillFile", "SpillSet", "ReadBuffers", "filesystem_type", "rok_plans",
            "predict", "crc32c", "crc32c_available", "uring_probe", "HookTimer",
@@ -62,7 +62,7 @@ def uring_probe() -> Tuple[bool, str]:
     return bool(ok), why
 
 
-# torch's own accessor for the innermost saved-tensor hooks (also used by _attach.py);
+# torch's own accessor for the innermost saved-tensor hooks (also used by _offloader/attach.py);
 # looked up by capability, not by version.
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
@@ -126,7 +126,7 @@ def pin_auto_quota(offloader, nbytes) -> None:
 def set_hooks_cut(offloader, enabled: bool) -> None:
     """Let (``True``, the default) or forbid (``False``) ``policy="auto"``'s steps to
     take their hooks off once the quota and the prefetch window's bytes more are past (NOTE [
-    Hooks off past the window ] in ``_auto.py``), from the next step on. For
+    Hooks off past the window ] in ``_policies/auto.py``), from the next step on. For
     measurements of what that saves (``benchmarks/hooks_cut.py``).
 
     Raises:
@@ -139,7 +139,7 @@ def set_hooks_cut(offloader, enabled: bool) -> None:
 def set_load_lead(offloader, enabled: bool) -> None:
     """Let (``True``, the default) or forbid (``False``) ``policy="auto"``'s steps to
     widen the prefetch window so that the quota's loads arrive in time (NOTE [ Loads in
-    time ] in ``_auto.py``), from the next step on: with ``False`` the window is
+    time ] in ``_policies/auto.py``), from the next step on: with ``False`` the window is
     ``prefetch_bytes``. For measurements of what the lead buys.
 
     Raises:

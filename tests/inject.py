@@ -71,19 +71,19 @@ KiB = 1024
 # Python imports it from (module_file), and one that no longer exists stops the sweep
 # with an error instead of silently leaving its lines unswept.
 # The store (the runtime under its lock).
-STORE_MODULES = ("ssdtrain._store", "ssdtrain._records", "ssdtrain._table",
-                 "ssdtrain._iothread", "ssdtrain._events", "ssdtrain._writeback",
-                 "ssdtrain._prefetch", "ssdtrain._readbuf", "ssdtrain._spill",
-                 "ssdtrain._device", "ssdtrain._hosttier", "ssdtrain._budget", "ssdtrain._probe",
+STORE_MODULES = ("ssdtrain._store.store", "ssdtrain._decision.records", "ssdtrain._store.table",
+                 "ssdtrain._store.iothread", "ssdtrain._store.events", "ssdtrain._store.writeback",
+                 "ssdtrain._store.prefetch", "ssdtrain.io.readbuf", "ssdtrain.io.spill",
+                 "ssdtrain._device.transfers", "ssdtrain._store.hosttier", "ssdtrain._decision.budget", "ssdtrain._store.probe",
                  # the polled engine's completions run on the training thread (NOTE
                  # [ Polled completions ] in ssdtrain/io/base.py)
                  "ssdtrain.io.native", "ssdtrain.io.base")
 # SSDTRAIN_TEST_INJECT_LOOPBACK=1 (inherited by the child processes): every offloader made here
-# takes its CPU tensors for device memory of a loopback device (ssdtrain/_loopback.py), so
-# the sweeps run over the device path (NOTE [ Device records ] in _device.py).
+# takes its CPU tensors for device memory of a loopback device (ssdtrain/testing/loopback.py), so
+# the sweeps run over the device path (NOTE [ Device records ] in _device/transfers.py).
 LOOPBACK_ENV = "SSDTRAIN_TEST_INJECT_LOOPBACK"
 # SSDTRAIN_TEST_INJECT_HOST_BUDGET=<bytes> (with the loopback): every offloader made here has
-# that host tier (NOTE [ Host tier ] in _hosttier.py), so records go to RAM, the
+# that host tier (NOTE [ Host tier ] in _store/hosttier.py), so records go to RAM, the
 # earliest on to the SSD.
 HOST_BUDGET_ENV = "SSDTRAIN_TEST_INJECT_HOST_BUDGET"
 # How long a loopback stream's thread lives without work in these processes (maybe_loopback).
@@ -97,11 +97,11 @@ def host_budget():
 
 
 # What a training step passes through above the store (NOTE [ Forward phases ] in
-# ssdtrain/_forward.py): the public API, the forward's phases, attach, the module-state
+# ssdtrain/_offloader/forward.py): the public API, the forward's phases, attach, the module-state
 # tracker, the layer policy and its profiler and planner.
-STEP_MODULES = ("ssdtrain.api", "ssdtrain._forward", "ssdtrain._attach", "ssdtrain._policy",
-                "ssdtrain._steps", "ssdtrain._adaptive", "ssdtrain._profile", "ssdtrain._planner",
-                "ssdtrain._auto")
+STEP_MODULES = ("ssdtrain.api", "ssdtrain._offloader.forward", "ssdtrain._offloader.attach", "ssdtrain._decision.policy",
+                "ssdtrain._policies.steps", "ssdtrain._policies.adaptive", "ssdtrain._policies.profile", "ssdtrain._policies.planner",
+                "ssdtrain._policies.auto")
 # The integrations' per-step hooks.
 INTEGRATION_MODULES = ("ssdtrain.integrations.deepspeed", "ssdtrain.integrations.megatron")
 
@@ -109,7 +109,7 @@ FILE_SETS = ("store", "step")
 
 
 def module_file(name: str) -> str:
-    """The source file Python imports module ``name`` (``ssdtrain._store``) from, found
+    """The source file Python imports module ``name`` (``ssdtrain._store.store``) from, found
     without running the module (its parent packages are imported)."""
     import importlib.util
     spec = importlib.util.find_spec(name)
@@ -134,7 +134,7 @@ def module_files(names) -> frozenset:
 
 def where_of(module: str) -> str:
     """How an :class:`Outcome`'s ``where`` names a line of ``module``:
-    ``"ssdtrain/_store.py:"`` (its :func:`short` path and the colon before the line)."""
+    ``"ssdtrain/_store/store.py:"`` (its :func:`short` path and the colon before the line)."""
     return short(module_file(module)) + ":"
 
 
@@ -155,7 +155,7 @@ def traced_files(which: str) -> frozenset:
 
 
 def short(path: str) -> str:
-    """``ssdtrain/_store.py`` (or ``integrations/megatron.py``) for a full path (messages)."""
+    """``ssdtrain/_store/store.py`` (or ``integrations/megatron.py``) for a full path (messages)."""
     return os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path)
 
 
@@ -410,15 +410,15 @@ class Scenario:
     #: (``integrations/deepspeed.py``, ``_EngineForward``) around the model.
     #: ``auto``: ``with off:`` under ``policy="auto"`` with a fixed offload quota of
     #: :data:`AUTO_QUOTA` (half of a step's records are written, the rest passed through:
-    #: NOTE [ The pack decision ] in _policy.py), no baseline steps or disk probe.
+    #: NOTE [ The pack decision ] in _decision/policy.py), no baseline steps or disk probe.
     #: ``default``: ``with off:`` under the default policy, ``"auto"``, its controller as
-    #: is (NOTE [ The offload quota ] in _auto.py: the sizing step, the baseline steps,
+    #: is (NOTE [ The offload quota ] in _policies/auto.py: the sizing step, the baseline steps,
     #: the disk probe, quotas) on a fake clock (:meth:`_tick`, so that every run takes the
     #: same decisions: a long forward, any disk keeps up), the memory read for real.
     #: ``cut``: ``with off:`` under ``policy="auto"`` with the quota pinned to
     #: :data:`AUTO_QUOTA` (``tools.pin_auto_quota``) and a 16 KiB prefetch window: from
     #: the second step on, the hooks come off once 16 KiB were passed through after the
-    #: quota (NOTE [ Hooks off past the window ] in _auto.py).
+    #: quota (NOTE [ Hooks off past the window ] in _policies/auto.py).
     MODES = ("with", "attach", "adaptive", "deepspeed", "auto", "default", "cut")
     MODE_CONFIG = {"adaptive": dict(policy="adaptive", profile_steps=1, memory_budget_bytes=96 * KiB),
                    "auto": dict(policy="auto"), "default": dict(policy="auto"),
@@ -456,7 +456,7 @@ class Scenario:
         if self.mode == "attach":
             off.attach(self.model)
         elif self.mode == "adaptive":
-            from ssdtrain import _adaptive
+            from ssdtrain._policies import adaptive as _adaptive
             # The bandwidth probe, 1 MiB instead of 64: its code runs (and is swept) in
             # every case, at a size that keeps a case short.
             probe = _adaptive.measure_bandwidth
@@ -485,7 +485,7 @@ class Scenario:
         if self.mode == "attach":
             off.detach(self.model)
         elif self.mode == "adaptive":
-            from ssdtrain import _adaptive
+            from ssdtrain._policies import adaptive as _adaptive
             _adaptive.measure_bandwidth = self._probe
         self._forward = None
 
@@ -530,7 +530,7 @@ def maybe_loopback(off):
     """``off``, with a loopback device attached when ``SSDTRAIN_TEST_INJECT_LOOPBACK=1``: every
     CPU tensor it saves takes the device path, its copies a little late."""
     if os.environ.get(LOOPBACK_ENV) == "1":
-        from ssdtrain import _loopback
+        from ssdtrain.testing import loopback as _loopback
         # A loopback stream's thread ends after _IDLE_S (0.5 s) without work, and every
         # case waits until the threads are back to what the process held before its
         # offloader (check_released): half a second a case, most of a device-path
@@ -605,7 +605,7 @@ def settle_and_check(off, failures, *, settle_s=1.0, device_memory=True):
     """After every graph is dropped: wait (polling, at most ``settle_s``) for requests still
     in flight to end, then require no live record, no resident byte, no spill slot in
     use (a request cut loose from its record by an interrupt holds its slot until it
-    ends, then lets go of it: NOTE [ Memory owned by requests ] in ssdtrain/_store.py;
+    ends, then lets go of it: NOTE [ Memory owned by requests ] in ssdtrain/_store/store.py;
     nothing is kept for good), and ``check_invariants()`` where the store has it. Appends
     to ``failures``. With a loopback device attached (``SSDTRAIN_TEST_INJECT_LOOPBACK``):
     no error on its streams and, with ``device_memory``, none of its memory in use."""
@@ -749,7 +749,7 @@ def check_released(sc, base, failures, *, settle_s=5.0):
     module-state tracker stopped, no hook or recompute wrapper left on ``sc.model``, and
     (given ``base``, a :func:`resources` snapshot) file descriptors and threads back to
     ``base`` (polling ``settle_s`` for threads that end after close returned)."""
-    from ssdtrain._policy import TRACKER
+    from ssdtrain._decision.policy import TRACKER
 
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         failures.append("leak: saved-tensor hooks left on the training thread's stack")
@@ -1154,7 +1154,7 @@ def _main(argv=None):
                         help="comma-separated module:qualified.name of functions: interrupt "
                              "only their lines")
     parser.add_argument("--only", default="",
-                        help="comma-separated module names (ssdtrain._hosttier): interrupt only "
+                        help="comma-separated module names (ssdtrain._store.hosttier): interrupt only "
                              "lines of these (the baseline still traces every module of --files)")
     parser.add_argument("--shard", type=_shard_arg, default=None, metavar="I/N",
                         help="run only part I (0-based) of N of the selected targets: target "

@@ -1,4 +1,4 @@
-"""Helpers for the tests of the device path on the loopback device (ssdtrain/_loopback.py).
+"""Helpers for the tests of the device path on the loopback device (ssdtrain/testing/loopback.py).
 
 Kernels here act as GPU kernels do: they read or write device memory by address when
 they run, and hold no reference to it, so a block freed and reused meanwhile is read
@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from ssdtrain._loopback import LoopbackDevice, attach
+from ssdtrain.testing.loopback import LoopbackDevice, attach
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +104,7 @@ def device_chain(off, dev, k, n, at_forward_end=None):
 class UnpackCheck:
     """Checks every tensor an offloader's unpack hands to backward against the tensor
     that was saved: the same bytes (a clone taken at pack) and the same address modulo
-    ``ALIGN`` (512: rule 6 of NOTE [ Device records ] in ssdtrain/_device.py), whatever
+    ``ALIGN`` (512: rule 6 of NOTE [ Device records ] in ssdtrain/_device/transfers.py), whatever
     path the record took (read from the SSD, loaded from the host tier, claimed while
     its copy or write ran, never moved). A gradient that differs from the reference
     while this check finds nothing was computed from the right bytes at the right

@@ -14,8 +14,8 @@ from torch import nn
 import ssdtrain
 from ssdtrain import testing
 from helpers import assert_same, run_step
-from ssdtrain import _profile
-from ssdtrain._planner import KEEP, OFFLOAD, RECOMPUTE, predict
+from ssdtrain._policies import profile as _profile
+from ssdtrain._policies.planner import KEEP, OFFLOAD, RECOMPUTE, predict
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -132,7 +132,7 @@ def test_adaptive_says_why_it_cannot_plan(make_offloader, caplog, case):
 def test_budget_that_cannot_be_met_is_said(make_offloader, caplog):
     """No plan fits: said when the plan is made, and again (with the numbers) when a step
     under it is measured over the budget (NOTE [ Measured memory ]); Stats has both."""
-    from ssdtrain._adaptive import _size
+    from ssdtrain._policies.adaptive import _size
     model, x = MLP(), _x()
     off = _adaptive(make_offloader, model, budget=1)
     caplog.set_level(logging.WARNING, logger="ssdtrain")

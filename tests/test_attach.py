@@ -1,6 +1,6 @@
 """Offloader.attach / detach: forward hooks that run every training forward as one pass.
 
-See NOTE [ Which calls of an attached module offload ] in ssdtrain/_attach.py.
+See NOTE [ Which calls of an attached module offload ] in ssdtrain/_offloader/attach.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Counterexamples hunted in the default policy, ``"auto"`` (NOTE [ The offload quota ]
-in ssdtrain/_auto.py), and regression tests of what held up: exactness across its step
+in ssdtrain/_policies/auto.py), and regression tests of what held up: exactness across its step
 transitions, passes that are not training steps, and the memory floor once the hooks
 are off (step 5)."""
 
@@ -12,7 +12,7 @@ import ssdtrain
 from ssdtrain import testing
 from helpers import assert_grads_equal, grads
 from loopback_helpers import LoopbackDevice, attach, device_chain
-from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS
+from ssdtrain._policies.auto import BASELINE_STEPS, SIZING_STEPS
 
 KiB = 1 << 10
 WARMUP = SIZING_STEPS + BASELINE_STEPS

@@ -1,6 +1,6 @@
 """What ssdtrain holds is bounded whatever the disk does (INV-BOUNDED, NOTE [ Bounded
-memory ] in ssdtrain/_store.py), and an out-of-memory forward is a measurement of the
-default policy (NOTE [ The offload quota ], step 0, in ssdtrain/_auto.py).
+memory ] in ssdtrain/_store/store.py), and an out-of-memory forward is a measurement of the
+default policy (NOTE [ The offload quota ], step 0, in ssdtrain/_policies/auto.py).
 
 The disk here is a :class:`LaggingDisk`: its writes land only when the test says so
 (or, for the throttled policies, when a thread of its own lets them, at a pace the test
@@ -27,7 +27,7 @@ import ssdtrain
 from ssdtrain import testing
 from helpers import SaveForBackward
 from loopback_helpers import LoopbackDevice, attach, device_chain
-from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS
+from ssdtrain._policies.auto import BASELINE_STEPS, SIZING_STEPS
 from ssdtrain.io.base import EngineWrapper
 
 KiB = 1 << 10
@@ -400,7 +400,7 @@ class _Probe(torch.autograd.Function):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_forward_holds_no_more_read_buffers_than_the_last_forwards_end_took(
         spill_dir, steps, tail, prefetch, engine):
-    """NOTE [ Read buffers across steps ] in _readbuf.py: while a forward runs, the read
+    """NOTE [ Read buffers across steps ] in io/readbuf.py: while a forward runs, the read
     buffers ssdtrain keeps mapped are at most what the previous forward's end took for
     its first reads (none when it read nothing there: a kept tail that fills the window,
     a step of small tensors), whatever the steps save and read (``Stats.read_buffer_bytes``

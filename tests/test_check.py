@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ssdtrain
-from ssdtrain._prefetch import ReadPath
+from ssdtrain._store.prefetch import ReadPath
 from ssdtrain.check import EXIT_MISMATCH, EXIT_NONDETERMINISTIC, EXIT_USAGE, check_model
 from ssdtrain.io import faulty
 

@@ -33,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ssdtrain._prefetch import ReadPath
+from ssdtrain._store.prefetch import ReadPath
 from ssdtrain.check import (EXIT_INTERRUPTED, EXIT_MISMATCH, EXIT_NONDETERMINISTIC, EXIT_USAGE,
                             MARGIN, REFERENCE_STEPS, _Reference, check_model)
 

@@ -81,7 +81,7 @@ def test_unknown_engine(value):
 def test_kvikio_where_gds_does_not_work_says_why(tmp_path):
     """engine='kvikio' is a valid name; where kvikio/cuFile cannot do I/O (here: no GPU),
     building the offloader fails with the probe's reason and what to use instead."""
-    from ssdtrain._device import GDS_PROBE_MEMORY
+    from ssdtrain._device.transfers import GDS_PROBE_MEMORY
     from ssdtrain.io import gds
     reason = gds.probe(str(tmp_path), GDS_PROBE_MEMORY)
     if not reason:

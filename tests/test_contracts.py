@@ -4,7 +4,7 @@ one type, and these tests check that nothing goes around it.
 * A record's state changes through ``_records.transition`` alone (NOTE [ Record state
   machine ]): ``Record.state`` is read-only, nothing else writes the slot behind it, and
   the store calls ``transition`` only from ``RecordTable.move`` (which also moves the
-  aggregates that follow the state: NOTE [ Record table ] in ssdtrain/_table.py).
+  aggregates that follow the state: NOTE [ Record table ] in ssdtrain/_store/table.py).
   Checked at run time and by scanning the source.
 * What an engine's requests take (``crc=``, ``device=``) is declared on its type
   (NOTE [ Engine capabilities ] in ssdtrain/io/base.py): every engine class declares
@@ -28,9 +28,9 @@ import pytest
 import torch
 
 import inject
-from ssdtrain import _records
+from ssdtrain._decision import records as _records
 from ssdtrain import testing
-from ssdtrain._records import Record, State
+from ssdtrain._decision.records import Record, State
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(p for tree in ("ssdtrain", "integrations") for p in (ROOT / tree).rglob("*.py")
@@ -120,7 +120,7 @@ def test_record_state_cannot_be_assigned():
 
 
 def test_only_transition_writes_a_record_state():
-    allowed = {("ssdtrain/_records.py", "transition"), ("ssdtrain/_records.py", "Record.__init__")}
+    allowed = {("ssdtrain/_decision/records.py", "transition"), ("ssdtrain/_decision/records.py", "Record.__init__")}
     bad = [f"{s.path}:{line}: {what} in {scope or '<module>'}"
            for s in _scans() for line, scope, what in s.writes
            if (str(s.path), scope) not in allowed]
@@ -128,9 +128,9 @@ def test_only_transition_writes_a_record_state():
 
 
 def test_the_store_calls_transition_only_from_the_record_table():
-    allowed = {("ssdtrain/_table.py", "RecordTable.move")}
+    allowed = {("ssdtrain/_store/table.py", "RecordTable.move")}
     calls = [(str(s.path), scope, line) for s in _scans() for line, scope in s.calls]
-    assert ("ssdtrain/_table.py", "RecordTable.move") in {(p, sc) for p, sc, _ in calls}
+    assert ("ssdtrain/_store/table.py", "RecordTable.move") in {(p, sc) for p, sc, _ in calls}
     bad = [f"{p}:{line}: transition() in {scope}" for p, scope, line in calls
            if (p, scope) not in allowed]
     assert not bad, ("a state change that bypasses RecordTable.move (its aggregates go "
@@ -267,7 +267,7 @@ def test_fault_injection_takes_the_production_crc_path(make_offloader, monkeypat
     (``crc=True``), as without it: no CRC in Python; a corrupted read is still caught."""
     import ssdtrain
     from helpers import SaveForBackward
-    from ssdtrain import _checksum
+    from ssdtrain.io import checksum as _checksum
     from ssdtrain.io import faulty
     real = _checksum.crc32c
     calls = []
@@ -298,7 +298,7 @@ def test_the_bandwidth_probe_keeps_its_buffer_and_slot_past_a_timeout(make_offlo
     a write past ``io_timeout_s`` raises an ssdtrain error, keeps its buffer (owned by
     the request) and its disk slot until it really ends; then the slot is freed."""
     import ssdtrain
-    from ssdtrain._profile import measure_bandwidth
+    from ssdtrain._policies.profile import measure_bandwidth
     from ssdtrain.io import faulty
     off = make_offloader(io_timeout_s=0.2)
     inj = faulty.install(off, faulty.Fault("write", "hang"))
@@ -324,9 +324,9 @@ def test_engine_requests_are_made_only_where_they_own_their_memory():
     """Outside ssdtrain/io/, an engine's ``write``/``read`` is called in three functions
     only, each of which hands the request the memory and slot it uses (``owner=``, every
     call: NOTE [ Memory owned by requests ])."""
-    allowed = {("ssdtrain/_writeback.py", "WritePath.submit_write"),
-               ("ssdtrain/_prefetch.py", "ReadPath.submit_read"),
-               ("ssdtrain/_probe.py", "Probe.submit")}
+    allowed = {("ssdtrain/_store/writeback.py", "WritePath.submit_write"),
+               ("ssdtrain/_store/prefetch.py", "ReadPath.submit_read"),
+               ("ssdtrain/_store/probe.py", "Probe.submit")}
     found = set()
     for rel, scope, node in _nodes_outside_io():
         if isinstance(node, ast.Attribute) and node.attr in ("write", "read") and \

@@ -1,4 +1,4 @@
-"""One pack decision, two callers (NOTE [ The pack decision ] in ssdtrain/_policy.py).
+"""One pack decision, two callers (NOTE [ The pack decision ] in ssdtrain/_decision/policy.py).
 
 What happens to a saved tensor (kept and why, new record or dedup, tail or written) is
 decided at pack by ``keep_reason``, ``find_record`` and a ``TailWindow``, from the
@@ -30,10 +30,10 @@ import ssdtrain
 from ssdtrain import testing
 from helpers import weekly_shard
 from ssdtrain import estimate as E
-from ssdtrain._estimate import EstimateError, measure
-from ssdtrain._policy import (KEEP_BUDGET, KEEP_KIND, KEEP_LEAF, KEEP_SMALL, KEEP_STATE,
-                              TailWindow, keep_reason, slot_bound)
-from ssdtrain._records import State, find_record
+from ssdtrain.estimate.replay import EstimateError, measure
+from ssdtrain._decision.policy import (KEEP_BUDGET, KEEP_KIND, KEEP_LEAF, KEEP_SMALL,
+                                       KEEP_STATE, TailWindow, keep_reason, slot_bound)
+from ssdtrain._decision.records import State, find_record
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")

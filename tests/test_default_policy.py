@@ -1,4 +1,4 @@
-"""The policy ``"auto"`` (ssdtrain/_auto.py, NOTE [ The offload quota ]).
+"""The policy ``"auto"`` (ssdtrain/_policies/auto.py, NOTE [ The offload quota ]).
 
 Each step offloads its earliest records up to a byte quota chosen from what earlier steps
 measured, keeps the rest, and forward never waits on the disk. Here: the quota logic as
@@ -21,10 +21,10 @@ import ssdtrain
 from ssdtrain import testing
 from helpers import assert_grads_equal, grads
 from ssdtrain import estimate as E
-from ssdtrain._auto import (BASELINE_STEPS, SIZING_STEPS, AutoQuota, StepSample, next_scale, probe_bytes,
-                            quota_bound, slowed)
-from ssdtrain._policy import KEEP_QUOTA, TailWindow
-from ssdtrain._records import State
+from ssdtrain._policies.auto import (BASELINE_STEPS, SIZING_STEPS, AutoQuota, StepSample,
+                                     next_scale, probe_bytes, quota_bound, slowed)
+from ssdtrain._decision.policy import KEEP_QUOTA, TailWindow
+from ssdtrain._decision.records import State
 
 KiB = 1 << 10
 WARMUP = SIZING_STEPS + BASELINE_STEPS  # steps before the first quota chosen for time
@@ -96,7 +96,7 @@ def test_probe_size_is_an_eighth_of_the_step_within_limits():
 def no_controls(monkeypatch):
     """No control steps (NOTE [ The offload quota ], "Judging under noise"), for the tests
     of what the feedback does step after step."""
-    import ssdtrain._auto as auto
+    import ssdtrain._policies.auto as auto
     monkeypatch.setattr(auto, "CONTROL_FIRST", 1 << 30)
     monkeypatch.setattr(auto, "CONTROL_EVERY", 1 << 30)
 
@@ -294,7 +294,7 @@ def test_controller_gives_up_below_a_sixteenth_and_tries_again_later(no_controls
     steps in a row at that share are slowed (one may be noise), nothing is offloaded
     (nothing judged) for RETRY_STEPS steps, then the share is tried again. A disk whose
     bound is below it: always 0."""
-    from ssdtrain._auto import MIN_SHARE, RETRY_STEPS
+    from ssdtrain._policies.auto import MIN_SHARE, RETRY_STEPS
     saved = 160 * MiB
     floor = int(MIN_SHARE * saved)
     # bound = 0.8 x write x forward = 1.5 x floor: the first quota (0.5 x bound) is raised
@@ -338,7 +338,7 @@ def test_steps_with_nothing_to_offload_intercept_nothing_and_count_again_in_turn
     move: the last intercepted step's S stands for it), every RETRY_STEPS-th one does to
     count S again, and a step whose forward left memory short raises the floor, so the
     next intercepts."""
-    from ssdtrain._auto import RETRY_STEPS
+    from ssdtrain._policies.auto import RETRY_STEPS
     saved = 160 * MiB
     clock, stats = _Clock(), ssdtrain.Stats()
     room = [(1 << 40, 1 << 40)]
@@ -384,7 +384,7 @@ def test_a_step_with_nothing_to_offload_runs_without_hooks_and_exact(spill_dir):
         return real(t)
     off._store.pack = counting
     # whether the module tracker (a global forward pre-hook) ran in the step's forward
-    from ssdtrain._policy import TRACKER
+    from ssdtrain._decision.policy import TRACKER
     real_pre, fwd_tracked, tracked = TRACKER._pre_forward, [False], []
 
     def pre_forward(*args):
@@ -630,7 +630,7 @@ def test_estimate_replays_a_step_quota(spill_dir):
 # ------------------------------------------------- past the quota: no records
 def test_a_spent_quota_keeps_tensors_without_records_counted_as_records(spill_dir):
     """Once the quota is spent, a new storage is passed through in memory without a
-    record (NOTE [ The pack decision ] in _policy.py): with quota 0 a step leaves no
+    record (NOTE [ The pack decision ] in _decision/policy.py): with quota 0 a step leaves no
     record at all, yet counts what it saved as the static policy's records (the quota's
     measurements read them), and its gradients are exact."""
     model, inputs = models.gpt()

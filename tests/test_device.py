@@ -1,4 +1,4 @@
-"""The GPU data path (``ssdtrain/_device.py`` with its CUDA leaf ``ssdtrain/_cuda.py``,
+"""The GPU data path (``ssdtrain/_device/transfers.py`` with its CUDA leaf ``ssdtrain/_device/cuda.py``,
 NOTE [ Device records ]).
 
 These tests need a CUDA device and are skipped without one (CI has none; there the
@@ -46,7 +46,7 @@ def _deterministic():
 
 
 def _engines(directory):
-    from ssdtrain._cuda import GDS_PROBE_MEMORY
+    from ssdtrain._device.cuda import GDS_PROBE_MEMORY
     from ssdtrain.io import gds, native
     names = ["posix"] + (["native"] if native.available() else [])
     if not gds.probe(str(directory), GDS_PROBE_MEMORY):
@@ -316,7 +316,7 @@ def test_pinned_staging_let_go_leaves_the_host_cache_at_wait(make_offloader):
     off = make_offloader(engine="posix", min_tensor_bytes=0, keep_tail_bytes=0,
                          write_behind_bytes=0, prefetch_bytes=0)
     torch.empty(1, device="cuda")
-    from ssdtrain._cuda import LEAF
+    from ssdtrain._device.cuda import LEAF
     LEAF.release_cached_pinned()  # what other tests left in the cache
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     for n in ((1 << 20) + 1024, 3 << 20, 5 << 20):   # three size classes: 2, 4, 8 MiB
@@ -358,7 +358,7 @@ def test_pack_inside_a_graph_capture_keeps_the_tensor(make_offloader):
 @pytest.mark.parametrize("name", sorted(ALL_MODELS))
 @pytest.mark.parametrize("spill", [True, False])
 def test_cuda_host_tier_is_bitwise_equal(name, spill, make_offloader):
-    """The host tier on CUDA (NOTE [ Host tier ] in _hosttier.py): a budget of half the
+    """The host tier on CUDA (NOTE [ Host tier ] in _store/hosttier.py): a budget of half the
     activations with an SSD (records in pinned RAM, the earliest written on to the SSD
     from their pinned copy), and an unlimited one without (no SSD tier): gradients
     bitwise equal, loads from RAM, the budget kept."""

@@ -25,7 +25,7 @@ import pytest
 
 import ssdtrain
 from ssdtrain import SpillIOError
-from ssdtrain._spill import BLOCK, SpillFile, filesystem_type
+from ssdtrain.io.spill import BLOCK, SpillFile, filesystem_type
 from ssdtrain.io.posix import PosixEngine, memory_at
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -319,7 +319,7 @@ _FSIZE_CHILD = textwrap.dedent(r"""
     pkg.__path__ = [sys.argv[2]]
     sys.modules["ssdtrain"] = pkg
     from ssdtrain._errors import SpillIOError
-    from ssdtrain._spill import BLOCK, SpillFile
+    from ssdtrain.io.spill import BLOCK, SpillFile
     from ssdtrain.io.posix import PosixEngine
 
     directory = sys.argv[1]

@@ -1,4 +1,4 @@
-"""``ssdtrain estimate`` (ssdtrain/estimate.py, ssdtrain/_estimate.py, docs/estimate.md).
+"""``ssdtrain estimate`` (ssdtrain/estimate/__init__.py, ssdtrain/estimate/replay.py, docs/estimate.md).
 
 Accuracy: the estimate runs the forward on fake tensors with ssdtrain's pack decisions
 replayed; each accuracy test runs the same model for real on the CPU under a real
@@ -33,9 +33,9 @@ import torch
 import models
 import ssdtrain
 from ssdtrain import estimate as E
-from ssdtrain._estimate import EstimateError
-from ssdtrain._profile import default_layers
-from ssdtrain._records import State
+from ssdtrain.estimate.replay import EstimateError
+from ssdtrain._policies.profile import default_layers
+from ssdtrain._decision.records import State
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -238,7 +238,7 @@ def test_forward_flops_match_a_real_count():
     """The fake forward's FLOPs equal ``FlopCounterMode`` on the real forward (with the
     grouped-matmul formula the estimate adds, which MoE experts need)."""
     from torch.utils.flop_counter import FlopCounterMode
-    from ssdtrain._estimate import _extra_flop_formulas
+    from ssdtrain.estimate.replay import _extra_flop_formulas
     configs = _hf_configs()
     for arch in ("llama", "mixtral"):
         est = E.estimate(E.hf_factory(configs[arch]), **HF_SHAPE)

@@ -1,5 +1,5 @@
 """``ssdtrain estimate --plan``: the planner run on the estimate's per-block bytes and
-FLOPs (NOTE [ Plan from the estimate ] in ssdtrain/estimate.py).
+FLOPs (NOTE [ Plan from the estimate ] in ssdtrain/estimate/__init__.py).
 
 The costs are the estimate's (bytes, FLOPs / TFLOP/s, the disk given); the plan is the
 planner's best and never predicted slower than a reference that fits; the budget is
@@ -276,7 +276,7 @@ def test_predictions_beside_a_recorded_emulator_run(tmp_path, capsys):
 
 # ------------------------------------------------------------------- the host tier
 # NOTE [ Plan from the estimate ]'s host tier bullet; NOTE [ Tiers in the step cost
-# model ] in _planner.py.
+# model ] in _policies/planner.py.
 GB = 1e9
 
 # The plan and its references from the code before the host tier was priced (commit

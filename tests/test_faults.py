@@ -26,7 +26,7 @@ import ssdtrain
 from ssdtrain import testing
 from helpers import assert_same, run_step, save_and_unpack
 from models import mlp
-from ssdtrain import _checksum
+from ssdtrain.io import checksum as _checksum
 from ssdtrain.io import faulty
 from ssdtrain.io.faulty import Fault
 

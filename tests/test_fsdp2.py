@@ -119,7 +119,7 @@ def _rank(rank, out_dir):
     import torch.distributed as dist
 
     import ssdtrain
-    from ssdtrain._store import Handle
+    from ssdtrain._store.store import Handle
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
                             world_size=WORLD)

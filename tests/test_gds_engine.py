@@ -21,7 +21,7 @@ import torch
 import ssdtrain
 from helpers import assert_same, run_step, save_and_unpack
 from models import ALL_MODELS
-from ssdtrain._device import GDS_PROBE_MEMORY
+from ssdtrain._device.transfers import GDS_PROBE_MEMORY
 from ssdtrain.io import gds
 
 

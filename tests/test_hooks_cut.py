@@ -1,4 +1,4 @@
-"""NOTE [ Hooks off past the window ] (ssdtrain/_auto.py): under ``policy="auto"``, once
+"""NOTE [ Hooks off past the window ] (ssdtrain/_policies/auto.py): under ``policy="auto"``, once
 a step's quota is spent and ``prefetch_bytes`` more were passed through, the hooks come
 off for the rest of forward. Searched for counterexamples: the trained model (loss,
 gradients, parameters after an optimizer step, BatchNorm statistics) equals a run
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
-from ssdtrain import _auto
+from ssdtrain._policies import auto as _auto
 from ssdtrain.tools import pin_auto_quota, set_hooks_cut
 from models import ALL_MODELS
 
@@ -250,7 +250,7 @@ def test_an_interrupt_right_after_the_pop_never_takes_a_partial_count_for_s(
     (before anything else is noted) leaves the step marked cut: the controller keeps
     the last full step's S rather than the part the cut step counted; the next steps
     are exact."""
-    from ssdtrain import _forward
+    from ssdtrain._offloader import forward as _forward
     model, inputs, _ = references["mlp"]
     off = _offloader(tmp_path, 1)
     pin_auto_quota(off, 0)

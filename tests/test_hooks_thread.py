@@ -1,5 +1,5 @@
 """Which threads run ssdtrain's Python while steps run (NOTE [ Copies the hooks start ]
-in ssdtrain/_device.py, NOTE [ The data path on the hooks' thread ] in _store.py).
+in ssdtrain/_device/transfers.py, NOTE [ The data path on the hooks' thread ] in _store/store.py).
 
 On a GPU host the thread that runs the hooks launches every kernel, and any other thread
 that runs Python takes the GIL from it. The promise tested here: once the staging pool

@@ -1,6 +1,6 @@
-"""The host-RAM tier (NOTE [ Host tier ] in ssdtrain/_hosttier.py) on the loopback device.
+"""The host-RAM tier (NOTE [ Host tier ] in ssdtrain/_store/hosttier.py) on the loopback device.
 
-Device records are the loopback device's memory (ssdtrain/_loopback.py), so every
+Device records are the loopback device's memory (ssdtrain/testing/loopback.py), so every
 record here takes the device path: copied to pinned host memory, kept there while
 ``host_budget_bytes`` allows, the earliest saved written on to the SSD, loaded back by
 a host -> device copy. Each test fails with the tier off (``host_budget_bytes=None``):
@@ -25,7 +25,7 @@ from loopback_helpers import LoopbackDevice, SaveForBackward, UnpackCheck, attac
 from models import ALL_MODELS
 from ssdtrain import ConfigError
 from ssdtrain._config import MAX_BYTES
-from ssdtrain._budget import HostBudget
+from ssdtrain._decision.budget import HostBudget
 
 KiB = 1 << 10
 N = 64 * KiB  # bytes of each saved device tensor in the chains below
@@ -496,14 +496,14 @@ HOST_TIER_PARTS = 3
 @pytest.mark.parametrize("part", range(HOST_TIER_PARTS),
                          ids=lambda p: part_id(p, HOST_TIER_PARTS))
 def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
-    """KeyboardInterrupt at the first run of every line of ``_hosttier.py`` and
-    ``_budget.py`` (its admission and eviction bookkeeping) the
+    """KeyboardInterrupt at the first run of every line of ``_store/hosttier.py`` and
+    ``_decision/budget.py`` (its admission and eviction bookkeeping) the
     interrupt scenario runs on the training thread with a host tier (admission and
     eviction at pack, the copies to RAM the end of forward and the throttle start,
-    loads from RAM at unpack; ``to_host``/``from_host`` in ``_device.py`` are swept by
+    loads from RAM at unpack; ``to_host``/``from_host`` in ``_device/transfers.py`` are swept by
     tests/test_loopback_sweeps.py, ``stage_out``/``stage_in`` run them),
     with the scenario's checks (exact gradients, nothing left, invariants) and no device
-    memory left. Tier off: no line of ``_hosttier.py`` runs (nor of ``_budget.py``), so
+    memory left. Tier off: no line of ``_store/hosttier.py`` runs (nor of ``_decision/budget.py``), so
     none is a target.
     A third of the lines per part, the parts in turn by ISO week (NOTE [ Sweeps take
     turns by week ] in tests/helpers.py; every part: SSDTRAIN_TEST_ALL_SHARDS=1)."""
@@ -512,7 +512,7 @@ def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
         pytest.skip(shard.skip_reason("host-tier sweep", part))
     inject = _host_tier_children(monkeypatch)
     result, base = inject.sweep_in_children("posix", "first", spill_dir, budget_s=400,
-                                            extra=("--only", "ssdtrain._hosttier,ssdtrain._budget"),
+                                            extra=("--only", "ssdtrain._store.hosttier,ssdtrain._decision.budget"),
                                             shard=(part, HOST_TIER_PARTS))
     print(result.summary())
     assert base is not None, result.stopped
@@ -520,18 +520,18 @@ def test_interrupt_at_each_host_tier_line(spill_dir, monkeypatch, part):
         pytest.fail(result.message(), pytrace=False)
     assert len(result.outcomes) == base["targets"] > 0, result.summary()
     assert base["all_targets"] >= 10, base  # the whole sweep, all parts
-    assert all(o.where.startswith((inject.where_of("ssdtrain._hosttier"),
-                                   inject.where_of("ssdtrain._budget")))
+    assert all(o.where.startswith((inject.where_of("ssdtrain._store.hosttier"),
+                                   inject.where_of("ssdtrain._decision.budget")))
                for o in result.outcomes), result.summary()
     assert sum(o.fired for o in result.outcomes) >= 0.5 * len(result.outcomes), \
         result.summary()
 
 
-@pytest.mark.parametrize("only", ["ssdtrain._device", "ssdtrain._hosttier"])
+@pytest.mark.parametrize("only", ["ssdtrain._device.transfers", "ssdtrain._store.hosttier"])
 def test_interrupt_at_each_line_of_the_copies_the_hooks_start(spill_dir, monkeypatch, only):
     """The sweep above with the native engine (polled: NOTE [ The data path on the hooks'
-    thread ] in _store.py), whose hooks start the copies to RAM themselves and settle
-    them by polling their events (NOTE [ Copies the hooks start ] in _device.py): a
+    thread ] in _store/store.py), whose hooks start the copies to RAM themselves and settle
+    them by polling their events (NOTE [ Copies the hooks start ] in _device/transfers.py): a
     KeyboardInterrupt at the first run of every line of ``only`` on the training thread
     (the pool's ordered reuse, the copy's start, the poll that settles it, the loads),
     with the scenario's checks. Tier off, or the posix engine: no copy is started by a
@@ -547,9 +547,9 @@ def test_interrupt_at_each_line_of_the_copies_the_hooks_start(spill_dir, monkeyp
     assert len(result.outcomes) == base["targets"] > 0, result.summary()
     assert all(o.where.startswith(inject.where_of(only)) for o in result.outcomes), \
         result.summary()
-    if only == "ssdtrain._device":  # the poll that settles a copy the hooks started is a target
+    if only == "ssdtrain._device.transfers":  # the poll that settles a copy the hooks started is a target
         import inspect
-        from ssdtrain._device import DeviceTransfers
+        from ssdtrain._device.transfers import DeviceTransfers
         lines, first = inspect.getsourcelines(DeviceTransfers.poll)
         settle = first + next(i for i, line in enumerate(lines) if "fut.set_result" in line)
         assert any(o.where.startswith(f"{inject.where_of(only)}{settle} ")
@@ -583,7 +583,7 @@ def test_the_estimate_replays_the_host_tier(ssd, make_offloader, spill_dir):
     run's on the loopback device, with and without an SSD tier. Tier off: the real run's
     ``host_spilled_bytes`` and ``peak_host_bytes`` are 0, the estimate's are not."""
     from test_decision import SETTINGS, resaves
-    from ssdtrain._estimate import measure
+    from ssdtrain.estimate.replay import measure
     cfg = dict(SETTINGS, keep_tail_bytes=0, host_budget_bytes="2MiB",
                spill_dir=str(spill_dir) if ssd else None)
     est = measure(resaves, ssdtrain.OffloadConfig(**cfg), device_records=True)

@@ -11,7 +11,7 @@ import torch
 import ssdtrain
 from helpers import SaveForBackward, assert_same, run_step
 from models import gpt
-from ssdtrain import _checksum
+from ssdtrain.io import checksum as _checksum
 
 pytestmark = pytest.mark.skipif(not _checksum.available(),
                                 reason="verify=True needs ssdtrain._C (pip install -e .)")

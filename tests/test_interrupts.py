@@ -156,16 +156,16 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 #
 # Selection (deterministic), and why every line is reached: a mode's targets are the
 # lines its baseline runs on the training thread in the files listed for it, each at
-# its first (or last) run. "with" sweeps api.py, _forward.py and _policy.py (every
-# line a `with offloader:` step runs); "attach" sweeps its own _attach.py at the last
+# its first (or last) run. "with" sweeps api.py, _offloader/forward.py and _decision/policy.py (every
+# line a `with offloader:` step runs); "attach" sweeps its own _offloader/attach.py at the last
 # run of each line (the api/_forward/_policy lines reached from its hooks, whose
-# repairs differ, are in the full sweep: the suite's time); "adaptive" sweeps _adaptive.py
+# repairs differ, are in the full sweep: the suite's time); "adaptive" sweeps _policies/adaptive.py
 # (profile, recompute-all, plan and probe steps all run inside the armed steps;
-# _profile.py's lines are in the full sweep, for the suite's time);
-# "deepspeed" sweeps the adapter's engine-forward hook; "default" sweeps _auto.py, the
+# _policies/profile.py's lines are in the full sweep, for the suite's time);
+# "deepspeed" sweeps the adapter's engine-forward hook; "default" sweeps _policies/auto.py, the
 # default policy's controller as is over its sizing, baseline, probe and quota steps
 # (on a fake clock, so every run decides alike), "default-api" the API's lines that
-# differ under it, "default-probe" the probe it runs (_probe.py, a store module). The planner (_planner.py,
+# differ under it, "default-probe" the probe it runs (_store/probe.py, a store module). The planner (_policies/planner.py,
 # pure arithmetic run hundreds of times per plan) and _profile.measure_bandwidth (one
 # line around the probe, whose own lines "default-probe" sweeps: its buffer and slot are
 # its requests', NOTE [ Memory owned by requests ]) are in the full sweep only (SSDTRAIN_TEST_INTERRUPT_FULL=1: every mode, every step module, the
@@ -176,36 +176,36 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # SSDTRAIN_TEST_ALL_SHARDS=1.
 STEP_SWEEPS = {
     "with": dict(engine="posix", select="first",
-                 only="ssdtrain.api,ssdtrain._forward,ssdtrain._policy,ssdtrain._steps",
+                 only="ssdtrain.api,ssdtrain._offloader.forward,ssdtrain._decision.policy,ssdtrain._policies.steps",
                  parts=2),
-    "attach": dict(engine="native", select="last", only="ssdtrain._attach", parts=2),
-    "adaptive": dict(engine="posix", select="first", only="ssdtrain._adaptive",
-                     skip="ssdtrain._profile:measure_bandwidth", parts=3),
+    "attach": dict(engine="native", select="last", only="ssdtrain._offloader.attach", parts=2),
+    "adaptive": dict(engine="posix", select="first", only="ssdtrain._policies.adaptive",
+                     skip="ssdtrain._policies.profile:measure_bandwidth", parts=3),
     "deepspeed": dict(engine="posix", select="first", only="ssdtrain.integrations.deepspeed",
                       parts=1),
-    "default": dict(engine="posix", select="first", only="ssdtrain._auto", parts=1),
+    "default": dict(engine="posix", select="first", only="ssdtrain._policies.auto", parts=1),
     # the API's lines that differ under the default policy, in the same scenario
     "default-api": dict(scenario="default", engine="posix", select="first",
-                        only="ssdtrain.api,ssdtrain._steps",
+                        only="ssdtrain.api,ssdtrain._policies.steps",
                         only_function="ssdtrain.api:Offloader._open_forward,"
-                                      "ssdtrain._steps:AutoSteps.begin_step,"
-                                      "ssdtrain._steps:AutoSteps.forward_raised,"
-                                      "ssdtrain._steps:AutoSteps.end_forward,"
+                                      "ssdtrain._policies.steps:AutoSteps.begin_step,"
+                                      "ssdtrain._policies.steps:AutoSteps.forward_raised,"
+                                      "ssdtrain._policies.steps:AutoSteps.end_forward,"
                                       "ssdtrain.api:Offloader._hook_on,"
                                       "ssdtrain.api:Offloader._close_step", parts=1),
     # the hooks coming off past the quota and the prefetch window (NOTE [ Hooks off
-    # past the window ] in _auto.py): the API's and the forward state's lines, then the
+    # past the window ] in _policies/auto.py): the API's and the forward state's lines, then the
     # store's pack that calls it
     "cut": dict(scenario="cut", engine="posix", select="first",
-                only="ssdtrain.api,ssdtrain._forward",
+                only="ssdtrain.api,ssdtrain._offloader.forward",
                 only_function="ssdtrain.api:Offloader._hook_on,ssdtrain.api:Offloader._cut,"
                               "ssdtrain.api:Offloader._unhook,"
-                              "ssdtrain._forward:ForwardState.pop_if_top", parts=1),
+                              "ssdtrain._offloader.forward:ForwardState.pop_if_top", parts=1),
     "cut-store": dict(scenario="cut", files="store", engine="posix", select="last",
-                      only="ssdtrain._store", only_function="ssdtrain._store:Store.pack", parts=1),
+                      only="ssdtrain._store.store", only_function="ssdtrain._store.store:Store.pack", parts=1),
     # the probe it runs (the disk's bandwidth, the memory's headroom), a store module
     "default-probe": dict(scenario="default", files="store", engine="posix", select="first",
-                          only="ssdtrain._probe", parts=1),
+                          only="ssdtrain._store.probe", parts=1),
 }
 STEP_PARTS = [(mode, part) for mode in sorted(STEP_SWEEPS)
               for part in range(STEP_SWEEPS[mode]["parts"])]
@@ -267,14 +267,14 @@ def test_interrupt_at_each_step_line_full(spill_dir, mode, engine):
 
 # The lines a step under policy="auto" runs once its quota is spent: the tensors
 # passed through without a record and their bytes in the prefetch window (NOTE [ The
-# pack decision ] in ssdtrain/_policy.py). The store sweep's scenario is static, so
+# pack decision ] in ssdtrain/_decision/policy.py). The store sweep's scenario is static, so
 # these are swept here, every run of each line that a step reaches first and last.
 PASS_THROUGH = ",".join((
-    "ssdtrain._store:Store.pack", "ssdtrain._store:Store._pass_spent",
-    "ssdtrain._store:Store.unpack", "ssdtrain._store:Store._use_passed_locked",
-    "ssdtrain._policy:PassedRanges.add", "ssdtrain._table:RecordTable.count_passed",
-    "ssdtrain._table:RecordTable.use_passed", "ssdtrain._table:RecordTable.uncount_passed",
-    "ssdtrain._store:Store._end_pass_locked"))
+    "ssdtrain._store.store:Store.pack", "ssdtrain._store.store:Store._pass_spent",
+    "ssdtrain._store.store:Store.unpack", "ssdtrain._store.store:Store._use_passed_locked",
+    "ssdtrain._decision.policy:PassedRanges.add", "ssdtrain._store.table:RecordTable.count_passed",
+    "ssdtrain._store.table:RecordTable.use_passed", "ssdtrain._store.table:RecordTable.uncount_passed",
+    "ssdtrain._store.store:Store._end_pass_locked"))
 
 
 # Four parts that take turns by ISO week (NOTE [ Sweeps take turns by week ] in

@@ -1,4 +1,4 @@
-"""The store's I/O thread (NOTE [ The store's I/O thread ] in ssdtrain/_store.py) and
+"""The store's I/O thread (NOTE [ The store's I/O thread ] in ssdtrain/_store/store.py) and
 who starts the requests (NOTE [ The data path on the hooks' thread ] there).
 
 The hooks run on the thread that launches every kernel on a GPU machine. With the
@@ -422,10 +422,10 @@ def test_memory_is_back_when_backward_returns(make_offloader):
 def test_read_buffers_are_unmapped_off_the_training_thread(make_offloader, monkeypatch, engine):
     """Read buffers given back beyond the idle limit are unmapped by the I/O thread,
     never by the hooks' thread, the end of backward included (with 64 MiB records that
-    cost 7 ms a step; NOTE [ Unmapping off the training thread ] in _readbuf.py), while
+    cost 7 ms a step; NOTE [ Unmapping off the training thread ] in io/readbuf.py), while
     the records the end of backward frees are still released before it returns, those
     behind a mapping in the graveyard included."""
-    from ssdtrain import _iothread
+    from ssdtrain._store import iothread as _iothread
     unmapped, real = [], _iothread.unmap_now
 
     def spy(mm):
@@ -506,7 +506,7 @@ def test_no_memory_for_a_prefetch_buffer_is_not_an_error(make_offloader, caplog,
 def test_stats_show_the_read_buffers_and_a_steady_run_keeps_the_first_windows(make_offloader):
     """``Stats.read_buffer_bytes`` / ``read_buffer_idle_bytes``: after a step whose forward's
     end read ahead, the buffers it mapped are idle, kept for the next step's (NOTE [ Read
-    buffers across steps ] in _readbuf.py), and the next step maps no more."""
+    buffers across steps ] in io/readbuf.py), and the next step maps no more."""
     off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096, prefetch_bytes=8 << 20)
     seen = []
     for _ in range(3):

@@ -1,16 +1,17 @@
 """The import layers of docs/ARCHITECTURE.md ("Layers"), checked by scanning source.
 
 Every module's imports are read with :mod:`ast` (module level and inside functions
-alike), resolved to module names and checked against the table ``LAYERS`` (each module
-in one layer; an import goes to its own layer or below; the policies and the estimate
-never import the store; no cycle), and:
+alike), resolved to module names and checked against the table ``LAYERS`` (each package
+or top-level module in one layer; an import goes to its own layer or below; the
+policies and the estimate never import the store; no cycle between modules or between
+packages), and:
 
-    api.py, estimate.py, __main__.py, __init__.py     (top)
-      -> ...
-      -> io/ (ssdtrain/io/)                          (imports only io/ and these leaves:)
-      -> leaves: _errors, _align, _fork, _C            (import nothing from ssdtrain)
+    __init__, api, __main__, check, tools, testing   (top)
+      -> ... estimate/, _offloader/, _policies/, _store/, _config, _device/, _decision/
+      -> io/                                           (imports only io/ and the leaves)
+      -> leaves: _errors, _align, _fork, _C, ...       (import nothing from ssdtrain)
 
-plus: only ``ssdtrain/_cuda.py`` (the CUDA leaf of ``_device.py``) touches ``torch.cuda``; comments and docstrings
+plus: only ``ssdtrain/_device/cuda.py`` touches ``torch.cuda``; comments and docstrings
 point inside the repository, and every invariant they cite by name is defined in
 docs/ARCHITECTURE.md ("Invariants"). Each failure lists ``file:line: what``.
 """
@@ -33,29 +34,31 @@ EXTENSIONS = {"ssdtrain._C"}
 # The top layer: the package, its public modules and the command line.
 TOP_PRIVATE = {"ssdtrain.__main__"}
 
-# Every module of ssdtrain in its layer, lowest first (docs/ARCHITECTURE.md, "Layers"):
-# a module imports from its own layer or those below, never above; no module imports
-# itself back through others (no cycle). A new module gets a row here.
+# ssdtrain's packages and top-level modules in their layers, lowest first
+# (docs/ARCHITECTURE.md, "Layers"). An entry names a module or a package (every module
+# under it); a module belongs to its longest entry (``testing.loopback`` is below the
+# ``testing`` package's other modules). A module imports from its own layer or those
+# below, never above; no module imports itself back through others (no cycle), and no
+# package through another package. A new top-level module or package gets a row here.
 LAYERS = (
     ("leaves", {"_errors", "_align", "_fork", "_C", "_identity", "_limits", "_stats"}),
-    ("io", {"io", "io.base", "io.posix", "io.native", "io.gds", "io.faulty"}),
-    ("decision", {"_policy", "_records", "_budget"}),
-    ("device", {"_cuda", "_loopback", "_device", "_spill", "_checksum", "_trace", "_readbuf"}),
+    ("io", {"io"}),
+    ("decision", {"_decision"}),
+    ("device", {"_device", "testing.loopback"}),
     ("config", {"_config"}),
-    ("store", {"_store", "_table", "_iothread", "_events", "_writeback", "_prefetch",
-               "_hosttier", "_probe"}),
-    ("policies", {"_auto", "_steps", "_adaptive", "_profile", "_planner", "_attach",
-                  "_forward"}),
-    ("estimate", {"_estimate", "estimate"}),
+    ("store", {"_store"}),
+    ("policies", {"_policies"}),
+    ("offloader", {"_offloader"}),
+    ("estimate", {"estimate"}),
     ("top", {"", "api", "__main__", "check", "tools", "testing"}),
 )
 # Layers that reach the store only through the top (api): the policies set a step's
 # limits through the Offloader, and the estimate replays the pack decision without one.
 NOT_INTO_STORE = {"policies", "estimate"}
 # The only module that may touch torch.cuda, and those that may import a CUDA library.
-CUDA_MODULE = "ssdtrain._cuda"
+CUDA_MODULE = "ssdtrain._device.cuda"
 CUDA_LIBRARIES = {"kvikio", "cupy", "cuda", "pynvml", "cuda_python"}
-CUDA_LIBRARY_MODULES = {"ssdtrain._cuda", "ssdtrain.io.gds"}
+CUDA_LIBRARY_MODULES = {"ssdtrain._device.cuda", "ssdtrain.io.gds"}
 
 
 def _module_name(path: Path) -> str:
@@ -135,14 +138,14 @@ def _is_top(mod: str) -> bool:
 
 def test_the_scan_sees_the_modules():
     """Guards the scan itself: it finds the layers it checks."""
-    for mod in ("ssdtrain", "ssdtrain.api", "ssdtrain._store", "ssdtrain.io",
-                "ssdtrain.io.posix", "ssdtrain.io.gds", "ssdtrain._device",
+    for mod in ("ssdtrain", "ssdtrain.api", "ssdtrain._store.store", "ssdtrain.io",
+                "ssdtrain.io.posix", "ssdtrain.io.gds", "ssdtrain._device.transfers",
                 "ssdtrain.integrations.megatron"):
         assert mod in MODULES, mod
     base = dict(_ssdtrain_imports(MODULES["ssdtrain.io.base"]))
     assert "ssdtrain._fork" in base.values() and "ssdtrain._errors" in base.values()
     assert ("ssdtrain.io.base" in
-            {m for _, m in _ssdtrain_imports(MODULES["ssdtrain._device"])})
+            {m for _, m in _ssdtrain_imports(MODULES["ssdtrain._device.transfers"])})
 
 
 def test_io_imports_only_io_and_leaves():
@@ -213,7 +216,7 @@ def _cuda_uses(path: Path):
 
 
 def test_only_device_touches_cuda():
-    """(b) torch.cuda only in ssdtrain/_cuda.py; CUDA libraries (kvikio, cupy) only
+    """(b) torch.cuda only in ssdtrain/_device/cuda.py; CUDA libraries (kvikio, cupy) only
     there and in ssdtrain/io/gds.py."""
     bad = []
     for mod, path in MODULES.items():
@@ -224,7 +227,7 @@ def test_only_device_touches_cuda():
             if (torch_cuda and mod != CUDA_MODULE) or \
                     (not torch_cuda and mod not in CUDA_LIBRARY_MODULES):
                 bad.append(f"{_where(path, line)}: {mod} uses {what}")
-    assert not bad, _report(bad, "CUDA uses outside ssdtrain/_cuda.py")
+    assert not bad, _report(bad, "CUDA uses outside ssdtrain/_device/cuda.py")
     assert list(_cuda_uses(MODULES[CUDA_MODULE])), "the scan no longer sees _cuda's CUDA"
 
 
@@ -401,14 +404,35 @@ def test_cited_invariants_are_defined():
                                  "\"## Invariants\" in docs/ARCHITECTURE.md)")
 
 
-def _layer_of():
-    """``{module: (rank, layer name)}`` from LAYERS."""
+def _entry_of(mod: str, entries) -> str:
+    """The longest entry of ``entries`` (full names) that is ``mod`` or a package of it."""
+    best = None
+    for entry in entries:
+        if mod == entry or (entry != "ssdtrain" and mod.startswith(entry + ".")):
+            if best is None or len(entry) > len(best):
+                best = entry
+    return best if best is not None else ("ssdtrain" if mod == "ssdtrain" else None)
+
+
+def _entries():
+    """``{full entry name: (rank, layer name)}`` from LAYERS."""
     out = {}
     for rank, (name, mods) in enumerate(LAYERS):
         for short in mods:
             mod = "ssdtrain" + ("." + short if short else "")
             assert mod not in out, f"{mod} is in two layers"
             out[mod] = (rank, name)
+    return out
+
+
+def _layer_of():
+    """``{module: (rank, layer name)}`` for every module of ssdtrain that has an entry."""
+    entries = _entries()
+    out = {}
+    for mod in set(_core_graph()) | EXTENSIONS:
+        entry = _entry_of(mod, entries)
+        if entry is not None:
+            out[mod] = entries[entry]
     return out
 
 
@@ -419,11 +443,32 @@ def _core_graph():
 
 
 def test_every_module_has_a_layer():
-    layer = _layer_of()
+    entries = _entries()
     core = set(_core_graph()) | EXTENSIONS
-    assert not core - set(layer), f"modules with no layer in LAYERS: {sorted(core - set(layer))}"
-    assert not set(layer) - core, f"LAYERS names modules that do not exist: " \
-                                  f"{sorted(set(layer) - core)}"
+    homeless = sorted(mod for mod in core if _entry_of(mod, entries) is None)
+    assert not homeless, f"modules with no layer in LAYERS: {homeless}"
+    used = {_entry_of(mod, entries) for mod in core}
+    assert not set(entries) - used, f"LAYERS names modules or packages that do not " \
+                                    f"exist: {sorted(set(entries) - used)}"
+    # Every subpackage is an entry: a package is a layer's unit, not a loose folder.
+    packages = {mod for mod, path in MODULES.items()
+                if path.name == "__init__.py" and mod.count(".") == 1 and
+                path.is_relative_to(PACKAGE)}
+    assert not packages - set(entries), f"packages with no row: {sorted(packages - set(entries))}"
+
+
+def _package_graph(graph):
+    """The import graph between LAYERS' entries (a package counts as one node)."""
+    entries = _entries()
+    out = {}
+    for mod, deps in graph.items():
+        src = _entry_of(mod, entries)
+        out.setdefault(src, set())
+        for line, dep in deps:
+            dst = _entry_of(dep, entries)
+            if dst is not None and dst != src:
+                out[src].add((line, dst))
+    return out
 
 
 def _against_layers(graph, layer):
@@ -489,24 +534,41 @@ def test_no_import_cycle():
     assert not _cycles(_core_graph()), f"import cycles: {_cycles(_core_graph())}"
 
 
+def test_no_package_imports_itself_back():
+    """Below the top, no package imports another that imports it back (modules may sit
+    in a package above the one they import, never in a loop of packages)."""
+    graph = {src: {(line, dst) for line, dst in deps if not _is_top(dst)}
+             for src, deps in _package_graph(_core_graph()).items() if not _is_top(src)}
+    assert not _cycles(graph)
+    assert not _cycles(graph), f"package cycles: {_cycles(graph)}"
+
+
 def test_the_layer_checks_catch_what_they_guard():
     """Guards the checks: an upward import, an import of the store by the estimate and a
     cycle (the one this layout removed: ``_config`` <-> ``_hosttier``), each planted in
     a copy of the graph, are found; the real graph has none of them."""
     layer, graph = _layer_of(), _core_graph()
-    assert layer["ssdtrain._store"][0] > layer["ssdtrain._policy"][0] > layer["ssdtrain._C"][0]
+    assert layer["ssdtrain._store.store"][0] > layer["ssdtrain._decision.policy"][0] > \
+        layer["ssdtrain._C"][0]
+    assert layer["ssdtrain.testing.loopback"] == layer["ssdtrain._device.cuda"]
     def planting(*edges):
         copy = {mod: set(deps) for mod, deps in graph.items()}
         for line, (mod, dep) in enumerate(edges, 1):
             copy[mod].add((line, dep))
         return copy
 
-    upward = planting(("ssdtrain._policy", "ssdtrain._store"),
-                      ("ssdtrain._estimate", "ssdtrain._table"),
-                      ("ssdtrain._config", "ssdtrain._hosttier"))
+    upward = planting(("ssdtrain._decision.policy", "ssdtrain._store.store"),
+                      ("ssdtrain.estimate.replay", "ssdtrain._store.table"),
+                      ("ssdtrain._config", "ssdtrain._store.hosttier"))
     found = {(mod, line) for mod, line, _ in _against_layers(upward, layer)}
-    assert found == {("ssdtrain._policy", 1), ("ssdtrain._estimate", 2), ("ssdtrain._config", 3)}
-    cycle = planting(("ssdtrain._config", "ssdtrain._hosttier"),
-                     ("ssdtrain._hosttier", "ssdtrain._config"))
-    assert ["ssdtrain._config", "ssdtrain._hosttier"] in _cycles(cycle)
+    assert found == {("ssdtrain._decision.policy", 1), ("ssdtrain.estimate.replay", 2),
+                     ("ssdtrain._config", 3)}
+    cycle = planting(("ssdtrain._config", "ssdtrain._store.hosttier"),
+                     ("ssdtrain._store.hosttier", "ssdtrain._config"))
+    assert ["ssdtrain._config", "ssdtrain._store.hosttier"] in _cycles(cycle)
     assert not _cycles(graph)
+    # Two modules that import each other's packages (no module cycle): a package cycle.
+    packages = _package_graph(planting(("ssdtrain._device.transfers", "ssdtrain._store.table")))
+    assert not _cycles(planting(("ssdtrain._device.transfers", "ssdtrain._store.table")))
+    assert any({"ssdtrain._device", "ssdtrain._store"} <= set(c) for c in _cycles(packages))
+    assert not _cycles(_package_graph(graph))

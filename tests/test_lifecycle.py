@@ -680,7 +680,7 @@ def test_a_dropped_store_takes_its_paths_without_the_collector(spill_dir):
     """A store nobody references goes at once, by reference counting, and its parts
     with it: the write path, the host tier and the read path hold the record table
     (the records, and the memory of the tensors they hold), so no cycle among them may
-    wait for the garbage collector (NOTE [ The store's paths ] in ssdtrain/_store.py).
+    wait for the garbage collector (NOTE [ The store's paths ] in ssdtrain/_store/store.py).
     A strong ``WritePath.tier`` (the tier holds the write path) kept both alive."""
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", **DISK)
     model, inputs = ALL_MODELS["mlp"](torch.float32)
@@ -775,7 +775,7 @@ def test_write_ending_during_unpack_keeps_the_data(spill_dir, monkeypatch):
     unpack's two locked sections."""
     from concurrent.futures import Future
 
-    from ssdtrain._store import Store
+    from ssdtrain._store.store import Store
 
     off = ssdtrain.Offloader(policy="static", spill_dir=str(spill_dir), min_tensor_bytes=4096,
                              keep_tail_bytes=0, prefetch_bytes=0)

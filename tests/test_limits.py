@@ -542,7 +542,7 @@ def test_auto_budget_is_not_capped_by_memlock_where_cuda_pins(tmp_path, monkeypa
     real = resource.getrlimit
     monkeypatch.setattr(resource, "getrlimit", lambda which: (64 * KiB, 64 * KiB)
                         if which == resource.RLIMIT_MEMLOCK else real(which))
-    from ssdtrain import _cuda
+    from ssdtrain._device import cuda as _cuda
     monkeypatch.setattr(_cuda, "default_device", lambda: torch.device("cuda", 0))
     assert budget_bytes("auto") == 2 * GiB
 

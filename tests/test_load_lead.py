@@ -1,4 +1,4 @@
-"""NOTE [ Loads in time ] (ssdtrain/_auto.py): under ``policy="auto"`` the prefetch window
+"""NOTE [ Loads in time ] (ssdtrain/_policies/auto.py): under ``policy="auto"`` the prefetch window
 leads the quota's loads by the time they take, never beyond what the step held at
 forward's end, and the quota's bound counts on that lead. Searched: the window's rule
 over random measurements (bounds, monotone in the load rate, ``prefetch_bytes`` where
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import ssdtrain
 from ssdtrain import testing
-from ssdtrain import _auto
-from ssdtrain._auto import AutoQuota, quota_bound
+from ssdtrain._policies import auto as _auto
+from ssdtrain._policies.auto import AutoQuota, quota_bound
 from ssdtrain.tools import pin_auto_quota, set_load_lead
 from loopback_helpers import LoopbackDevice, attach
 from models import ALL_MODELS

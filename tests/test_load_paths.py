@@ -1,13 +1,13 @@
 """Every path a device record takes back to backward, forced one at a time, on the
-loopback device (ssdtrain/_loopback.py): the tensor backward gets has the saved bytes at
-the saved address modulo 512 (rule 6 of NOTE [ Device records ] in ssdtrain/_device.py),
+loopback device (ssdtrain/testing/loopback.py): the tensor backward gets has the saved bytes at
+the saved address modulo 512 (rule 6 of NOTE [ Device records ] in ssdtrain/_device/transfers.py),
 and every model's gradients are bitwise equal to a run without offloading (INV-EXACT).
 
 The paths (the record's state when backward reaches it):
 
 * ``ssd``: ON_DISK, read into pinned staging and copied to device memory;
 * ``host``: HOSTED, copied back from the host tier's pinned RAM (NOTE [ Host tier ] in
-  ssdtrain/_hosttier.py);
+  ssdtrain/_store/hosttier.py);
 * ``spilling``: SPILLING, evicted from RAM and its write to the SSD still running:
   claimed, loaded from its RAM copy when the write ends;
 * ``hosting``: HOSTING, its copy to RAM still running: claimed, served from the device

@@ -1,4 +1,4 @@
-"""The device path on the loopback device (ssdtrain/_loopback.py): whole models, checksums,
+"""The device path on the loopback device (ssdtrain/testing/loopback.py): whole models, checksums,
 pinned staging, host and device records side by side, and random delay schedules.
 
 The ordering rules one by one are in tests/test_loopback_rules.py.
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from helpers import assert_same, run_step
 from loopback_helpers import LoopbackDevice, SaveForBackward, SlowRead, attach, write_later
 from models import ALL_MODELS
-from ssdtrain import _checksum
-from ssdtrain._cuda import LEAF as CUDA
+from ssdtrain.io import checksum as _checksum
+from ssdtrain._device.cuda import LEAF as CUDA
 from ssdtrain.io import native
 
 ENGINES = ["posix"] + (["native"] if native.available() else [])
@@ -140,7 +140,7 @@ def test_staging_pool_never_keeps_more_than_its_idle_limit(ops, limit, skew):
     part; and a reservation is in the class its take asks for (the take allocates
     nothing). Before the fix a reservation entered the idle set whatever the limit."""
     import ssdtrain
-    from ssdtrain._device import StagingPool
+    from ssdtrain._device.transfers import StagingPool
     dev = LoopbackDevice(pinned_skew=skew)
     stats = ssdtrain.Stats()
     pool = StagingPool(dev, stats, limit)

@@ -1,6 +1,6 @@
-"""Each ordering rule of NOTE [ Device records ] (ssdtrain/_device.py), on the loopback device.
+"""Each ordering rule of NOTE [ Device records ] (ssdtrain/_device/transfers.py), on the loopback device.
 
-The loopback device (ssdtrain/_loopback.py) runs the store's device path with the
+The loopback device (ssdtrain/testing/loopback.py) runs the store's device path with the
 same code as CUDA; its streams run work asynchronously on threads, its copies and
 kernels wait injectable delays, its allocator reuses a freed block at once for the
 next allocation on the same stream, and fresh device memory reads as NaN. Each test

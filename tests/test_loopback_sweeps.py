@@ -1,9 +1,9 @@
 """The interrupt and garbage-collection sweeps over the device path.
 
 tests/test_interrupts.py raises KeyboardInterrupt at every line of the store modules
-(``_device.py`` included) that its scenario runs on the training thread, and
+(``_device/transfers.py`` included) that its scenario runs on the training thread, and
 tests/test_gc_injection.py runs a garbage collection inside every locked region of the
-store; here both run with a loopback device attached (ssdtrain/_loopback.py,
+store; here both run with a loopback device attached (ssdtrain/testing/loopback.py,
 ``SSDTRAIN_TEST_INJECT_LOOPBACK=1`` in their child processes), so every record is a device
 record: staged through pinned memory, copied on the loopback's streams, loaded for the
 compute stream. The checks are theirs, plus: no device memory left in use, no error
@@ -46,13 +46,13 @@ def _sweep(spill_dir, only="", shard=None):
 
 @pytest.mark.parametrize("part", range(DEVICE_PARTS), ids=lambda p: part_id(p, DEVICE_PARTS))
 def test_interrupt_at_each_device_line(spill_dir, part):
-    """KeyboardInterrupt at the first run of every line of ``_device.py`` the scenario
+    """KeyboardInterrupt at the first run of every line of ``_device/transfers.py`` the scenario
     runs on the training thread (pack's event, unpack's wait, staging on a miss), every
     record a device record (posix engine); a third of the lines per part."""
     shard = weekly_shard(DEVICE_PARTS)
     if not shard.runs(part):
         pytest.skip(shard.skip_reason("device-line sweep", part))
-    _sweep(spill_dir, only="ssdtrain._device", shard=(part, DEVICE_PARTS))
+    _sweep(spill_dir, only="ssdtrain._device.transfers", shard=(part, DEVICE_PARTS))
 
 
 @pytest.mark.slow

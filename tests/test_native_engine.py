@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ssdtrain import ConfigError, IntegrityError, SpillIOError
-from ssdtrain._spill import BLOCK, SpillFile
+from ssdtrain.io.spill import BLOCK, SpillFile
 from ssdtrain.io import native
 from ssdtrain.io.posix import PosixEngine
 
@@ -431,7 +431,7 @@ _CHILD_PRELUDE = textwrap.dedent(r"""
     pkg.__path__ = [sys.argv[2]]
     sys.modules["ssdtrain"] = pkg
     from ssdtrain._errors import SpillIOError
-    from ssdtrain._spill import BLOCK, SpillFile
+    from ssdtrain.io.spill import BLOCK, SpillFile
     from ssdtrain.io.native import NativeEngine
     directory, backend = sys.argv[1], sys.argv[3]
 """)

@@ -1,4 +1,4 @@
-"""One failure event, one error (NOTE [ One event, one error ] in ssdtrain/_events.py).
+"""One failure event, one error (NOTE [ One event, one error ] in ssdtrain/_store/events.py).
 
 A failed write (disk full, EIO) or a record beyond ``max_spill_bytes`` with
 ``on_spill_full="raise"`` raises one ``SpillIOError``, in the step where it happened (its

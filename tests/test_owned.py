@@ -1,5 +1,5 @@
 """No memory or disk slot is reused while a request can still touch it, whatever an
-interrupt cuts short (NOTE [ Memory owned by requests ] in ssdtrain/_store.py, INV-OWNED).
+interrupt cuts short (NOTE [ Memory owned by requests ] in ssdtrain/_store/store.py, INV-OWNED).
 
 The three fixes to the bandwidth probe before the leases were one class of bug: a
 request made while the caller's own references to its buffer and slot were the only
@@ -19,7 +19,7 @@ write's source); when it lands, the witness checks that nobody else wrote that m
 meanwhile (a buffer freed and handed to another record, or unmapped: read through the
 kernel, an unmapped page is EFAULT, not a crash), and that the request's blocks are
 still those of one live slot and of no other (the spill file's leases: NOTE [ Slots are
-leases ] in ssdtrain/_spill.py). Then: the later steps' gradients are exact, and once
+leases ] in ssdtrain/io/spill.py). Then: the later steps' gradients are exact, and once
 every request has landed nothing is left (no live record, no resident byte, no spill
 slot, ``Stats.quarantined_bytes`` 0: nothing is kept for the rest of the process).
 
@@ -41,7 +41,7 @@ from concurrent.futures import Future
 import pytest
 
 import inject
-from ssdtrain._spill import BLOCK
+from ssdtrain.io.spill import BLOCK
 from ssdtrain import testing
 from ssdtrain.io.base import EngineWrapper
 from ssdtrain.io.posix import memory_at
@@ -188,30 +188,30 @@ class _Sites(inject.Scenario):
 # submission); "tier": with a host tier too (copies to RAM, evictions' writes);
 # "probe": the bandwidth probe.
 SITES = {
-    "host": ("ssdtrain._writeback:WritePath.start_write_locked",
-             "ssdtrain._writeback:WritePath.submit_write",
-             "ssdtrain._prefetch:ReadPath.start_read_locked",
-             "ssdtrain._prefetch:ReadPath.submit_read",
-             "ssdtrain._prefetch:ReadPath._read_buffer_locked",
-             "ssdtrain._spill:SpillSet.alloc", "ssdtrain._spill:SpillFile.alloc"),
-    "device": ("ssdtrain._writeback:WritePath.start_write_locked",
-               "ssdtrain._prefetch:ReadPath.start_read_locked",
-               "ssdtrain._prefetch:ReadPath.submit_read",
-               "ssdtrain._prefetch:ReadPath._read_buffer_locked",
-               "ssdtrain._device:DeviceTransfers.after",
-               "ssdtrain._device:DeviceTransfers.read_buffer"),
-    "tier": ("ssdtrain._hosttier:HostTier.start_host_locked",
-             "ssdtrain._hosttier:HostTier.start_spill_locked",
-             "ssdtrain._device:DeviceTransfers.after",
-             "ssdtrain._device:DeviceTransfers.to_host"),
-    "probe": ("ssdtrain._probe:Probe.time_io", "ssdtrain._probe:Probe._slot_locked",
-              "ssdtrain._probe:Probe.submit", "ssdtrain._spill:SpillSet.let_go",
-              "ssdtrain._spill:SpillFile.alloc"),
+    "host": ("ssdtrain._store.writeback:WritePath.start_write_locked",
+             "ssdtrain._store.writeback:WritePath.submit_write",
+             "ssdtrain._store.prefetch:ReadPath.start_read_locked",
+             "ssdtrain._store.prefetch:ReadPath.submit_read",
+             "ssdtrain._store.prefetch:ReadPath._read_buffer_locked",
+             "ssdtrain.io.spill:SpillSet.alloc", "ssdtrain.io.spill:SpillFile.alloc"),
+    "device": ("ssdtrain._store.writeback:WritePath.start_write_locked",
+               "ssdtrain._store.prefetch:ReadPath.start_read_locked",
+               "ssdtrain._store.prefetch:ReadPath.submit_read",
+               "ssdtrain._store.prefetch:ReadPath._read_buffer_locked",
+               "ssdtrain._device.transfers:DeviceTransfers.after",
+               "ssdtrain._device.transfers:DeviceTransfers.read_buffer"),
+    "tier": ("ssdtrain._store.hosttier:HostTier.start_host_locked",
+             "ssdtrain._store.hosttier:HostTier.start_spill_locked",
+             "ssdtrain._device.transfers:DeviceTransfers.after",
+             "ssdtrain._device.transfers:DeviceTransfers.to_host"),
+    "probe": ("ssdtrain._store.probe:Probe.time_io", "ssdtrain._store.probe:Probe._slot_locked",
+              "ssdtrain._store.probe:Probe.submit", "ssdtrain.io.spill:SpillSet.let_go",
+              "ssdtrain.io.spill:SpillFile.alloc"),
 }
 
 
 def _offloader(spill_dir, sc, site):
-    from ssdtrain import _loopback
+    from ssdtrain.testing import loopback as _loopback
     extra = dict(verify=True)  # the posix engine: the CRC chained behind each request
     if site == "tier":
         extra["host_budget_bytes"] = 48 * KiB

@@ -1,4 +1,4 @@
-"""The planner's math (ssdtrain._planner): pure functions, property-tested."""
+"""The planner's math (ssdtrain._policies.planner): pure functions, property-tested."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ssdtrain._planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, StepCost,
-                               group_layers, plan, plan_family, predict, rok_plans,
-                               throttled_step, two_part_plans)
+from ssdtrain._policies.planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, StepCost,
+                                        group_layers, plan, plan_family, predict, rok_plans,
+                                        throttled_step, two_part_plans)
 
 MiB = 1 << 20
 
@@ -402,7 +402,7 @@ def test_head_records_held_only_until_the_heads_backward():
 def test_read_start_is_the_scan_it_replaces(begun, disk, prefetch):
     """predict()'s read window (_Begun.read_start, O(layers) per read) gives the time the
     scan over every candidate time gave (O(layers^2) per read), ties included."""
-    from ssdtrain._planner import _Begun
+    from ssdtrain._policies.planner import _Begun
     times, acc = [], 0
     for dt, _ in begun:  # begin times never decrease
         acc += dt

@@ -1,7 +1,7 @@
 """The planner's cost model with a host-RAM tier (NOTE [ Tiers in the step cost model ]
-in ssdtrain/_planner.py): bytes that fit the host budget are priced at the device <->
+in ssdtrain/_policies/planner.py): bytes that fit the host budget are priced at the device <->
 host link's bandwidth, the rest at the SSD's (or kept in device memory without an SSD
-tier), split the way NOTE [ Host tier ] in _hosttier.py splits records. Timings are
+tier), split the way NOTE [ Host tier ] in _store/hosttier.py splits records. Timings are
 never asserted: every number here is the model's."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ssdtrain._planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, StepCost, plan,
-                               predict, tier_split)
+from ssdtrain._policies.planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, StepCost,
+                                        plan, predict, tier_split)
 
 MiB = 1 << 20
 GOLDEN = Path(__file__).resolve().parent / "golden" / "planner_no_host_tier.json"

@@ -27,7 +27,7 @@ import ssdtrain
 from ssdtrain import testing
 from helpers import assert_same, run_step
 from loopback_helpers import LoopbackDevice, SaveForBackward, attach, device_chain
-from ssdtrain._auto import BASELINE_STEPS, SIZING_STEPS, AutoQuota, StallWatch
+from ssdtrain._policies.auto import BASELINE_STEPS, SIZING_STEPS, AutoQuota, StallWatch
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -236,7 +236,7 @@ def test_host_tier_bound_is_the_copies_within_ram_plus_the_disk_beyond():
         ctl.begin_step()
         return ctl.bound
 
-    from ssdtrain._auto import quota_bound
+    from ssdtrain._policies.auto import quota_bound
     copies = quota_bound(1 << 40, 0.1, 0.3, 10e9, 10e9, 0.0)
     disk = quota_bound(1 << 40, 0.1, 0.3, 1e9, 1e9, 0.0)
     assert run(10, 1, 1 << 50) == pytest.approx(copies, rel=1e-6)  # RAM holds it all

@@ -93,7 +93,7 @@ def test_a_failed_request_fails_its_future_at_the_poll(spill_files):
 def test_waiters_on_several_threads_settle_every_future_once(tmp_path_factory, n, waiters):
     """``result()`` polls: threads waiting on different futures take turns polling, and
     every future ends exactly once with its own outcome; nothing is lost between them."""
-    from ssdtrain._spill import SpillFile
+    from ssdtrain.io.spill import SpillFile
     f = SpillFile(str(tmp_path_factory.mktemp("polled")), "off")
     eng = NativeEngine(io_threads=3, poll=True)
     try:

@@ -1,6 +1,6 @@
 """Privacy and crash safety of spill data (INV-PRIVATE, docs/ARCHITECTURE.md).
 
-NOTE [ Spill directory privacy ] in ssdtrain/_spill.py says what is guaranteed:
+NOTE [ Spill directory privacy ] in ssdtrain/io/spill.py says what is guaranteed:
 anonymous files that can never get a name, 0600 where a name exists for an instant,
 a private 0700 default directory, and refusal of directories (and links) that other
 users control. A child killed by SIGKILL mid-step leaves no data behind.
@@ -25,9 +25,9 @@ import torch
 
 import ssdtrain
 from ssdtrain import testing
-from ssdtrain import _spill
+from ssdtrain.io import spill as _spill
 from ssdtrain._errors import ConfigError
-from ssdtrain._spill import SpillFile, default_spill_dir
+from ssdtrain.io.spill import SpillFile, default_spill_dir
 
 NOBODY = 65534
 is_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown to another user, "
@@ -282,7 +282,8 @@ def test_another_user_cannot_open_the_data(shared_dir, monkeypatch):
 _CRASH_CHILD = textwrap.dedent("""
     import os, sys, time
     import torch, ssdtrain
-    from ssdtrain import _spill, testing
+    from ssdtrain import testing
+    from ssdtrain.io import spill as _spill
     if sys.argv[2] == "no-tmpfile":   # a file system without O_TMPFILE: the fallback path
         real_open = os.open
         def no_tmpfile(path, flags, mode=0o777, *, dir_fd=None):

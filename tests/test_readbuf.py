@@ -1,4 +1,4 @@
-"""ReadBuffers (ssdtrain/_readbuf.py): the bounded pool reads land in.
+"""ReadBuffers (ssdtrain/io/readbuf.py): the bounded pool reads land in.
 
 Pool-level: no Offloader. What is checked is what the store relies on: where a
 read lands (the address congruence O_DIRECT needs, alignment for views of any
@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ssdtrain import _readbuf
-from ssdtrain._readbuf import SLAB_BYTES, SMALL_BYTES, ReadBuffers, unmap_now
-from ssdtrain._spill import BLOCK, align_down, align_up
+from ssdtrain.io import readbuf as _readbuf
+from ssdtrain.io.readbuf import SLAB_BYTES, SMALL_BYTES, ReadBuffers, unmap_now
+from ssdtrain.io.spill import BLOCK, align_down, align_up
 
 _SOURCE = _readbuf.__file__
 _MISALIGNS = (0, 1, 2, 7, 15, 16, 17, 31, 4079, 4080, 4081, 4094, 4095)
@@ -639,7 +639,7 @@ def _lines_run():
 
 
 def _interrupted_at(line, pool, held):
-    """Run the scenario, raising KeyboardInterrupt the first time ``line`` of _readbuf.py runs."""
+    """Run the scenario, raising KeyboardInterrupt the first time ``line`` of io/readbuf.py runs."""
     fired = []
 
     def local(frame, event, arg):
@@ -666,7 +666,7 @@ def test_keyboard_interrupt_at_every_line():
         pool, held = ReadBuffers(limit=_LIMIT), []
         assert _interrupted_at(line, pool, held), f"line {line} did not run"
         gc.collect()  # the interrupted frames and what they held are gone
-        where = f"after a KeyboardInterrupt at _readbuf.py:{line}"
+        where = f"after a KeyboardInterrupt at io/readbuf.py:{line}"
         try:
             pool.check_invariants()
             _assert_disjoint(held)

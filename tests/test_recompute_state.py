@@ -6,7 +6,7 @@ rules, ``set_plan`` mixes with ``recompute``, ``policy="adaptive"`` with its
 recompute-all profile step), the whole ``state_dict`` (parameters and buffers),
 the CPU RNG state (dropout draws from it) and the eval-mode outputs must equal a
 run without ssdtrain, with ``torch.equal`` (NOTE [ Recompute without a second
-update ] in ssdtrain/_adaptive.py).
+update ] in ssdtrain/_policies/adaptive.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from ssdtrain._planner import KEEP, OFFLOAD, RECOMPUTE
+from ssdtrain._policies.planner import KEEP, OFFLOAD, RECOMPUTE
 
 KiB = 1 << 10
 MiB = 1 << 20

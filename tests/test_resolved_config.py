@@ -16,7 +16,7 @@ import ssdtrain
 from ssdtrain import testing
 from ssdtrain import ConfigError, OffloadConfig, ResolvedConfig
 from ssdtrain._config import default
-from ssdtrain._planner import StepCost
+from ssdtrain._policies.planner import StepCost
 
 FIELDS = [f.name for f in dataclasses.fields(OffloadConfig)]
 
@@ -98,7 +98,7 @@ def test_a_resolved_config_cannot_hold_auto_values(tmp_path):
 
 
 def test_the_store_refuses_an_unresolved_config(tmp_path):
-    from ssdtrain._store import Store
+    from ssdtrain._store.store import Store
     with pytest.raises(AssertionError, match="ResolvedConfig"):
         Store(OffloadConfig(spill_dir=str(tmp_path)), None, None, None)
 

@@ -166,7 +166,7 @@ def test_real_thread_exhaustion_in_a_child(tmp_path):
 
 # ------------------------------------------------------------- file descriptors
 def test_too_many_open_files_is_not_an_unwritable_directory(monkeypatch, spill_dir):
-    from ssdtrain import _spill
+    from ssdtrain.io import spill as _spill
     real = os.open
 
     def refuse(path, flags, *args, **kw):

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 import ssdtrain
 from ssdtrain import testing
 from loopback_helpers import LoopbackDevice, attach
-from ssdtrain._store import Handle, Record
+from ssdtrain._store.store import Handle, Record
 from ssdtrain.tools import BLOCK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -161,8 +161,8 @@ def test_soak(tmp_path):
 
 
 # ------------------------------------------------------------- the soak with faults
-# NOTE [ Bounded staging ] in ssdtrain/_device.py, NOTE [ One event, one error ] in
-# ssdtrain/_events.py. The large-scale version is benchmarks/soak.py.
+# NOTE [ Bounded staging ] in ssdtrain/_device/transfers.py, NOTE [ One event, one error ] in
+# ssdtrain/_store/events.py. The large-scale version is benchmarks/soak.py.
 
 class _Saved(torch.autograd.Function):
     """``apply(anchor, t, value, seen)``: saves device tensor ``t`` (every element
@@ -360,7 +360,7 @@ def test_soak_with_faults_stays_within_its_bounds(tmp_path_factory, monkeypatch,
     Before the fix the idle staging grew by a buffer per size class (reserved ahead,
     never used: the reservation for a read asked the wrong class) and a healthy step
     raised the failure of the step before it."""
-    from ssdtrain import _loopback
+    from ssdtrain.testing import loopback as _loopback
     monkeypatch.setattr(_loopback, "_IDLE_S", 0.01)
     spill = tmp_path_factory.mktemp("spill")
     logging.getLogger("ssdtrain").setLevel(logging.CRITICAL)  # the faults are expected

@@ -1,4 +1,4 @@
-"""Spill files and slot allocation (``ssdtrain/_spill.py``).
+"""Spill files and slot allocation (``ssdtrain/io/spill.py``).
 
 ``SlotAllocator`` is pure bookkeeping, so it is driven directly by hypothesis with
 random alloc/free sequences and checked against a block-by-block model; ``rebuild``
@@ -26,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ssdtrain import ConfigError
-from ssdtrain import _spill
-from ssdtrain._spill import BLOCK, SlotAllocator, SpillFile, SpillSet, filesystem_type
+from ssdtrain.io import spill as _spill
+from ssdtrain.io.spill import BLOCK, SlotAllocator, SpillFile, SpillSet, filesystem_type
 
 DIRECT_FILESYSTEMS = ("ext4", "xfs", "btrfs")
 

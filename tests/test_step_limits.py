@@ -1,4 +1,4 @@
-"""A step's limits (``StepLimits`` in ssdtrain/_policy.py): fixed before its pass opens,
+"""A step's limits (``StepLimits`` in ssdtrain/_decision/policy.py): fixed before its pass opens,
 handed to the store with the pass, and replaced whole by the next pass's."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from helpers import SaveForBackward
 
 from ssdtrain import testing
-from ssdtrain._policy import NO_LIMITS, StepLimits
+from ssdtrain._decision.policy import NO_LIMITS, StepLimits
 
 N = 64 << 10  # bytes per record
 
@@ -89,7 +89,7 @@ def test_the_inspection_surface_takes_an_offloader_only(make_offloader):
 def test_each_policy_is_a_step_policy_type(make_offloader, policy):
     """NOTE [ Step policies ]: the Offloader holds one StepPolicy per config, and only
     "auto" has limits of its own; a pass with grad mode off gets none under any."""
-    from ssdtrain._steps import AdaptiveSteps, AutoSteps, StaticSteps, StepPolicy
+    from ssdtrain._policies.steps import AdaptiveSteps, AutoSteps, StaticSteps, StepPolicy
     off = make_offloader(policy=policy, **({"memory_budget_bytes": 1 << 30}
                                            if policy == "adaptive" else {}))
     steps = off._steps

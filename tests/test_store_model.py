@@ -27,7 +27,7 @@ in use. Every backward that succeeds must give gradients (and unpacked tensors)
 record must raise (SpillIOError / InplaceModificationError), never return wrong
 values; a failed write of a record a live graph holds must be raised by the next
 forward, or by backward (once for all failures so far: NOTE [ One event, one error ] in
-ssdtrain/_writeback.py; one of a forward that raised at a pack was reported then);
+ssdtrain/_store/writeback.py; one of a forward that raised at a pack was reported then);
 after ``close()``
 nothing is left (records, memory, storages, spill files, threads).
 

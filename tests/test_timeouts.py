@@ -49,7 +49,8 @@ import torch
 
 import ssdtrain
 from ssdtrain import testing
-from ssdtrain import SpillIOError, _checksum
+from ssdtrain import SpillIOError
+from ssdtrain.io import checksum as _checksum
 from ssdtrain.io import native
 from ssdtrain.io.base import Capabilities, Engine, EngineWrapper
 
@@ -336,7 +337,7 @@ def test_timeout_then_close_with_the_real_engine(spill_dir, engine):
 def test_slow_engine_detects_a_changed_source(spill_dir):
     """The detector itself: a write whose source is overwritten while in flight is
     reported, so a clean run above means the memory really was left alone."""
-    from ssdtrain._spill import SpillFile
+    from ssdtrain.io.spill import SpillFile
     from ssdtrain.io.posix import PosixEngine
     file = SpillFile(str(spill_dir), "off")
     slow = SlowEngine(PosixEngine(io_threads=1), 0.05, ("write",))

@@ -1,4 +1,4 @@
-"""ssdtrain's ranges in a profiler trace (NOTE [ Profiler ranges ] in ssdtrain/_trace.py).
+"""ssdtrain's ranges in a profiler trace (NOTE [ Profiler ranges ] in ssdtrain/_device/trace.py).
 
 A small offloaded step under ``torch.profiler`` exports a Chrome trace; the ranges are
 in it, each on the thread that did the work: pack and unpack on the training thread,
@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ssdtrain
-from ssdtrain import _trace
+from ssdtrain._device import trace as _trace
 
 N = 8                 # ops, one saved record each
 NUMEL = 64 * 1024     # 256 KiB of float32 per record

@@ -14,8 +14,8 @@ import torch
 import ssdtrain
 from ssdtrain import testing
 from helpers import assert_same, run_step
-from ssdtrain._planner import KEEP, OFFLOAD, RECOMPUTE
-from ssdtrain._profile import default_layers
+from ssdtrain._policies.planner import KEEP, OFFLOAD, RECOMPUTE
+from ssdtrain._policies.profile import default_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt import GPT, GPTConfig, make_batch  # noqa: E402

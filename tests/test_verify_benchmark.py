@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ssdtrain import _checksum
+from ssdtrain.io import checksum as _checksum
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -144,7 +144,7 @@ def gds_probe() -> dict:
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         out["summary"] = f"kvikio does not import ({type(e).__name__}: {e}): no GPUDirect Storage"
         return out
-    from ssdtrain._device import GDS_PROBE_MEMORY
+    from ssdtrain._device.transfers import GDS_PROBE_MEMORY
     from ssdtrain.io import gds
     try:
         import kvikio.cufile_driver as driver  # a submodule `import kvikio` leaves out

@@ -191,7 +191,7 @@ def _offloader(quota, cpu_dry_run, shipped=True):
     (kept without a record). ``shipped`` False: the hooks kept on to the end of forward
     and the prefetch window at ``prefetch_bytes`` (``tools.set_hooks_cut``,
     ``tools.set_load_lead``), as before NOTE [ Hooks off past the window ] and NOTE [
-    Loads in time ] in ssdtrain/_auto.py."""
+    Loads in time ] in ssdtrain/_policies/auto.py."""
     import ssdtrain
     from ssdtrain.tools import pin_auto_quota, set_hooks_cut, set_load_lead
     off = ssdtrain.Offloader(policy="static" if quota is None else "auto", spill_dir=None,

@@ -22,7 +22,7 @@ wake runs only when a hint says there is work), so that their effect on the loop
 measured (``--no-instrument``: the timing alone, paired with ``none`` step by step)
 before anyone changes ssdtrain.
 
-It reaches into private code (``ssdtrain._store``, ``ssdtrain._iothread``...), which
+It reaches into private code (``ssdtrain._store.store``, ``ssdtrain._store.iothread``...), which
 benchmarks may not: it lives in tools/ and will need its list of entry points updated
 when the data path changes (a name that no longer exists stops it with an error).
 
@@ -55,7 +55,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 import torch  # noqa: E402
 
 import ssdtrain  # noqa: E402
-from ssdtrain import _iothread, _prefetch, _readbuf, _store, _table, _writeback  # noqa: E402
+from ssdtrain._store import (iothread as _iothread, prefetch as _prefetch, store as _store,
+                             table as _table, writeback as _writeback)
+from ssdtrain.io import readbuf as _readbuf  # noqa: E402
 from ssdtrain.io import native as _native  # noqa: E402
 
 import launch_loop as LL  # noqa: E402

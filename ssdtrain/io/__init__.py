@@ -5,6 +5,11 @@ Every engine has the same small interface (see :class:`Engine`): ``write`` and
 return a ``concurrent.futures.Future`` that completes with the byte count or
 fails with :class:`~ssdtrain.SpillIOError`. The caller keeps the memory alive
 until the future is done. ``posix`` is the pure-Python reference engine.
+
+What the engines write into and check, below the store: ``spill`` (spill files and the
+slots inside them), ``readbuf`` (the bounded pool reads land in) and ``checksum``
+(CRC32C of records). This package imports nothing of ssdtrain but the leaf modules
+(tests/test_layers.py).
 """
 
 import logging
@@ -30,7 +35,7 @@ def choose_engine(name: str, *, directories=(), verify: bool = False,
     reasons for passing over the others are logged once per process. ``verify``
     (CRC32C of host copies) rules kvikio out: device records never pass through host
     memory there. ``gds_memory``: the device memory :func:`gds.probe` tests with
-    (``ssdtrain._device.GDS_PROBE_MEMORY``); without it kvikio is never usable.
+    (``ssdtrain._device.transfers.GDS_PROBE_MEMORY``); without it kvikio is never usable.
 
     Raises:
         ConfigError: ``kvikio`` named with ``verify``, or ``native`` named where it is

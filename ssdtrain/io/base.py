@@ -26,7 +26,7 @@ it; posix and kvikio: the work item queued holds it; a wrapper that holds a requ
 (fault injection's ``hang``, tests' manual and slow engines) holds it with the request,
 and one that touches the memory after its inner engine is done (a corrupted read, a
 CRC behind the request: :func:`then`) holds it until it has. Why the store relies on
-it: NOTE [ Memory owned by requests ] in ``ssdtrain/_store.py``; ``tests/test_contracts.py``
+it: NOTE [ Memory owned by requests ] in ``ssdtrain/_store/store.py``; ``tests/test_contracts.py``
 checks every engine class and wrapper, an interrupt at every line of its submission
 included.
 
@@ -43,7 +43,7 @@ its requests without Python (the native engine made with ``poll=True``: NOTE
   thread, and returns how many. Polls take turns (a lock); one that a future's callback
   starts inside a poll on the same thread returns at once, and the outer one settles the
   rest. The store polls at the start of every locked region (NOTE [ Store lock
-  discipline ] in _store.py), so the hooks settle what ended since the last one. A poll
+  discipline ] in _store/store.py), so the hooks settle what ended since the last one. A poll
   cut short by an interrupt leaves the rest, and the future it was settling, to the next
   one (settling is idempotent); the callbacks that future had not run yet are lost, and
   the store's repair attaches its own again.

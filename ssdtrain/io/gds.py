@@ -8,7 +8,7 @@ imports on machines where cuFile cannot do any I/O (no GPU driver, no
 than the native engine with pinned staging. So :func:`probe` does a real small
 write and read of device memory in the spill directory, with compatibility mode
 refused, and ``engine="auto"`` picks kvikio only where that probe passed. The
-device memory it tests with is handed in (``ssdtrain._device.GDS_PROBE_MEMORY``):
+device memory it tests with is handed in (``ssdtrain._device.transfers.GDS_PROBE_MEMORY``):
 nothing here touches CUDA through torch.
 
 Install with ``pip install ssdtrain[gds-cu12]`` or ``[gds-cu13]`` (the extra matching
@@ -125,7 +125,7 @@ def probe(directory: str, memory) -> str:
         memory: the device memory to test with: ``memory.missing()`` says why there
             is no device (``""`` if there is one) and ``memory.buffers(nbytes)`` gives
             ``(source address, destination address, same)``, ``same()`` telling whether
-            the destination equals the source (``ssdtrain._device.GDS_PROBE_MEMORY``).
+            the destination equals the source (``ssdtrain._device.transfers.GDS_PROBE_MEMORY``).
             ``None``: no device memory, nothing is tested (and nothing cached).
     """
     if memory is None:

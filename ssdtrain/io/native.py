@@ -192,7 +192,7 @@ class _PolledFuture(Future):
             if self._finished:
                 raise InvalidStateError(f"{self!r}: settled already")
             callbacks = self._done_callbacks
-            # One line of stores, no call (NOTE [ Interrupt-safe allocation ] in _spill.py):
+            # One line of stores, no call (NOTE [ Interrupt-safe allocation ] in io/spill.py):
             # cut short before it, nothing has changed and the poll that retries settles it
             # with its callbacks; it is never settled with its callbacks dropped.
             self._result, self._exception, self._done_callbacks, self._finished = \
