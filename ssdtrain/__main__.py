@@ -3,7 +3,7 @@
 Subcommands:
 
 * ``estimate``: what ssdtrain would save, offload and keep for a model, from the model
-  alone (``ssdtrain/estimate/__init__.py``, docs/estimate.md).
+  alone (``ssdtrain/estimate/``, docs/estimate.md).
 * ``check``: one training step of a model with and without ssdtrain, compared bitwise
   (``ssdtrain/check.py``).
 """

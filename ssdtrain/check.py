@@ -878,7 +878,7 @@ def _device(a) -> torch.device:
 
 def _factory(a):
     """``build()`` for the factory or config the command names."""
-    from .estimate import _factory_builder, hf_factory, load_factory
+    from .estimate.models import _factory_builder, hf_factory, load_factory
 
     try:
         if a.factory is not None:

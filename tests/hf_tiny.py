@@ -2,7 +2,7 @@
 
 The list is generated, not picked: every ``model_type`` of transformers' auto mappings
 for causal, seq2seq and masked language modelling, the class ``ssdtrain estimate``
-builds for it (``estimate._hf_class``: causal LM first, then seq2seq LM, masked LM).
+builds for it (``estimate.models._hf_class``: causal LM first, then seq2seq LM, masked LM).
 An architecture that is not text (vision, audio, multimodal, by
 ``ssdtrain.estimate.non_text_inputs``, the rule the CLI refuses them by) is left out
 (``tiny_config`` raises :class:`NotText`). Each config is the architecture's defaults with

@@ -30,6 +30,7 @@ import ssdtrain
 from ssdtrain import testing
 from helpers import weekly_shard
 from ssdtrain import estimate as E
+from ssdtrain.estimate.models import _factory_builder
 from ssdtrain.estimate.replay import EstimateError, measure
 from ssdtrain._decision.policy import (KEEP_BUDGET, KEEP_KIND, KEEP_LEAF, KEEP_SMALL,
                                        KEEP_STATE, TailWindow, keep_reason, slot_bound)
@@ -349,7 +350,7 @@ def test_estimate_is_exact_on_every_text_architecture(model_type, class_name,
             real = _step(off, *fac(**SHAPE), 0)
         except Exception as e:  # noqa: BLE001 - the model's own code at this size
             pytest.skip(f"does not run at the tiny size: {type(e).__name__}: {str(e)[:200]}")
-        build, _ = E._factory_builder(fac, gradient_checkpointing=False, **SHAPE)
+        build, _ = _factory_builder(fac, gradient_checkpointing=False, **SHAPE)
         try:
             m = measure(build, ssdtrain.OffloadConfig(**HF_SETTINGS))
         except EstimateError as e:

@@ -33,6 +33,8 @@ import torch
 import models
 import ssdtrain
 from ssdtrain import estimate as E
+from ssdtrain.estimate.hardware import _SEARCH_LIMIT
+from ssdtrain.estimate.memory import _largest
 from ssdtrain.estimate.replay import EstimateError
 from ssdtrain._policies.profile import default_layers
 from ssdtrain._decision.records import State
@@ -251,10 +253,10 @@ def test_forward_flops_match_a_real_count():
 
 # ----------------------------------------------------------- micro-batch and hardware
 def test_largest_micro_batch_search():
-    assert E._largest(lambda b: 100 * b + (50 if b > 7 else 0), 760, 1) == 7
-    assert E._largest(lambda b: b * b, 1000, 1) == 31          # not affine: bisection
-    assert E._largest(lambda b: 10 + b, 5, 1) == 0               # nothing fits
-    assert E._largest(lambda b: 10, 50, 3) == E._SEARCH_LIMIT    # does not grow
+    assert _largest(lambda b: 100 * b + (50 if b > 7 else 0), 760, 1) == 7
+    assert _largest(lambda b: b * b, 1000, 1) == 31          # not affine: bisection
+    assert _largest(lambda b: 10 + b, 5, 1) == 0               # nothing fits
+    assert _largest(lambda b: 10, 50, 3) == _SEARCH_LIMIT    # does not grow
 
 
 def test_max_micro_batch_is_the_largest_that_fits():

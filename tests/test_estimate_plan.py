@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ssdtrain.estimate as E
+from ssdtrain._config import MAX_BYTES
 from ssdtrain import OffloadConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -346,7 +347,7 @@ def test_host_tier_covering_everything_prices_offload_at_the_link(est):
     nothing goes to the SSD, and under a budget the planner offloads where, pricing every
     byte at the SSD, it recomputed."""
     slow = _with(est, tflops=1e-3, ssd_write_gbps=0.01)
-    tiered = dataclasses.replace(slow, host_budget_bytes=E.MAX_BYTES)
+    tiered = dataclasses.replace(slow, host_budget_bytes=MAX_BYTES)
     pe = tiered.plan("1MiB")
     off, none = pe.references["offload_all"], pe.references["none"]
     assert off.step_s == pytest.approx(none.step_s) and off.stall_s == pytest.approx(0.0)
@@ -358,7 +359,7 @@ def test_host_tier_covering_everything_prices_offload_at_the_link(est):
     assert pe.plan.prediction.step_s < before.plan.prediction.step_s
     # A slow link is priced as such: offload-all stalls on it.
     crawl = dataclasses.replace(_with(est, tflops=1e-3, ssd_write_gbps=0.01, host_gbps=1e-3),
-                                host_budget_bytes=E.MAX_BYTES)
+                                host_budget_bytes=MAX_BYTES)
     assert crawl.plan("1MiB").references["offload_all"].step_s > off.step_s
 
 

@@ -82,6 +82,20 @@ MODULES = {_module_name(p): p for p in _sources("ssdtrain", "integrations")}
 KNOWN = set(MODULES) | EXTENSIONS
 
 
+def _runtime_nodes(tree):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for type
+    annotations only, which never run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def _imports(path: Path):
     """``(line, module name)`` for every import in the file, relative ones resolved.
 
@@ -94,7 +108,7 @@ def _imports(path: Path):
     if name is not None:
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
@@ -572,3 +586,16 @@ def test_the_layer_checks_catch_what_they_guard():
     assert not _cycles(planting(("ssdtrain._device.transfers", "ssdtrain._store.table")))
     assert any({"ssdtrain._device", "ssdtrain._store"} <= set(c) for c in _cycles(packages))
     assert not _cycles(_package_graph(graph))
+
+
+def test_type_only_imports_are_not_counted(tmp_path):
+    """An import under ``if TYPE_CHECKING:`` never runs, so it makes no layer edge; one
+    in its ``else:`` and one beside it do (guards ``_runtime_nodes``)."""
+    path = tmp_path / "m.py"
+    path.write_text("from typing import TYPE_CHECKING\n"
+                    "if TYPE_CHECKING:\n    import ssdtrain._store.store\n"
+                    "else:\n    import ssdtrain._decision.policy\n"
+                    "def f():\n    if typing.TYPE_CHECKING:\n        import ssdtrain.api\n"
+                    "    import ssdtrain._stats\n")
+    assert sorted(mod for _, mod in _imports(path)) == \
+        ["ssdtrain._decision.policy", "ssdtrain._stats", "typing"]
