@@ -329,3 +329,23 @@ def md_table(columns, rows):
                              f"columns: {list(row)}")
         lines.append(md_row(row))
     return "\n".join(lines)
+
+
+def cuda_unavailable_reason() -> str:
+    """Why this Python cannot use a CUDA device (``""`` when it can): the one check, in
+    the same words, of every script that needs a GPU (``gpu_smoke.py``, ``gpu_bench.py``,
+    ``tools/gpu_check.py``, ``tools/gpu_trace.py``)."""
+    try:
+        import torch
+    except ImportError as e:
+        return f"torch cannot be imported ({e}); install a CUDA build of torch first"
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU-only build; a CUDA build of torch and an "
+                f"NVIDIA GPU are needed (e.g. pip install torch --index-url "
+                f"https://download.pytorch.org/whl/cu124)")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+                + "; check the driver with nvidia-smi")
+    return ""

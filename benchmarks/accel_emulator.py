@@ -689,7 +689,7 @@ def plan_detail(p, n, mix_ks):
     """The budget run's plan: its costs, its table, and what the same cost model
     predicts for the static modes (forward to the end of backward; ``checkpoint`` as
     every layer recomputed), so that predictions are compared with every mode's
-    measurement (NOTE [ Step cost model ] in ssdtrain/_policies/planner.py)."""
+    measurement (NOTE [ Step cost model ] in ssdtrain/_policies/costmodel.py)."""
     from dataclasses import asdict, replace
     import ssdtrain
     from ssdtrain.tools import predict

@@ -81,14 +81,12 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
 from _common import (  # noqa: E402
-    add_worker_arguments, command_line, digest, md_table, median, proc_status, reset_peak_rss,
-    spawn_worker, work_dir, worker_env)
-from gpu_smoke import cuda_unavailable_reason  # noqa: E402  (the same check, the same words)
+    add_worker_arguments, command_line, cuda_unavailable_reason, digest, md_table, median,
+    proc_status, reset_peak_rss, spawn_worker, work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1 << 30

@@ -89,9 +89,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common, however run
 from _common import (  # noqa: E402
-    add_offload_arguments, add_worker_arguments, command_line, digest, finish, jsonable_config,
-    md_table, measured, median, model_from_args, offload_overrides, proc_status, progress,
-    reset_peak_rss, run_worker, stats_delta, work_dir, worker_env)
+    add_offload_arguments, add_worker_arguments, command_line, cuda_unavailable_reason, digest,
+    finish, jsonable_config, md_table, measured, median, model_from_args, offload_overrides,
+    proc_status, progress, reset_peak_rss, run_worker, stats_delta, work_dir, worker_env)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = os.path.join(tempfile.gettempdir(), "ssdtrain-gpu_smoke.json")
@@ -127,24 +127,6 @@ def count_parameters(m):
     d, n_layers = m["d_model"], m["n_layers"]
     per_block = 12 * d * d + 13 * d  # qkv, proj, 2 MLP matrices; their biases; 2 LayerNorms
     return n_layers * per_block + (m["vocab"] + m["seq_len"]) * d + 2 * d
-
-
-def cuda_unavailable_reason():
-    """Why CUDA cannot be used here (``""`` when it can)."""
-    try:
-        import torch
-    except ImportError as e:
-        return f"torch cannot be imported ({e})"
-    if torch.version.cuda is None:
-        return (f"torch {torch.__version__} is built without CUDA; install a CUDA build of "
-                f"torch (e.g. make test TORCH_SPEC=torch TORCH_PIP_ARGS='--index-url "
-                f"https://download.pytorch.org/whl/cu124')")
-    if not torch.cuda.is_available():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
-                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
-                + "; check the driver with nvidia-smi")
-    return ""
 
 
 # --------------------------------------------------------------------------- host memory

@@ -5,7 +5,7 @@ Subcommands:
 * ``estimate``: what ssdtrain would save, offload and keep for a model, from the model
   alone (``ssdtrain/estimate/``, docs/estimate.md).
 * ``check``: one training step of a model with and without ssdtrain, compared bitwise
-  (``ssdtrain/check.py``).
+  (``ssdtrain/check/``).
 """
 
 import sys

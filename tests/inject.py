@@ -71,10 +71,13 @@ KiB = 1024
 # Python imports it from (module_file), and one that no longer exists stops the sweep
 # with an error instead of silently leaving its lines unswept.
 # The store (the runtime under its lock).
-STORE_MODULES = ("ssdtrain._store.store", "ssdtrain._decision.records", "ssdtrain._store.table",
-                 "ssdtrain._store.iothread", "ssdtrain._store.events", "ssdtrain._store.writeback",
-                 "ssdtrain._store.prefetch", "ssdtrain.io.readbuf", "ssdtrain.io.spill",
-                 "ssdtrain._device.transfers", "ssdtrain._store.hosttier", "ssdtrain._decision.budget", "ssdtrain._store.probe",
+STORE_MODULES = ("ssdtrain._store.store", "ssdtrain._store.repair", "ssdtrain._store.engine",
+                 "ssdtrain._store.table",
+                 "ssdtrain._store.iothread", "ssdtrain._store.events",
+                 "ssdtrain._store.writeback", "ssdtrain._store.prefetch",
+                 "ssdtrain._store.hosttier", "ssdtrain._store.probe",
+                 "ssdtrain._decision.records", "ssdtrain._decision.budget",
+                 "ssdtrain.io.readbuf", "ssdtrain.io.spill", "ssdtrain._device.transfers",
                  # the polled engine's completions run on the training thread (NOTE
                  # [ Polled completions ] in ssdtrain/io/base.py)
                  "ssdtrain.io.native", "ssdtrain.io.base")
@@ -99,9 +102,12 @@ def host_budget():
 # What a training step passes through above the store (NOTE [ Forward phases ] in
 # ssdtrain/_offloader/forward.py): the public API, the forward's phases, attach, the module-state
 # tracker, the layer policy and its profiler and planner.
-STEP_MODULES = ("ssdtrain.api", "ssdtrain._offloader.forward", "ssdtrain._offloader.attach", "ssdtrain._decision.policy",
-                "ssdtrain._policies.steps", "ssdtrain._policies.adaptive", "ssdtrain._policies.profile", "ssdtrain._policies.planner",
-                "ssdtrain._policies.auto")
+STEP_MODULES = ("ssdtrain.api", "ssdtrain._offloader.forward", "ssdtrain._offloader.attach",
+                "ssdtrain._decision.policy", "ssdtrain._policies.steps",
+                "ssdtrain._policies.adaptive", "ssdtrain._policies.profile",
+                "ssdtrain._policies.layers", "ssdtrain._policies.planner",
+                "ssdtrain._policies.costmodel", "ssdtrain._policies.auto",
+                "ssdtrain._policies.quota", "ssdtrain._policies.stall")
 # The integrations' per-step hooks.
 INTEGRATION_MODULES = ("ssdtrain.integrations.deepspeed", "ssdtrain.integrations.megatron")
 

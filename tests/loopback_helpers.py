@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from ssdtrain import testing
 from ssdtrain.testing.loopback import LoopbackDevice, attach
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
@@ -110,8 +111,8 @@ class UnpackCheck:
     while this check finds nothing was computed from the right bytes at the right
     alignment: the difference is not in what ssdtrain handed back.
 
-    Installed on the store itself (``with offloader:`` pushes ``store.pack`` and
-    ``store.unpack`` as they are then), before the ``with`` block; holds no handle
+    Installed on the offloader's hooks (``testing.wrap_hooks``: ``with offloader:`` pushes
+    them as they are then), before the ``with`` block; holds no handle
     (a weak dictionary), so records are released as without it. ``paths`` counts the
     record states unpack served from; ``problems`` lists what differed.
     """
@@ -119,12 +120,11 @@ class UnpackCheck:
     ALIGN = 512
 
     def __init__(self, offloader):
-        store = offloader._store
-        self._pack, self._unpack = store.pack, store.unpack
         self._saved = weakref.WeakKeyDictionary()  # handle -> (clone, address % ALIGN)
         self.paths = collections.Counter()
         self.problems = []
-        store.pack, store.unpack = self.pack, self.unpack
+        self._pack, self._unpack = testing.wrap_hooks(offloader, pack=lambda _: self.pack,
+                                                      unpack=lambda _: self.unpack)
 
     def pack(self, t):
         handle = self._pack(t)

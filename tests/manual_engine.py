@@ -201,7 +201,4 @@ def install(offloader) -> ManualEngine:
     """Wrap ``offloader``'s engine in a :class:`ManualEngine` (as
     :func:`ssdtrain.io.faulty.install` does) and return the wrapper. Install before
     the forward whose requests the test wants to control."""
-    store = offloader._store
-    engine = ManualEngine(store.engine)
-    store.engine = engine
-    return engine
+    return offloader.wrap_engine(ManualEngine)

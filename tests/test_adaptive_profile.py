@@ -186,7 +186,7 @@ def _late_frees(off):
     """The store's I/O thread never wakes: the memory the store lets go of stays
     allocated until something releases it (on a loaded machine the thread may not run
     for a while; here, deterministically, never)."""
-    off._store._kick = lambda: None
+    testing.wrap_io(off, wake=lambda kick: lambda: None)
 
 
 def _planned(make_offloader, choices, budget, policy):

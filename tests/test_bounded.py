@@ -335,14 +335,12 @@ def test_the_host_tier_holds_its_budget_plus_write_behind_whatever_link_and_disk
         for _ in range(WARMUP):
             device_chain(off, dev, 16, n)
         disk = install_lagging_disk(off, pace=lambda: rng.uniform(0, pace))
-        table = off._store._table
-
         def check():
             stats = off.stats()
             assert stats.host_bytes <= budget and stats.peak_host_bytes <= budget
-            assert table.writing_bytes <= wb + n, table.writing_bytes
-            waiting = sum(r.nbytes for r in table.spill_due)  # evicted, write not started
-            assert waiting <= wb + n, waiting
+            out = testing.outbound(off)
+            assert out.writing <= wb + n, out.writing
+            assert out.spilling <= wb + n, out.spilling  # evicted, write not started
             assert unreferenced_bytes(off) <= wb + n
 
         for micro in steps:

@@ -303,8 +303,9 @@ def test_the_bandwidth_probe_keeps_its_buffer_and_slot_past_a_timeout(make_offlo
     off = make_offloader(io_timeout_s=0.2)
     inj = faulty.install(off, faulty.Fault("write", "hang"))
     nbytes = 1 << 20
+    store = off._store  # measure_bandwidth takes the store itself, as the adaptive policy does
     with pytest.raises(ssdtrain.SpillIOError, match="bandwidth probe's write.*io_timeout_s=0.2"):
-        measure_bandwidth(off._store, nbytes=nbytes, repeats=1)
+        measure_bandwidth(store, nbytes=nbytes, repeats=1)
     (fut, *_, owner), = inj._hung
     assert off.spill_bytes_in_use() >= nbytes, "the slot was freed under a running write"
     view, buf, slot = owner  # the request owns its buffer and slot: still mapped, leased
@@ -316,7 +317,7 @@ def test_the_bandwidth_probe_keeps_its_buffer_and_slot_past_a_timeout(make_offlo
     assert off.spill_bytes_in_use() == 0
     testing.check_invariants(off)
     inj.faults.clear()
-    w, r = measure_bandwidth(off._store, nbytes=nbytes, repeats=1)
+    w, r = measure_bandwidth(store, nbytes=nbytes, repeats=1)
     assert w > 0 and r > 0 and off.spill_bytes_in_use() == 0
 
 

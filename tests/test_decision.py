@@ -124,27 +124,31 @@ def lagging(off, packs):
     """The store's I/O thread, woken in the block, starts its round only after ``packs``
     more packs (or when the block is left): it lags by that much, as a busy machine's
     would."""
-    store = off._store
     seen, go = [0], threading.Event()
-    real_round, real_pack = store._background_round, store.pack
 
-    def late():
-        go.wait(WAIT_S)
-        real_round()
+    def late(real_round):
+        def round_():
+            go.wait(WAIT_S)
+            real_round()
+        return round_
 
-    def pack(t):
-        seen[0] += 1
-        if seen[0] >= packs:
-            go.set()
-        return real_pack(t)
-    store._background_round, store.pack = late, pack
+    def counting(real_pack):
+        def pack(t):
+            seen[0] += 1
+            if seen[0] >= packs:
+                go.set()
+            return real_pack(t)
+        return pack
+    real_round, _ = testing.wrap_io(off, round=late)
+    real_pack, _ = testing.wrap_hooks(off, pack=counting)
     if packs <= 0:
         go.set()
     try:
         yield
     finally:
         go.set()
-        store._background_round, store.pack = real_round, real_pack
+        testing.wrap_io(off, round=lambda _: real_round)
+        testing.wrap_hooks(off, pack=lambda _: real_pack)
 
 
 def resaves(batch=1):

@@ -377,12 +377,14 @@ def test_a_step_with_nothing_to_offload_runs_without_hooks_and_exact(spill_dir):
     ref_model.load_state_dict(model.state_dict())
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)
     off._auto._probe = lambda n: (n / 1e3, n / 1e3)   # 1 kB/s: quota 0
-    real, packs = off._store.pack, []
+    packs = []
 
-    def counting(t):
-        packs.append(1)
-        return real(t)
-    off._store.pack = counting
+    def counting(real):
+        def pack(t):
+            packs.append(1)
+            return real(t)
+        return pack
+    testing.wrap_hooks(off, pack=counting)
     # whether the module tracker (a global forward pre-hook) ran in the step's forward
     from ssdtrain._decision.policy import TRACKER
     real_pre, fwd_tracked, tracked = TRACKER._pre_forward, [False], []
@@ -486,8 +488,7 @@ def _fixed_quota(off, quota):
 
 
 def _written_seqs(off):
-    return sorted((r.seq, r.nbytes) for r in off._store.records()
-                  if r.state in (State.WRITING, State.ON_DISK))
+    return sorted((r.seq, r.nbytes) for r in testing.records(off, State.WRITING, State.ON_DISK))
 
 
 def test_decision_given_a_quota_is_the_same_in_every_run(spill_dir, tmp_path):
@@ -508,7 +509,8 @@ def test_decision_given_a_quota_is_the_same_in_every_run(spill_dir, tmp_path):
             off.wait()
             after = off.stats()
             # what the quota kept fills the prefetch window, as the kept tail does
-            assert off._store._table.ahead >= after.quota_kept_bytes - before.quota_kept_bytes > 0
+            assert testing.prefetch(off).ahead >= \
+                after.quota_kept_bytes - before.quota_kept_bytes > 0
             runs.append((_written_seqs(off), after.offloaded_bytes - before.offloaded_bytes,
                          after.quota_kept_bytes - before.quota_kept_bytes))
             loss.backward()
@@ -647,17 +649,17 @@ def test_a_spent_quota_keeps_tensors_without_records_counted_as_records(spill_di
         _fixed_quota(off, 0)
         with off:
             loss = model(*inputs)
-        assert off._store.records() == []                      # no record
+        assert testing.records(off) == []                      # no record
         s, a = static.stats(), off.stats()
         assert a.unique_bytes == s.unique_bytes > 0            # counted as records
         assert a.quota_kept_bytes == a.unique_bytes and a.offloaded_bytes == 0
         assert a.deduplicated_bytes == s.deduplicated_bytes
         # backward uses them first: they fill the prefetch window as kept records do
-        assert off._store._table.ahead == a.unique_bytes
+        assert testing.prefetch(off).ahead == a.unique_bytes
         loss.backward()
         assert_grads_equal(grads(ref_model), grads(model))
         testing.check_invariants(off)
-        assert off._store._table.ahead == 0                    # used: out of the window
+        assert testing.prefetch(off).ahead == 0                # used: out of the window
     finally:
         static.close()
         off.close()
@@ -672,17 +674,19 @@ def test_passed_bytes_leave_the_window_when_their_graph_dies(spill_dir):
         _fixed_quota(off, 0)
         with off:
             loss = model(*inputs)
-        table = off._store._table
-        assert table.ahead > 0 and len(table.passed) == 1
+        window = testing.prefetch(off)
+        assert window.ahead > 0 and window.passed == 1
         del loss
         testing.check_invariants(off)                          # drains the release
-        assert table.ahead == 0 and not table.passed
+        window = testing.prefetch(off)
+        assert window.ahead == 0 and not window.passed
         with off:                                              # and the next step's are counted
             loss = model(*inputs)
-        assert table.ahead > 0
+        assert testing.prefetch(off).ahead > 0
         loss.backward()
         testing.check_invariants(off)
-        assert table.ahead == 0 and not table.passed
+        window = testing.prefetch(off)
+        assert window.ahead == 0 and not window.passed
     finally:
         off.close()
 

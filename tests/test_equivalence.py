@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from helpers import assert_same, run_step
+from ssdtrain import testing
 from models import ALL_MODELS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -181,13 +182,14 @@ def _sandwich():
 def _record_packs(off):
     """Wraps the store's pack hook; returns the list of (shape, storage ptr) it saw."""
     seen = []
-    pack = off._store.pack
 
-    def recording(t):
-        seen.append((tuple(t.shape), t.untyped_storage().data_ptr()))
-        return pack(t)
+    def recording(pack):
+        def hook(t):
+            seen.append((tuple(t.shape), t.untyped_storage().data_ptr()))
+            return pack(t)
+        return hook
 
-    off._store.pack = recording  # the Offloader installs self._store.pack on each entry
+    testing.wrap_hooks(off, pack=recording)  # the Offloader pushes the hooks on each entry
     return seen
 
 

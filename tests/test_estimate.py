@@ -32,6 +32,7 @@ import torch
 
 import models
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import estimate as E
 from ssdtrain.estimate.hardware import _SEARCH_LIMIT
 from ssdtrain.estimate.memory import _largest
@@ -66,7 +67,7 @@ def real_run(model, inputs, overrides, spill_dir):
     try:
         with off:
             loss = _loss(model(**inputs) if isinstance(inputs, dict) else model(*inputs))
-        tail = sum(r.nbytes for r in off._store.records() if r.state is State.KEPT)
+        tail = sum(r.nbytes for r in testing.records(off, State.KEPT))
         off.wait()
         stats = off.stats()
         per = list(off._layers.profiler.step.saved_bytes) if off._layers else []
@@ -240,7 +241,7 @@ def test_forward_flops_match_a_real_count():
     """The fake forward's FLOPs equal ``FlopCounterMode`` on the real forward (with the
     grouped-matmul formula the estimate adds, which MoE experts need)."""
     from torch.utils.flop_counter import FlopCounterMode
-    from ssdtrain.estimate.replay import _extra_flop_formulas
+    from ssdtrain.estimate.flops import _extra_flop_formulas
     configs = _hf_configs()
     for arch in ("llama", "mixtral"):
         est = E.estimate(E.hf_factory(configs[arch]), **HF_SHAPE)

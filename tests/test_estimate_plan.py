@@ -277,7 +277,7 @@ def test_predictions_beside_a_recorded_emulator_run(tmp_path, capsys):
 
 # ------------------------------------------------------------------- the host tier
 # NOTE [ Plan from the estimate ]'s host tier bullet; NOTE [ Tiers in the step cost
-# model ] in _policies/planner.py.
+# model ] in _policies/costmodel.py.
 GB = 1e9
 
 # The plan and its references from the code before the host tier was priced (commit

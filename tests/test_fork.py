@@ -139,9 +139,7 @@ def _copy_outcome(src, dst):
 
 def install_gate(off) -> GatedEngine:
     """Wraps ``off``'s engine in a :class:`GatedEngine` (as ``faulty.install`` does)."""
-    gate = GatedEngine(testing.engine(off))
-    off._store.engine = gate
-    return gate
+    return off.wrap_engine(GatedEngine)
 
 
 def reap(pid: int, deadline_s: float = CHILD_DEADLINE_S) -> int:

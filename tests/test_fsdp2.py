@@ -119,6 +119,7 @@ def _rank(rank, out_dir):
     import torch.distributed as dist
 
     import ssdtrain
+    from ssdtrain import testing
     from ssdtrain._store.store import Handle
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
@@ -134,16 +135,16 @@ def _rank(rank, out_dir):
                                  spill_dir=str(spill), min_tensor_bytes="16KiB", keep_tail_bytes=0)
         off.attach(model)  # after fully_shard: FSDP2's root pre-hook runs before ours
         counts = {"unsharded_param_packs": 0, "unsharded_param_offloaded": 0}
-        pack = off._store.pack
+        def spying(pack):
+            def spy(t):
+                result = pack(t)
+                if t.untyped_storage().data_ptr() in _unsharded_storages(model):
+                    counts["unsharded_param_packs"] += 1
+                    counts["unsharded_param_offloaded"] += isinstance(result, Handle)
+                return result
+            return spy
 
-        def spy(t):
-            result = pack(t)
-            if t.untyped_storage().data_ptr() in _unsharded_storages(model):
-                counts["unsharded_param_packs"] += 1
-                counts["unsharded_param_offloaded"] += isinstance(result, Handle)
-            return result
-
-        off._store.pack = spy
+        testing.wrap_hooks(off, pack=spying)
         got = _steps(model, x)
         off.wait()
         mismatch = ""

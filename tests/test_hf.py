@@ -18,6 +18,7 @@ from helpers import EngineCalls  # noqa: E402
 from ssdtrain.integrations.hf import SSDTrainCallback  # noqa: E402
 
 import ssdtrain  # noqa: E402
+from ssdtrain import testing  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -123,14 +124,14 @@ def test_gradient_checkpointing(make_offloader, reentrant):
     for layer in model.model.layers:
         handles += [layer.register_forward_pre_hook(enter),
                     layer.register_forward_hook(leave, always_call=True)]
-    pack = off._store.pack
+    def spying(pack):
+        def spy(t):
+            if depth[0]:
+                inside.append(t.numel() * t.element_size())
+            return pack(t)
+        return spy
 
-    def spy(t):
-        if depth[0]:
-            inside.append(t.numel() * t.element_size())
-        return pack(t)
-
-    off._store.pack = spy
+    testing.wrap_hooks(off, pack=spying)
     _assert_equal_runs(ref, _plain_steps(model, ids, off))
     for h in handles:
         h.remove()

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain._policies import auto as _auto
 from ssdtrain.tools import pin_auto_quota, set_hooks_cut
 from models import ALL_MODELS
@@ -100,12 +101,14 @@ def test_cut_steps_train_the_same_model(references, tmp_path_factory, name, shar
 def _count_packs(off):
     """Wrap the store's pack hook (before entering: the pushed pair is the wrapper):
     the list of bytes of each call."""
-    calls, pack = [], off._store.pack
+    calls = []
 
-    def spy(t):
-        calls.append(t.numel() * t.element_size())
-        return pack(t)
-    off._store.pack = spy
+    def spying(pack):
+        def spy(t):
+            calls.append(t.numel() * t.element_size())
+            return pack(t)
+        return spy
+    testing.wrap_hooks(off, pack=spying)
     return calls
 
 

@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain.tools import pin_auto_quota
 from loopback_helpers import LoopbackDevice, SaveForBackward, attach
 
@@ -65,9 +66,8 @@ class ForeignCalls:
         """The calls made on ``off``'s own threads (its I/O thread and its devices' copy
         waiters), by ``(thread name, module, function)``: an earlier offloader's threads
         may still be finishing their release (a hypothesis example before this one)."""
-        store = off._store
-        mine = {store._io.thread.ident}
-        for dev in store._devices.transfers.values():
+        mine = {testing.io_thread(off).ident}
+        for dev in testing.transfers(off):
             mine.update(t.ident for t in dev._waiter._threads)  # noqa: SLF001
         out = collections.Counter()
         for (ident, *key), n in self.calls.items():
@@ -149,14 +149,15 @@ def _run(spill_dir, sizes, *, quota=None, warmup=5, steps=3, backward_thread=Fal
                 pin_auto_quota(off, quota)
             dev = LoopbackDevice()
             attach(off, dev)
-            store, kick = off._store, off._store._kick
             wakes = []
 
-            def counted_kick():  # a wake of the I/O thread, from any thread
-                if foreign.recording:
-                    wakes.append(threading.current_thread().name)
-                kick()
-            store._kick = counted_kick
+            def counting(kick):
+                def counted_kick():  # a wake of the I/O thread, from any thread
+                    if foreign.recording:
+                        wakes.append(threading.current_thread().name)
+                    kick()
+                return counted_kick
+            testing.wrap_io(off, wake=counting)
             values = [torch.arange(n // 4, dtype=torch.float32) + 1000 * i
                       for i, n in enumerate(sizes)]
             for i in range(warmup + steps):
@@ -225,11 +226,11 @@ def test_copies_the_hooks_start_end_under_wait_and_close(slow):
         _step(off, dev, sizes, values)
     sink = []
     out = _forward(off, dev, values, sink)
-    transfers = list(off._store._devices.transfers.values())
+    transfers = testing.transfers(off)
     off.wait()
     assert all(not t.landing for t in transfers)
     # Every copy to RAM ended (the first ones prefetch loaded back already).
-    assert {r.state.value for r in off._store.records()} <= {"hosted", "loaded"}
+    assert {r.state for r in off.records()} <= {"HOSTED", "LOADED"}
     out.backward()
     assert all(torch.equal(s[0], v) for s, v in zip(reversed(sink), values))
     out = _forward(off, dev, values, [])

@@ -64,7 +64,7 @@ def _chain(off, dev, sizes, *, retain=False):
 
 def _states(off):
     """The records' states, earliest saved first."""
-    return [r.state for r in sorted(off._store.records(), key=lambda r: r.seq)]
+    return [r.state for r in testing.records(off)]
 
 
 # ------------------------------------------------------------------ the targets
@@ -75,7 +75,7 @@ def _step(model, inputs, off):
     with off:
         loss = model(*inputs)
     off.wait()
-    recs = [(r.nbytes, r.state.value) for r in sorted(off._store.records(), key=lambda r: r.seq)]
+    recs = [(r.nbytes, r.state.value) for r in testing.records(off)]
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     return (loss.detach().clone(), grads), recs

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain._identity import byte_extent, record_range, storage_key
 from helpers import SaveForBackward
 
@@ -46,7 +47,7 @@ def test_reused_pointer_is_not_served_stale_data(make_offloader):
             ptr, key_a = a.data_ptr(), storage_key(a.untyped_storage())
             out_a = SaveForBackward.apply(anchors[0], sinks[0], a)
             off.wait()  # written: ssdtrain drops a's memory into its graveyard
-            off._store._bury()  # released now, not when the I/O thread gets to it (load)
+            testing.release_now(off)  # released now, not when the I/O thread gets to it (load)
             del a       # freed
             b = torch.full((NUMEL,), vb)
             assert b._version == 0  # same version as a: only identity tells them apart
@@ -94,7 +95,7 @@ def test_same_address_new_storage_is_not_served_stale_data(make_offloader):
             key_a, version_a = storage_key(a.untyped_storage()), a._version
             out_a = SaveForBackward.apply(anchors[0], sinks[0], a)
             off.wait()  # written
-            off._store._bury()
+            testing.release_now(off)
             del a
             b = torch.frombuffer(buf, dtype=torch.float32).fill_(vb)  # a's bytes overwritten
             assert b.data_ptr() == ctypes.addressof(buf) and b._version == version_a
@@ -124,7 +125,7 @@ def test_key_of_freed_storage_not_reused_while_record_lives(make_offloader):
     del a
     fresh = [torch.full((NUMEL,), 2.0) for _ in range(64)]
     assert key not in {storage_key(t.untyped_storage()) for t in fresh}
-    assert list(off._store._table.registry) == [key]
+    assert {r.key for r in testing.records(off)} == {key}
     out.backward()
     assert torch.equal(sink[0][0], torch.full((NUMEL,), 1.0))
 
@@ -170,7 +171,7 @@ def test_inplace_between_saves(when, make_offloader):
     s = off.stats()
     assert s.unique_bytes == 2 * NUMEL * 4 and s.deduplicated_bytes == 0  # two records
     key = storage_key(x.untyped_storage())
-    assert [r.version for r in off._store._table.registry[key]] == [0, 1]
+    assert [r.version for r in testing.records(off) if r.key == key] == [0, 1]
     if when == "written-before-modify":
         assert s.records_written == 2
     out2.backward()

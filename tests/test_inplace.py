@@ -47,7 +47,7 @@ def _offloader(spill_dir, **overrides):
 
 
 def _records(off):
-    return [r for group in off._store._table.registry.values() for r in group]
+    return testing.records(off)
 
 
 def _states(off):

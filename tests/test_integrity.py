@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ssdtrain
+from ssdtrain import testing
 from helpers import SaveForBackward, assert_same, run_step
 from models import gpt
 from ssdtrain.io import checksum as _checksum
@@ -41,7 +42,7 @@ def _save_one(off, t):
     with off:
         out = SaveForBackward.apply(anchor, sink, t)
         off.wait()
-    (rec,) = [r for group in off._store._table.registry.values() for r in group]
+    (rec,) = testing.records(off)
     assert rec.state.value == "on_disk"
     assert (rec.crc is not None) == off.config.verify
     return out, sink, rec

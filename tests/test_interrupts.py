@@ -162,11 +162,11 @@ def test_interrupt_at_each_store_line_full(spill_dir, engine):
 # repairs differ, are in the full sweep: the suite's time); "adaptive" sweeps _policies/adaptive.py
 # (profile, recompute-all, plan and probe steps all run inside the armed steps;
 # _policies/profile.py's lines are in the full sweep, for the suite's time);
-# "deepspeed" sweeps the adapter's engine-forward hook; "default" sweeps _policies/auto.py, the
-# default policy's controller as is over its sizing, baseline, probe and quota steps
+# "deepspeed" sweeps the adapter's engine-forward hook; "default" sweeps _policies/auto.py and
+# quota.py, the default policy's controller as is over its sizing, baseline, probe and quota steps
 # (on a fake clock, so every run decides alike), "default-api" the API's lines that
-# differ under it, "default-probe" the probe it runs (_store/probe.py, a store module). The planner (_policies/planner.py,
-# pure arithmetic run hundreds of times per plan) and _profile.measure_bandwidth (one
+# differ under it, "default-probe" the probe it runs (_store/probe.py, a store module). The planner (_policies/planner.py and
+# costmodel.py, pure arithmetic run hundreds of times per plan) and _profile.measure_bandwidth (one
 # line around the probe, whose own lines "default-probe" sweeps: its buffer and slot are
 # its requests', NOTE [ Memory owned by requests ]) are in the full sweep only (SSDTRAIN_TEST_INTERRUPT_FULL=1: every mode, every step module, the
 # first, middle and last run of every line, both engines).
@@ -183,7 +183,8 @@ STEP_SWEEPS = {
                      skip="ssdtrain._policies.profile:measure_bandwidth", parts=3),
     "deepspeed": dict(engine="posix", select="first", only="ssdtrain.integrations.deepspeed",
                       parts=1),
-    "default": dict(engine="posix", select="first", only="ssdtrain._policies.auto", parts=1),
+    "default": dict(engine="posix", select="first",
+                    only="ssdtrain._policies.auto,ssdtrain._policies.quota", parts=1),
     # the API's lines that differ under the default policy, in the same scenario
     "default-api": dict(scenario="default", engine="posix", select="first",
                         only="ssdtrain.api,ssdtrain._policies.steps",

@@ -48,13 +48,14 @@ def _until(cond, what):
 def _held_back(off):
     """The store's I/O thread, woken inside the block, waits until the block is left
     (at most ``WAIT_S``) before it does its round: it is busy elsewhere meanwhile."""
-    store, held = off._store, threading.Event()
-    real = store._background_round
+    held = threading.Event()
 
-    def blocked():
-        held.wait(WAIT_S)
-        real()
-    store._background_round = blocked
+    def blocked(real):
+        def round_():
+            held.wait(WAIT_S)
+            real()
+        return round_
+    testing.wrap_io(off, round=blocked)
     try:
         yield
     finally:
@@ -77,14 +78,13 @@ class Spy:
     """Records, per engine call, the calling thread and which hook was running on it."""
 
     def __init__(self, off):
-        store = off._store
         self.calls = []  # (op, thread name, hook running on that thread or None)
         self._hook = threading.local()
-        engine = store.engine
+        engine = testing.engine(off)
         for op in ("write", "read"):
             setattr(engine, op, self._wrap_engine(op, getattr(engine, op)))
-        for hook in ("pack", "unpack"):
-            setattr(store, hook, self._wrap_hook(hook, getattr(store, hook)))
+        testing.wrap_hooks(off, pack=lambda fn: self._wrap_hook("pack", fn),
+                           unpack=lambda fn: self._wrap_hook("unpack", fn))
 
     def _wrap_engine(self, op, fn):
         def call(*args, **kwargs):
@@ -161,16 +161,17 @@ def test_who_starts_the_writes(make_offloader, engine):
     the futures): every write is submitted by the I/O thread, none inside a pack (forward
     waits, untimed, after each save until the record has left the tail)."""
     off = make_offloader(engine=engine, keep_tail_bytes=0, min_tensor_bytes=4096)
-    polled = off._store._poller is not None
+    polled = getattr(testing.engine(off), "poller", None) is not None
     assert polled == (engine == "native")
     spy = Spy(off)
-    store, rounds = off._store, []
-    real = store._background_round
+    rounds = []
 
-    def counted():
-        rounds.append(threading.current_thread().name)
-        real()
-    store._background_round = counted
+    def counted(real):
+        def round_():
+            rounds.append(threading.current_thread().name)
+            real()
+        return round_
+    testing.wrap_io(off, round=counted)
     xs = _tensors(12)
 
     def between(where):
@@ -216,12 +217,12 @@ def test_throttle_starts_overdue_writes(make_offloader):
     throttle starts the writes itself and waits."""
     off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096,
                          write_behind_bytes=1 << 20)
-    store = off._store
     peak = [0]
 
     def between(where):
         if where == "forward":
-            overdue = store._table.due_bytes + store._table.writing_bytes
+            out = testing.outbound(off)
+            overdue = out.due + out.writing
             peak[0] = max(peak[0], overdue)
     xs = _tensors(24)  # 6 MiB in 256 KiB records
     with _held_back(off):
@@ -243,14 +244,12 @@ def test_sliding_window_reads_start_as_backward_consumes(make_offloader, engine)
     nbytes = 256 << 10
     off = make_offloader(engine=engine, keep_tail_bytes=0, min_tensor_bytes=4096,
                          prefetch_bytes=4 * nbytes)
-    store = off._store
-    polled = store._poller is not None
+    polled = getattr(testing.engine(off), "poller", None) is not None
     xs = _tensors(16, nbytes)
 
     def due():  # bytes the window could still take in (racy reads: a test's poll)
-        left = sum(r.nbytes for p in list(store._reads.passes) for r in list(p.queue)
-                   if r.tokens and not r.prefetched and not r.used)
-        return min(4 * nbytes - store._table.ahead, left)
+        window = testing.prefetch(off)
+        return min(4 * nbytes - window.ahead, window.unread)
 
     def between(where):
         if where == "backward":
@@ -345,16 +344,18 @@ def test_a_failed_round_is_raised_at_the_next_pack(make_offloader, caplog):
     """An exception escaping a round of the I/O thread (a bug) is repaired, logged and
     raised by the next pack as an SSDTrainError; the steps after it are exact."""
     off = make_offloader(keep_tail_bytes=0, min_tensor_bytes=4096)
+    # The failure is injected inside the round's locked part (its repair is under test):
+    # the store's own method, not a seam.
     store = off._store
-    real = store._start_one_locked
+    real = store._io.start_one_locked
     armed, fired = threading.Event(), []
 
-    def failing():
+    def failing(on):
         if armed.is_set() and not fired:
             fired.append(True)
             raise RuntimeError("injected failure of the I/O thread")
-        return real()
-    store._start_one_locked = failing
+        return real(on)
+    store._io.start_one_locked = failing
     xs = _tensors(4)
     a, y = _chain(off, xs[:1])
     armed.set()
@@ -444,6 +445,7 @@ def test_read_buffers_are_unmapped_off_the_training_thread(make_offloader, monke
         y.backward()
         assert len(died) == 2, f"step {step}: {2 - len(died)} kept tensors outlived backward"
         assert torch.equal(a.grad, _reference(_tensors(10, 1 << 20)))
+    # The store's graveyard is what the I/O thread is tested to empty: no seam shows it.
     _until(lambda: not off._store._graveyard, "unmap the idle read buffers")
     assert unmapped, "no read buffer was unmapped: the test is void"
     assert set(unmapped) == {"ssdtrain-store"}, unmapped
@@ -469,6 +471,7 @@ def test_no_memory_for_a_prefetch_buffer_is_not_an_error(make_offloader, caplog,
     nbytes = 256 << 10
     off = make_offloader(engine=engine, keep_tail_bytes=0, min_tensor_bytes=4096,
                          prefetch_bytes=4 * nbytes)
+    # The failure is injected into the store's read buffers, where the window slides.
     store = off._store
     real, pump = store._buffers.storage, store._reads.pump_locked
     failing, pumping = [True], threading.local()

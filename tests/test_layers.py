@@ -144,10 +144,11 @@ def _is_io(mod: str) -> bool:
 
 
 def _is_top(mod: str) -> bool:
-    if mod == "ssdtrain" or mod in TOP_PRIVATE:
-        return True
-    parts = mod.split(".")
-    return len(parts) == 2 and not parts[1].startswith("_") and parts[1] not in ("io",)
+    """Whether ``mod`` is in the top layer of LAYERS (the package, its public modules and
+    packages, and the modules inside those: ``ssdtrain.check.cli`` too)."""
+    entries = _entries()
+    entry = _entry_of(mod, entries)
+    return entry is not None and entries[entry][1] == "top"
 
 
 def test_the_scan_sees_the_modules():
@@ -160,6 +161,9 @@ def test_the_scan_sees_the_modules():
     assert "ssdtrain._fork" in base.values() and "ssdtrain._errors" in base.values()
     assert ("ssdtrain.io.base" in
             {m for _, m in _ssdtrain_imports(MODULES["ssdtrain._device.transfers"])})
+    assert _is_top("ssdtrain") and _is_top("ssdtrain.api") and _is_top("ssdtrain.check.compare")
+    assert not _is_top("ssdtrain._store.store") and not _is_top("ssdtrain.testing.loopback")
+    assert not _is_top("ssdtrain.estimate.replay") and not _is_top("ssdtrain.integrations.hf")
 
 
 def test_io_imports_only_io_and_leaves():

@@ -662,14 +662,14 @@ def test_offloader_released_when_collected(spill_dir):
     off.wait()
     assert off.stats().records_written > 0
     assert _open_fds() > before[0] and threading.active_count() > before[1]
-    offloader_alive, store_alive = weakref.ref(off), weakref.ref(off._store)
+    offloader_alive, store_alive = weakref.ref(off), testing.store_alive(off)
 
     with _Unraisable() as unraisable:
         del off
         # Release runs on a helper thread (a finalizer must not block the thread that
         # dropped the last reference), so give it a moment.
         after = _settled_resources(before)
-    assert offloader_alive() is None and store_alive() is None
+    assert offloader_alive() is None and not store_alive()
     assert after == before, "(open fds, threads) not back to where they were"
     assert _fd_target(spill_fd) != spill_target
     assert os.listdir(spill_dir) == []
@@ -685,13 +685,14 @@ def test_a_dropped_store_takes_its_paths_without_the_collector(spill_dir):
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), engine="posix", **DISK)
     model, inputs = ALL_MODELS["mlp"](torch.float32)
     run_step(model, inputs, off)
-    store = off._store
-    alive = [weakref.ref(x) for x in (store, store._writes, store._tier, store._reads)]
+    store = off._store  # the store's own parts are what this test watches go
+    alive = [weakref.ref(x) for x in (store, store._writes, store._tier, store._reads,
+                                      store._slot, store._repair)]
     del store
     gc.disable()
     try:
         del off
-        assert [r() is None for r in alive] == [True] * 4
+        assert [r() is None for r in alive] == [True] * 6
     finally:
         gc.enable()
 
@@ -707,17 +708,17 @@ def test_graph_outlives_its_offloader(spill_dir):
         loss = model(*inputs)
     off.wait()
     assert off.stats().records_written > 0
-    store_alive = weakref.ref(off._store)
+    store_alive = testing.store_alive(off)
     with _Unraisable() as unraisable:
         del off
         gc.collect()
-        assert store_alive() is not None, "the graph's handles must keep the store alive"
+        assert store_alive(), "the graph's handles must keep the store alive"
         loss.backward()
         assert_same(ref, (loss.detach().clone(), {n: p.grad.clone() for n, p in
                                                    model.named_parameters()}))
         del loss
         after = _settled_resources(before)
-    assert store_alive() is None
+    assert not store_alive()
     assert after == before
     assert unraisable.seen == []
 
@@ -741,7 +742,7 @@ def test_collected_with_writes_in_flight(spill_dir):
         return write_piece(*args)
 
     engine._write_piece = gated
-    store_alive = weakref.ref(off._store)
+    store_alive = testing.store_alive(off)
     with _Unraisable() as unraisable:
         model, inputs = ALL_MODELS["mlp"](torch.float32)
         with off:
@@ -751,10 +752,10 @@ def test_collected_with_writes_in_flight(spill_dir):
         gc.collect()
         gate.set()
         for _ in range(600):  # the writes finish on the I/O threads; nothing to wait() on
-            if store_alive() is None:
+            if not store_alive():
                 break
             threading.Event().wait(0.05)
-        assert store_alive() is None, "the store outlives its last write"
+        assert not store_alive(), "the store outlives its last write"
         for _ in range(600):
             if _resources() == before:
                 break
@@ -779,8 +780,8 @@ def test_write_ending_during_unpack_keeps_the_data(spill_dir, monkeypatch):
 
     off = ssdtrain.Offloader(policy="static", spill_dir=str(spill_dir), min_tensor_bytes=4096,
                              keep_tail_bytes=0, prefetch_bytes=0)
-    store = off._store
-    real_write, held, in_backward = store.engine.write, [], [False]
+    engine = testing.engine(off)
+    real_write, held, in_backward = engine.write, [], [False]
 
     def write(*args, **kwargs):
         fut = Future()
@@ -800,7 +801,7 @@ def test_write_ending_during_unpack_keeps_the_data(spill_dir, monkeypatch):
         if in_backward[0]:
             finish()
 
-    monkeypatch.setattr(store.engine, "write", write)
+    monkeypatch.setattr(engine, "write", write)
     monkeypatch.setattr(Store, "_settle", settle_then_finish)
     x = torch.randn(256, 256, requires_grad=True)
     (x * 2).sin().sum().backward()

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain import _limits
 from ssdtrain._config import budget_bytes, default_host_budget
 from ssdtrain._limits import cgroup_memory, host_memory, parse_mountinfo, parse_proc_cgroup
@@ -553,7 +554,7 @@ def test_the_memory_floor_of_a_cpu_run_reads_the_cgroup(job_in_a_1gib_cgroup, sp
     usage (inactive page cache back) as free, not the machine's MemAvailable."""
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), policy="auto")
     try:
-        assert off._store.headroom() == (GiB - 900 * MiB + 8 * MiB, GiB)
+        assert testing.headroom(off) == (GiB - 900 * MiB + 8 * MiB, GiB)
     finally:
         off.close()
 

@@ -132,17 +132,18 @@ def _lead_run(tmp_path, lead, steps=4):
         keep_tail_bytes=0, prefetch_bytes=64 << 10))
     attach(off, LoopbackDevice(claim_host_tensors=True, h2d_delay=0.002))
     set_load_lead(off, lead)
-    store = off._store
-    seen, marks, unpack = [], [], store.unpack
+    seen, marks = [], []
 
     def queued():
-        queue = store._reads.passes[-1].queue if store._reads.passes else ()
-        return len(queue or ())
+        return testing.prefetch(off).queued
 
-    def spy(h):
-        seen.append((queued(), store._table.ahead, store.window))
-        return unpack(h)
-    store.unpack = spy
+    def spying(unpack):
+        def spy(h):
+            window = testing.prefetch(off)
+            seen.append((window.queued, window.ahead, testing.prefetch_window(off)))
+            return unpack(h)
+        return spy
+    testing.wrap_hooks(off, unpack=spying)
     model.marks = lambda: marks.append(queued())
     with off:  # the first step counts what a step saves
         model(x)

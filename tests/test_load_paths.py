@@ -63,7 +63,7 @@ class _Gates:
         """The first work on the device's offload stream (made now, as the first record
         would make it) waits for the gate: every device -> host copy queued after it
         waits too, as behind a slow kernel."""
-        d2h = off._store._devices.get(dev, dev).d2h
+        d2h = testing.transfers(off, dev).d2h
         with dev.stream(d2h):
             dev.kernel(lambda: self._event.wait(60))
 
@@ -93,7 +93,7 @@ def _offloader(make_offloader, monkeypatch, path, budget, *, claim=False):
 
 
 def _states(off):
-    return [r.state.value for r in sorted(off._store.records(), key=lambda r: r.seq)]
+    return [r.state.value for r in testing.records(off)]
 
 
 def _wait_for(off, done):
@@ -115,13 +115,12 @@ def _pack_after_copies(off):
     """Each save waits until the records before it have left PENDING and HOSTING, so
     that a record evicted by a later save is always in RAM by then (SPILLING), never
     still on the device (which would be written from there: WRITING)."""
-    store = off._store
-    pack = store.pack
-
-    def settled_pack(t):
-        _wait_for(off, _settled)
-        return pack(t)
-    store.pack = settled_pack
+    def settling(pack):
+        def settled_pack(t):
+            _wait_for(off, _settled)
+            return pack(t)
+        return settled_pack
+    testing.wrap_hooks(off, pack=settling)
 
 
 def _backward(off, out, path, gates):
@@ -143,7 +142,7 @@ def _backward(off, out, path, gates):
 
 def _wait_for_records(off, done):
     deadline = time.monotonic() + 30
-    while not done(off._store.records()) and time.monotonic() < deadline:
+    while not done(testing.records(off)) and time.monotonic() < deadline:
         time.sleep(0.002)
 
 
@@ -210,7 +209,7 @@ def test_every_load_path_is_exact_on_every_model(make_offloader, monkeypatch, pa
         attach(probe, LoopbackDevice(claim_host_tensors=True))
         with probe:
             loss = model(*inputs)
-        budget = max(r.nbytes for r in probe._store.records())
+        budget = max(r.nbytes for r in probe.records())
         del loss
         probe.close()
     off, dev, gates = _offloader(make_offloader, monkeypatch, path, budget, claim=True)

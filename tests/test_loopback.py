@@ -21,6 +21,7 @@ from models import ALL_MODELS
 from ssdtrain.io import checksum as _checksum
 from ssdtrain._device.cuda import LEAF as CUDA
 from ssdtrain.io import native
+from ssdtrain import testing
 
 ENGINES = ["posix"] + (["native"] if native.available() else [])
 N = 1 << 16
@@ -211,7 +212,8 @@ def test_pinned_staging_is_allocated_outside_the_store_lock(make_offloader):
     real = dev.pinned
     off = _offloader(make_offloader, dev, min_tensor_bytes=0, keep_tail_bytes=0,
                      prefetch_bytes=0)
-    lock = off._store._lock = _OwnedLock(off._store._lock)
+    store = off._store  # the store's lock itself is watched (who holds it, when)
+    lock = store._lock = _OwnedLock(store._lock)
 
     def pinned(n):
         calls.append((threading.current_thread().name, lock.owner == threading.get_ident()))
@@ -291,12 +293,12 @@ def test_delay_schedules_exact_no_leak_no_hang(spill_dir, producer, consumer, d2
         gc.collect()
         assert off.live_records() == 0
         deadline = time.monotonic() + 10
-        while (dev.in_use() or off._store._staging[dev].busy()) and time.monotonic() < deadline:
+        pool = testing.transfers(off, dev).pool
+        while (dev.in_use() or pool.busy()) and time.monotonic() < deadline:
             dev.synchronize()
             time.sleep(0.005)
         assert dev.in_use() == 0, "device memory left in use"
-        pool = off._store._staging.get(dev)
-        assert pool is None or pool.busy() == 0
+        assert pool.busy() == 0
         assert not dev.errors, dev.errors
     finally:
         off.close()

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import helpers
+from ssdtrain import testing
 from loopback_helpers import (LoopbackDevice, SaveForBackward, SlowRead, attach, read_later,
                               write_later)
 
@@ -200,11 +201,11 @@ def test_rule4_a_copy_to_ram_reusing_a_busy_buffer_waits_for_its_last_copy(make_
         step(0, side)
         side.synchronize()
         off.wait()
-    pool_ = next(iter(off._store._devices.staging.values()))
+    pool_ = testing.transfers(off)[0].pool
     dev.h2d_delay = 0.3
     first = step(100, side)    # loads queued, 0.3 s each; the graph is gone
     dev.h2d_delay = 0.0
-    off._store.settle()        # the records are freed: their buffers are busy
+    testing.check_invariants(off)  # settles: the records are freed, their buffers busy
     with pool_._lock:          # and no buffer is idle: step 2 takes the busy ones
         drop = []
         while pool_._lru:

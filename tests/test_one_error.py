@@ -97,13 +97,12 @@ def test_one_failure_raises_once_then_later_steps_are_exact(make_offloader, kind
     if kind == "budget":
         cfg.update(max_spill_bytes=BUDGET, on_spill_full="raise")
     off = make_offloader(**cfg)
-    store = off._store
     inj = None
     if kind != "budget":
         hang = where == "backward"
         inj = faulty.install(off, Fault("write", "hang" if hang else kind, nth=1, times=None))
     if where == "exit":
-        store._paused = True  # nothing is written before the end of forward
+        testing.hold_io(off)  # nothing is written before the end of forward
 
     errors = []
     x = torch.linspace(-1, 1, BIG * 256).reshape(BIG, 256).requires_grad_()
@@ -120,8 +119,7 @@ def test_one_failure_raises_once_then_later_steps_are_exact(make_offloader, kind
     loss = None
     if inj is not None:
         inj.faults.clear()  # the disk has room again
-    store._paused = False
-    store._kick()
+    testing.hold_io(off, False)
     assert x.grad is None, "a gradient computed from lost data"
 
     assert len(errors) == 1, errors
@@ -150,7 +148,7 @@ def test_failures_after_the_error_was_raised_do_not_raise_again(make_offloader):
     off = make_offloader(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes="1MiB")
     inj = faulty.install(off, Fault("write", "hang", nth=2, times=None),
                          Fault("write", "EIO", nth=1))
-    off._store._paused = True  # every write starts at the end of forward: the first fails
+    testing.hold_io(off)  # every write starts at the end of forward: the first fails
     x = torch.linspace(-1, 1, BIG * 256).reshape(BIG, 256).requires_grad_()
     with pytest.raises(ssdtrain.SpillIOError, match="touched 1 record"):
         with off:
@@ -158,7 +156,7 @@ def test_failures_after_the_error_was_raised_do_not_raise_again(make_offloader):
     # The later writes of that step hang; they fail now, after its error was raised.
     loss = None  # noqa: F841
     gc.collect()
-    off._store._paused = False
+    testing.hold_io(off, False)
     inj.faults.clear()
     _fail_hung(inj, errno.EIO, K - 1)
     _clean(off)

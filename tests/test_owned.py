@@ -175,7 +175,7 @@ class _Sites(inject.Scenario):
 
     def prepare(self, off):
         super().prepare(off)
-        off._store._paused = True
+        testing.hold_io(off)
 
     def step(self, i, off):
         if off is not None and self.probe and i == 0:
@@ -220,8 +220,7 @@ def _offloader(spill_dir, sc, site):
         _loopback._IDLE_S = min(_loopback._IDLE_S, inject.LOOPBACK_IDLE_S)
         _loopback.attach(off, _loopback.LoopbackDevice(claim_host_tensors=True,
                                                        d2h_delay=0.002, h2d_delay=0.002))
-    witness = Witness(testing.engine(off))
-    off._store.engine = witness
+    witness = off.wrap_engine(Witness)
     return off, witness
 
 

@@ -402,7 +402,7 @@ def test_head_records_held_only_until_the_heads_backward():
 def test_read_start_is_the_scan_it_replaces(begun, disk, prefetch):
     """predict()'s read window (_Begun.read_start, O(layers) per read) gives the time the
     scan over every candidate time gave (O(layers^2) per read), ties included."""
-    from ssdtrain._policies.planner import _Begun
+    from ssdtrain._policies.costmodel import _Begun
     times, acc = [], 0
     for dt, _ in begun:  # begin times never decrease
         acc += dt

@@ -1,5 +1,5 @@
 """The planner's cost model with a host-RAM tier (NOTE [ Tiers in the step cost model ]
-in ssdtrain/_policies/planner.py): bytes that fit the host budget are priced at the device <->
+in ssdtrain/_policies/costmodel.py): bytes that fit the host budget are priced at the device <->
 host link's bandwidth, the rest at the SSD's (or kept in device memory without an SSD
 tier), split the way NOTE [ Host tier ] in _store/hosttier.py splits records. Timings are
 never asserted: every number here is the model's."""

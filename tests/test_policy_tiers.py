@@ -479,16 +479,17 @@ def test_headroom_counts_a_write_that_ends_during_the_reading_once(make_offloade
         while not engine.pending() and time.monotonic() < deadline:
             time.sleep(0.005)   # the write is submitted once the copy to staging ended
         assert engine.pending()
-        store, real = off._store, testing.probe(off).headroom
+        probe = testing.probe(off)
+        real = probe.headroom
 
         def read_then_complete():
             room = real()
             engine.complete_all()  # the write ends right after the device was read
             return room
-        store.probe.headroom = read_then_complete
-        free, total = store.headroom()
+        probe.headroom = read_then_complete
+        free, total = testing.headroom(off)
         assert total == 8 * n and free == 8 * n, (free / n, total / n)
-        del store.probe.headroom
+        del probe.headroom
         out.backward()
         assert float(sink[0][0][0]) == 3.0
     finally:
@@ -531,7 +532,7 @@ def test_a_probe_request_whose_submission_was_cut_short_keeps_its_slot_and_buffe
     del view, buf
     model, inputs = models.mlp()
     run_step(model, inputs, off)          # records' slots: never the probe's blocks
-    for rec in off._store.records():
+    for rec in testing.records(off):
         assert rec.slot is None or rec.slot.block + rec.slot.nblocks <= slot.block or \
             slot.block + slot.nblocks <= rec.slot.block, "the probe's slot handed to a record"
     assert testing.spill(off).outside_bytes() >= 1 << 20  # counts against max_spill_bytes

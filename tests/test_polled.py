@@ -200,7 +200,7 @@ def test_the_offloaders_engine_is_polled_and_its_workers_run_no_python(tmp_path)
     from helpers import SaveForBackward
     off = ssdtrain.Offloader(spill_dir=str(tmp_path), engine="native", keep_tail_bytes=0,
                              min_tensor_bytes=4096, policy="static")
-    store = off._store
+    store = off._store  # which thread runs the store's own completion callbacks is tested
     assert store._poller is store.engine and store.engine.poller is store.engine
     threads = set()
     real = store._callback

@@ -113,12 +113,11 @@ def test_planner_defaults_are_the_configs():
 def test_a_plan_limits_write_behind_without_touching_the_config(tmp_path):
     off = ssdtrain.Offloader(spill_dir=str(tmp_path), engine="posix", policy="static")
     try:
-        store = off._store
-        store.limit_write_behind(4096)
-        assert store.write_behind == 4096
+        testing.limit_write_behind(off, 4096)
+        assert testing.write_behind(off) == 4096
         assert off.config.write_behind_bytes == default("write_behind_bytes")
-        store.limit_write_behind(None)
-        assert store.write_behind == off.config.write_behind_bytes
+        testing.limit_write_behind(off, None)
+        assert testing.write_behind(off) == off.config.write_behind_bytes
     finally:
         off.close()
     # policy="auto": forward never waits for a write (NOTE [ The offload quota ]), so
@@ -126,8 +125,8 @@ def test_a_plan_limits_write_behind_without_touching_the_config(tmp_path):
     off = ssdtrain.Offloader(spill_dir=str(tmp_path), engine="posix", policy="auto")
     try:
         assert testing.write_behind(off) >= 1 << 62
-        off._store.limit_write_behind(4096)
-        off._store.limit_write_behind(None)
+        testing.limit_write_behind(off, 4096)
+        testing.limit_write_behind(off, None)
         assert testing.write_behind(off) >= 1 << 62
     finally:
         off.close()

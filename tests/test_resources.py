@@ -189,7 +189,7 @@ def test_no_memory_for_a_read_buffer_says_so(make_offloader):
     """A record read on demand (no prefetch) whose buffer cannot be mapped: backward
     raises a ResourceError about memory; with memory back, the next step is exact."""
     off = make_offloader(min_tensor_bytes=4096, keep_tail_bytes=0, prefetch_bytes=0)
-    store = off._store
+    store = off._store  # the failure is injected into the store's read buffers
     real = store._buffers.storage
     failing = [True]
 

@@ -74,8 +74,7 @@ def _train(model, steps, off=None, check=None):
         model.zero_grad(set_to_none=True)
         with off if off is not None else _null():
             loss = model(*batch)
-            records = [] if off is None else [weakref.ref(r) for group in
-                                              off._store._table.registry.values() for r in group]
+            records = [] if off is None else [weakref.ref(r) for r in testing.records(off)]
         if step % 10 == 9:  # a graph dropped without backward (eval, an exception...)
             del loss
         else:

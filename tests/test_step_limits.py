@@ -66,7 +66,7 @@ def test_a_plans_write_behind_stands_until_a_step_gives_its_own(make_offloader, 
     limit of their own run under it, a step with one under its own, and the step after
     that under the standing one again."""
     off = make_offloader(keep_tail_bytes=0, write_behind_bytes=4 * N, min_tensor_bytes=4096)
-    off._store.limit_write_behind(2 * N)  # as an applied plan does
+    testing.limit_write_behind(off, 2 * N)  # as an applied plan does
     given = [NO_LIMITS, StepLimits(write_behind=7 * N), NO_LIMITS]
     monkeypatch.setattr(off._steps, "begin_step", lambda training: given.pop(0))
     seen = []

@@ -124,12 +124,15 @@ class GatedWrites:
     each released write fail with that errno instead, as the device would."""
 
     def __init__(self, offloader, fail=None):
-        self.inner = testing.engine(offloader)
         self.fail = fail
         self.writes = 0
         self._gate = threading.Event()
         self._threads = []
-        offloader._store.engine = self
+
+        def wrap(engine):
+            self.inner = engine
+            return self
+        offloader.wrap_engine(wrap)
 
     def __getattr__(self, name):  # name, device_memory, read, shutdown...
         return getattr(self.inner, name)

@@ -447,9 +447,8 @@ class StoreMachine(RuleBasedStateMachine):
         when it wakes), so that the requests pending, on which the draws and rules
         depend, do not depend on when that thread runs. The thread may still do part of
         it first; after this call nothing is left due."""
-        store = getattr(self.off, "_store", None)
-        if store is not None and not store.closed:
-            store._background_round()
+        if self.off is not None:
+            testing.start_due(self.off)
 
     def _maybe_complete(self, data):
         self._start_due()
@@ -708,10 +707,7 @@ class StoreMachine(RuleBasedStateMachine):
         faulthandler.dump_traceback_later(STEP_LIMIT_S, exit=True)  # re-armed every step
         self._start_due()
         self._sync()
-        store = self.off._store
-        check = getattr(store, "check_invariants", None)  # the new store's self-check
-        if check is not None:
-            check()
+        testing.check_invariants(self.off)
         live = self.records  # every record the store holds, in flight included
         held = [r for r in live if any(self.graphs[gid].alive for gid in r.graphs)]
         n = self.off.live_records()  # only those a graph still references
@@ -736,9 +732,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert written <= used <= sum(r.nbytes + 2 * BLOCK for r in issued), (
             f"spill_bytes_in_use()={used}, records written: {written} bytes: {issued}")
 
-        real = _real_records(store)
-        if real is not None and not self.closed:
-            self._check_records(real)
+        if not self.closed:
+            self._check_records(testing.records(self.off))
 
     def _check_records(self, real):
         """Each real record matches one model record: range, version, handles, state."""
@@ -786,17 +781,6 @@ def _readlink(fd):
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return ""
-
-
-def _real_records(store):
-    """The store's live records: ``records()`` (new store), else its registry (old store)."""
-    records = getattr(store, "records", None)
-    if records is not None:
-        return list(records())
-    registry = getattr(store, "_registry", None)
-    if registry is None:
-        return None
-    return [r for group in list(registry.values()) for r in group]
 
 
 # ---------------------------------------------------------------------------- tests
@@ -854,7 +838,7 @@ def test_manual_engine_runs_requests_only_when_told(tmp_path):
         assert isinstance(left.exception(), SpillIOError) and not engine.pending()
         assert [r.op for r in engine.log] == ["write", "read", "read", "read"]
     finally:
-        off._store.engine = testing.engine(off).inner  # already shut down: close() is quick
+        off.wrap_engine(lambda engine: engine.inner)  # already shut down: close() is quick
         off.close()
 
 
@@ -876,5 +860,5 @@ def test_manual_engine_abandon(tmp_path):
         engine.abandon()
         assert not engine.pending() and not before.done()
     finally:
-        off._store.engine = engine.inner
+        off.wrap_engine(lambda engine: engine.inner)
         off.close()

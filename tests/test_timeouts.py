@@ -188,9 +188,7 @@ class SlowEngine(EngineWrapper):
 
 def install_slow(off, delay_s, ops) -> SlowEngine:
     """Wraps ``off``'s engine in a :class:`SlowEngine` (as ``faulty.install`` does)."""
-    slow = SlowEngine(testing.engine(off), delay_s, ops)
-    off._store.engine = slow
-    return slow
+    return off.wrap_engine(lambda engine: SlowEngine(engine, delay_s, ops))
 
 
 # ------------------------------------------------------------ the program
@@ -235,7 +233,8 @@ def _run_once(spill_dir, engine, scenario, mode, size_mib, verify):
                 off.wait()
             elif scenario == "read_backward":
                 # Every write done (a deadline of its own: the tiny io_timeout_s is for the
-                # reads), so backward must read; prefetch starts at exit.
+                # reads), so backward must read; prefetch starts at exit. The store's own
+                # flush: wait() has no deadline but io_timeout_s.
                 off._store.flush(timeout=CLOSE_GUARD_S)
         if scenario == "read_backward":
             loss.backward()

@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ssdtrain
+from ssdtrain import testing
 from ssdtrain._device import trace as _trace
 
 N = 8                 # ops, one saved record each
@@ -40,29 +41,28 @@ class _Paced(torch.autograd.Function):
     unpack, waits until the I/O thread has filled the prefetch window again."""
 
     @staticmethod
-    def forward(ctx, x, store):
-        ctx.store = store
+    def forward(ctx, x, off):
+        ctx.off = off
         ctx.save_for_backward(x * 1.0)
         return x + 1.0
 
     @staticmethod
     def backward(ctx, grad):
         (saved,) = ctx.saved_tensors
-        store = ctx.store
-        _until(lambda: not store._read_due(), "the I/O thread to fill the prefetch window")
+        off = ctx.off
+        _until(lambda: not testing.prefetch(off).due, "the I/O thread to fill the prefetch window")
         return grad * saved, None
 
 
 def _step(off):
     x = torch.full((NUMEL,), 0.5, requires_grad=True)
-    store = off._store
     with off:
         y = x
         for _ in range(N):
-            y = _Paced.apply(y, store)
+            y = _Paced.apply(y, off)
             # The I/O thread started the write and it ended: backward reads every record
             # (a write still in flight when forward ends is served from memory).
-            _until(lambda: store._table.due_bytes == 0 == store._table.writing_bytes, "the write")
+            _until(lambda: testing.outbound(off)[:2] == (0, 0), "the write")
         loss = y.sum()
     loss.backward()
     off.wait()
@@ -96,7 +96,7 @@ def _profiled_step(spill_dir, tmp_path, all_threads):
     try:
         with profile(activities=[ProfilerActivity.CPU], **kw) as prof:
             _step(off)
-        io_tid = off._store._io.thread.native_id
+        io_tid = testing.io_thread(off).native_id
         stats = off.stats()
     finally:
         off.close()
@@ -174,7 +174,7 @@ def test_nvtx_ranges_where_cuda_is_in_use(spill_dir, monkeypatch):
     try:
         with torch.autograd.profiler.profile():  # emit_nvtx() on a GPU: the same flag
             _step(off)
-        io_tid = off._store._io.thread.native_id
+        io_tid = testing.io_thread(off).native_id
     finally:
         off.close()
     main = threading.get_native_id()

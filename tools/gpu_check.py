@@ -47,26 +47,13 @@ import tempfile
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+from _common import cuda_unavailable_reason  # noqa: E402  (the same check as the benchmarks')
 EXIT_NO_CUDA = 2
 # `ssdtrain check` on CUDA: a small Llama built from this config (random weights).
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
               "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 512}
-
-
-def cuda_unavailable_reason() -> str:
-    """Why this Python cannot use a CUDA device (``""`` when it can)."""
-    try:
-        import torch
-    except ImportError as e:
-        return f"torch cannot be imported ({e}); install a CUDA build of torch first"
-    if torch.version.cuda is None:
-        return (f"torch {torch.__version__} is a CPU-only build; make gpu-check needs a CUDA "
-                f"build of torch and an NVIDIA GPU (it installs nothing)")
-    if not torch.cuda.is_available():
-        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU; check the "
-                f"driver with nvidia-smi and CUDA_VISIBLE_DEVICES")
-    return ""
 
 
 SKIPPED_ON_REQUEST = "GPU_CHECK_SKIP names it"

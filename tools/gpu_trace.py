@@ -54,6 +54,8 @@ import tempfile
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+from _common import cuda_unavailable_reason  # noqa: E402  (the same check as the benchmarks')
 DEFAULT_MODEL = dict(vocab=50304, seq_len=2048, d_model=2048, n_heads=16, n_layers=18,
                      batch_size=4)
 SMALL_MODEL = dict(vocab=1024, seq_len=256, d_model=256, n_heads=4, n_layers=2, batch_size=2)
@@ -177,9 +179,10 @@ def _device(cpu_dry_run):
     import torch
     if cpu_dry_run:
         return torch.device("cpu"), (lambda: None)
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_trace.py: no CUDA device (a CUDA build of torch and a GPU are "
-                         "needed; --cpu-dry-run tests this script on the CPU)")
+    why = cuda_unavailable_reason()
+    if why:
+        raise SystemExit(f"gpu_trace.py: no usable CUDA device: {why} (--cpu-dry-run tests "
+                         f"this script on the CPU)")
     return torch.device("cuda"), torch.cuda.synchronize
 
 

@@ -109,7 +109,7 @@ own stream work, and no other thread runs Python for it:
   order), which every locked region of the store runs first on any thread but the I/O
   thread (``Store._drain_locked``): the hooks, the end of forward and of backward,
   ``wait()``; the step's begin too, before ``policy="auto"`` reads what is still in
-  flight. A waiter polls while it waits (``Store._await``, ``_CopyFuture.wait``); a
+  flight. A waiter polls while it waits (``EngineSlot.wait`` (_store/engine.py), ``_CopyFuture.wait``); a
   copy's memory (the saved tensor, the lease) is held from before the copy is queued
   until a poll has seen it end (NOTE [ Memory owned by requests ] in _store/store.py), and
   ``close()`` waits for each one left. A poll can be cut short anywhere (an interrupt):
@@ -744,7 +744,7 @@ class _CopyFuture(_PolledFuture):
 
     def wait(self, timeout) -> None:
         """Poll until done, ``timeout`` seconds at most, sleeping between polls
-        (``Store._await``)."""
+        (``EngineSlot.wait`` (_store/engine.py))."""
         self._settle(timeout)
 
 

@@ -92,7 +92,7 @@ The plan's peak is a prediction; the policy never lets it pass unchecked. While
 a plan is in force under a budget (``memory_budget_bytes``: ``policy="adaptive"``,
 or a plan set with ``set_plan``), every step measures what ssdtrain holds at the
 moments the planner's memory timeline counts (NOTE [ Memory timeline ] in
-_policies/planner.py): when each tracked layer's forward ends, at the end of forward, and
+_policies/costmodel.py): when each tracked layer's forward ends, at the end of forward, and
 when each tracked layer's backward begins (a hook on the layer's output;
 ``LayerProfiler.boundary``). What it holds there is the bytes of its records in
 memory (``Offloader.resident_bytes()``) plus the host memory the store has let go
@@ -145,10 +145,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .._errors import ConfigError, SSDTrainError
-from .planner import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, Plan, StepCost, plan,
-                      predict, throttled_step)
-from .profile import (LayerProfiler, buffer_slots, buffer_state, measure_bandwidth, step_cost,
-                      updated_buffers)
+from .costmodel import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, StepCost, predict,
+                        throttled_step)
+from .planner import Plan, plan
+from .layers import buffer_slots, buffer_state, updated_buffers
+from .profile import LayerProfiler, measure_bandwidth, step_cost
 
 __all__ = ["LayerPolicy"]
 

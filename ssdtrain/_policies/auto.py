@@ -1,5 +1,9 @@
 """The default policy, ``"auto"``: offload what the disk can absorb in time, keep the rest.
 
+This module holds its quota controller, :class:`AutoQuota`, and the NOTEs below; the
+quota's pure arithmetic is in _policies/quota.py, the static policy's
+:class:`StallWatch` in _policies/stall.py (both names imported here too).
+
 NOTE [ The offload quota ]
 
 With ``policy="auto"`` (the default) each step (a forward pass and everything until the
@@ -241,12 +245,13 @@ quota had to leave time for loads that start late, and on the H200 the bound the
 allowed was far below what they could carry.
 """
 
-import collections
 import math
-import statistics
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
+
+from .quota import (BASE_WINDOW, LAG_SHARE, MAX_SCALE, NOISE_MIN, SAFETY, STEP_UP, Baseline,
+                    MiB, StepSample, lagged, next_scale, probe_bytes, quota_bound, slowed)
+from .stall import StallWatch  # the static policy's (tests import it from here)
 
 __all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "lagged",
            "next_scale", "probe_bytes", "SIZING_STEPS", "BASELINE_STEPS", "MEMORY_RESERVE", "SAFETY",
@@ -254,141 +259,19 @@ __all__ = ["AutoQuota", "StallWatch", "StepSample", "quota_bound", "slowed", "la
            "CONTROL_EVERY", "CONTROL_FIRST", "BASE_WINDOW", "NOISE_MIN", "PROBE_HOLD",
            "Baseline"]
 
-MiB = 1 << 20
+# The controller's own settings; the pure parts' (SAFETY, STEP_UP, MAX_SCALE, LAG_SHARE,
+# BASE_WINDOW, NOISE_MIN) are in quota.py.
 SIZING_STEPS = 1       # steps that first offload every eligible tensor (as "static")
 BASELINE_STEPS = 2     # steps then measured without offloading (or at the memory floor)
 MEMORY_RESERVE = 0.1   # of the memory's total: left free at forward's end by the floor
-SAFETY = 0.8           # of the bandwidth bound
 START_SCALE = 0.5      # the first quota's share of the bound
-STEP_UP = 0.25         # scale added after a step that was not slowed
-MAX_SCALE = 1.5        # most of the bound the feedback may reach
 RECOUNT_STEPS = 16     # steps cut in a row before one counts all it saves again
 LEAD_MARGIN = 1.5      # the lead loads get over their time (NOTE [ Loads in time ])
-MIN_PROBE = 8 * MiB
-MAX_PROBE = 64 * MiB
 MIN_SHARE = 1 / 16     # a quota below this share of a step's bytes is not worth its cost
 RETRY_STEPS = 100      # steps at quota 0 (below MIN_SHARE) before trying MIN_SHARE again
-LAG_SHARE = 1 / 4      # of a step's writes not landed by the next step's begin: lagging
 CONTROL_EVERY = 16     # judged steps between two control steps (at the floor, or 0)...
 CONTROL_FIRST = 2      # ... while the baseline holds fewer than BASE_WINDOW steps
-BASE_WINDOW = 7        # the last steps that wrote nothing, whose median is the baseline
-NOISE_MIN = 5          # steps the baseline needs before its noise is measured
 PROBE_HOLD = 8         # judged steps the scale stays under 0.9 x one that slowed a step
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """What one step measured (between two calls of :meth:`AutoQuota.begin_step`)."""
-
-    #: begin of the step to the end of its backward (NOTE [ The offload quota ], "A
-    #: step's time"), or to the begin of the next where that end was not seen
-    step_s: float
-    forward_s: float       #: begin to end of forward (the whole step if it never ended)
-    stall_s: float         #: time waiting on I/O: unpack's reads and the write throttle
-    saved_bytes: int       #: bytes of new records (what could be offloaded, after dedup)
-    quota: Optional[int]   #: the quota the step ran with (None: the sizing step's, none)
-    offloaded_bytes: int = 0  #: bytes the step decided to write
-    room: Optional[Tuple[int, int]] = None  #: (free, total) memory at forward's end
-    #: bytes decided to be written that had not landed when the next step began (in
-    #: flight or due), plus those freed unwritten during the step (``unwritten_bytes``)
-    lag_bytes: int = 0
-    out_of_memory: bool = False  #: its forward raised an out-of-memory error
-    intercepted: bool = True     #: its saved tensors were intercepted (timed to backward's end)
-    control: bool = False        #: a control step (NOTE [ The offload quota ], "Judging ...")
-
-
-def quota_bound(saved_bytes: int, forward_s: float, step_s: float, write_bps: float,
-                read_bps: float, max_slowdown: float, safety: float = SAFETY,
-                window_bytes: Optional[int] = None) -> int:
-    """The most bytes a step can offload without waiting on the disk (NOTE [ The offload
-    quota ], step 3): never above ``saved_bytes``, never below 0, and monotone
-    non-decreasing in each bandwidth and each time. ``window_bytes``: the prefetch
-    window (``prefetch_bytes``), which the kept records fill first, so the reads start
-    only once backward has used all but that much of them; ``None``: at the end of
-    forward."""
-    if saved_bytes <= 0 or not (write_bps > 0 and read_bps > 0):
-        return 0
-    forward_s = max(0.0, forward_s)
-    back_s = max(0.0, step_s - forward_s)
-    slack_s = max_slowdown * max(0.0, step_s)
-    reads = read_bps * (back_s + slack_s)
-    if window_bytes is not None:
-        # Backward uses the S saved bytes evenly over back_s; the reads of the Q written
-        # (used last) start when S - Q - window bytes are used and must end by back_s:
-        # Q / R <= back_s * (Q + window) / S + slack, i.e. Q * (1 - R * back_s / S) <=
-        # R * back_s * window / S + R * slack (no limit when R * back_s >= S).
-        drain = read_bps * back_s / saved_bytes
-        if drain < 1.0:
-            reads = min(reads, (drain * window_bytes + read_bps * slack_s) / (1.0 - drain))
-    q = safety * min(write_bps * forward_s, reads)
-    if not math.isfinite(q):
-        return int(saved_bytes)
-    return int(max(0.0, min(float(saved_bytes), q)))
-
-
-def slowed(sample: StepSample, base_step_s: float, max_slowdown: float,
-           noise_s: Optional[float] = 0.0) -> bool:
-    """Whether ``sample`` cost more than the margin over the baseline step time: it
-    waited on I/O for longer, or took longer (by more than the margin plus ``noise_s``,
-    the baseline's measured noise; None: the time is not compared, only the waits and
-    the lag), or its writes lagged (:func:`lagged`)."""
-    margin = max_slowdown * base_step_s
-    return sample.stall_s > margin or lagged(sample) or (
-        noise_s is not None and sample.step_s > base_step_s + margin + noise_s)
-
-
-class Baseline:
-    """The step time steps are judged against (NOTE [ The offload quota ], "Judging
-    under noise"): the times of the last ``BASE_WINDOW`` steps that wrote nothing
-    (baseline, control, and steps whose quota wrote nothing, timed alike). ``step_s`` is
-    their median (the faster of two while there are fewer than three); ``noise_s`` is
-    their spread, the slowest's time less the fastest's (a step is slower than
-    offloading nothing only past the median by more than the margin and that spread),
-    or None while there are fewer than ``NOISE_MIN``: no time comparison can be trusted
-    then."""
-
-    def __init__(self):
-        self.times = collections.deque(maxlen=BASE_WINDOW)
-
-    def add(self, step_s: float) -> None:
-        self.times.append(step_s)
-
-    @property
-    def step_s(self) -> float:
-        t = self.times
-        if not t:
-            return math.inf
-        return statistics.median(t) if len(t) >= 3 else min(t)
-
-    @property
-    def noise_s(self) -> Optional[float]:
-        t = self.times
-        if len(t) < NOISE_MIN:
-            return None
-        return max(t) - min(t)
-
-
-def lagged(sample: StepSample) -> bool:
-    """Whether the tiers fell behind ``sample``'s writes: more than ``LAG_SHARE`` of the
-    bytes it decided to write had not landed when the next step began (or were freed
-    unwritten). Its time may not show it (nothing waits for a write under ``"auto"``),
-    but memory does: those records stayed in memory (NOTE [ Bounded memory ] in
-    _store/store.py)."""
-    return sample.offloaded_bytes > 0 and sample.lag_bytes > LAG_SHARE * sample.offloaded_bytes
-
-
-def next_scale(scale: float, was_slowed: bool) -> float:
-    """Multiplicative decrease after a slowed step, additive increase otherwise."""
-    if was_slowed:
-        return scale * 0.5
-    return min(MAX_SCALE, scale + STEP_UP)
-
-
-def probe_bytes(saved_bytes: int) -> int:
-    """The disk probe's size: an eighth of a step's bytes, 8 to 64 MiB, whole 4 KiB
-    blocks."""
-    n = min(MAX_PROBE, max(MIN_PROBE, saved_bytes // 8))
-    return n - n % 4096
 
 
 class AutoQuota:
@@ -878,53 +761,3 @@ class AutoQuota:
             parts.append(f"SSD: write {self.write_bps / 1e9:.2f} GB/s, read "
                          f"{self.read_bps / 1e9:.2f} GB/s")
         return "; ".join(parts)
-
-
-# ------------------------------------------------------------ the static policy's watch
-STALL_SHARE = 0.25     # of a step spent waiting on the SSD: it is the bottleneck
-STALL_MIN_S = 0.01     # ... and at least this long (timer noise on tiny steps)
-
-
-class StallWatch:
-    """Tells once when the SSD is the step's bottleneck under ``policy="static"``.
-
-    The static policy offloads every eligible tensor and makes forward wait when writes
-    fall behind (``write_behind_bytes``); where activations come faster than the disk
-    takes them (a GPU, NOTE [ The offload quota ]) a step can take many times its time
-    without ssdtrain, and nothing said so. Between steps (``begin_step``, as the quota
-    controller) it compares the step's I/O waits (``Stats.stall_seconds`` +
-    ``write_stall_seconds``) with its time, begin to next begin; past ``STALL_SHARE``
-    it calls ``warn`` once with what it saw and what to do.
-    """
-
-    def __init__(self, warn: Callable[[str], None], clock: Callable[[], float] = time.perf_counter):
-        self._warn = warn
-        self._clock = clock
-        self.told = False
-        self._begin = None   # (clock, stall reads, stall writes, bytes written) at begin
-
-    def begin_step(self, stats) -> None:
-        if self.told:
-            return
-        now = (self._clock(), stats.stall_seconds, stats.write_stall_seconds,
-               stats.bytes_written)
-        before, self._begin = self._begin, now
-        if before is None:
-            return
-        step_s = now[0] - before[0]
-        reads, writes = now[1] - before[1], now[2] - before[2]
-        stall = reads + writes
-        if step_s <= 0 or stall < STALL_MIN_S or stall < STALL_SHARE * step_s:
-            return
-        self.told = True
-        gb = (now[3] - before[3]) / 1e9
-        self._warn(
-            f"ssdtrain: the last step spent {stall:.2f} s of its {step_s:.2f} s waiting on the "
-            f"SSD (forward for writes {writes:.2f} s, backward for reads {reads:.2f} s) while "
-            f"{gb:.2f} GB were written: the disk cannot take this step's activations in time "
-            f"(policy='static' offloads every eligible tensor), so offloading costs more time "
-            f"than it is worth. policy='auto' offloads only what the disk absorbs in time; "
-            f"host_budget_bytes puts host RAM before the SSD; policy='adaptive' with "
-            f"memory_budget_bytes recomputes where that is cheaper; a faster spill_dir, or one "
-            f"per drive, raises the bandwidth. (Said once per Offloader; Stats.stall_seconds "
-            f"and write_stall_seconds count every step.)")

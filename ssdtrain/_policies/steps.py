@@ -25,7 +25,8 @@ phase code does not change.
 
 from __future__ import annotations
 
-from .auto import AutoQuota, StallWatch
+from .auto import AutoQuota
+from .stall import StallWatch
 from .._config import MAX_BYTES
 from .._decision.policy import NO_LIMITS, StepLimits
 
@@ -60,7 +61,7 @@ class StepPolicy:
 
 class StaticSteps(StepPolicy):
     """``policy="static"``: the tail window decides every record; once, a warning when
-    the SSD is the step's bottleneck (:class:`~ssdtrain._policies.auto.StallWatch`)."""
+    the SSD is the step's bottleneck (:class:`~ssdtrain._policies.stall.StallWatch`)."""
 
     def __init__(self, stats, warn):
         self._stats = stats

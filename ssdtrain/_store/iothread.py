@@ -1,9 +1,9 @@
 """The store's I/O thread as an object: its wake-up queue, its loop, the graveyard it
 empties, its end, and the release of the store's engine and files.
 
-What the thread does in a round is the store's (``Store._background_round``: start what
-is due, one request per lock hold); when, and what happens at ``close()``, at a fork and
-when the store is collected, is here. NOTE [ The store's I/O thread ] in _store/store.py says
+What the thread does in a round (:meth:`IOThread.round`: start what is due, one request
+per lock hold, the staging it needs reserved outside the lock), when, and what happens
+at ``close()``, at a fork and when the store is collected, is here. NOTE [ The store's I/O thread ] in _store/store.py says
 why the thread exists and what it may do; NOTE [ Store lock discipline ] there why
 memory is released outside the lock (the graveyard).
 
@@ -20,11 +20,17 @@ import queue
 import threading
 import weakref
 
+import time
+
 import torch
 
+from .._decision.records import State
 from .._device import trace as _trace
-from .._errors import resource_error
+from .._errors import SSDTrainError, resource_error
 from ..io.readbuf import unmap_now
+from ..io.spill import BLOCK
+from .engine import WAIT_SLICE_S
+from .events import _without_frames
 
 __all__ = ["IOThread"]
 
@@ -37,9 +43,9 @@ _JOIN_S = 10.0     # how long close() waits for the I/O thread to end its round
 
 class IOThread:
     """The I/O thread of one store ("ssdtrain-store"). ``kick()`` wakes it; each wake is
-    one call of ``store._background_round()``. Until ``start()`` and after ``stop()``
-    (or in a forked child) it runs nothing, and ``kick()`` releases the graveyard on the
-    caller's thread instead.
+    one :meth:`round` (through ``store._background_round()``, which tests may wrap).
+    Until ``start()`` and after ``stop()`` (or in a forked child) it runs nothing, and
+    ``kick()`` releases the graveyard on the caller's thread instead.
 
     Args:
         store: the store (held weakly).
@@ -60,6 +66,7 @@ class IOThread:
         self.idle = True                      # it waits for a kick (written by it alone)
         self._devices = devices
         self._spill = spill
+        self.staging_failed = False           # the last reserve_staging could not allocate
         # Threads and files go when the store becomes unreachable (the Offloader and
         # every graph holding its handles are gone) or at interpreter exit.
         self._finalizer = weakref.finalize(store, _release_in_background, engine, spill,
@@ -76,6 +83,84 @@ class IOThread:
             raise (resource_error("could not start the store's I/O thread (ssdtrain-store)",
                                   e, threads=1) or e) from None
         self.running = True
+
+    def round(self, store):
+        """One round on ``store`` (the thread holds it for the round): start what is due,
+        one request per lock hold, so that the hooks get the lock between requests, and
+        release the graveyard outside the lock, until nothing is left. The store's paths
+        are reached through ``store`` for the round only: the thread, which outlives the
+        store by its release, holds none of them (NOTE [ The store's paths ])."""
+        poller = store._poller
+        while True:
+            since = 0 if poller is None else poller.ended()
+            self.reserve_staging(store)  # a pinned allocation, if one is due, outside the lock
+            with store._lock:
+                more = store._guarded_locked(self.start_one_locked, store)
+            self.bury()
+            if not (more or store._inbox):
+                if poller is None or store.closed or store._paused or \
+                        not store._writes.waiting():
+                    return
+                # Writes wait for room, and only a poll notices the write that makes it
+                # (NOTE [ The data path on the hooks' thread ] in _store/store.py): wait
+                # for one to end, without the GIL; the hooks poll meanwhile too.
+                poller.wait_any(since, WAIT_SLICE_S)
+                continue
+            time.sleep(0)  # hand the GIL to a thread that waits for it (the training thread)
+
+    def start_one_locked(self, store):
+        """Start one request that is due: the oldest write the tail window overflowed
+        into, else the next prefetch read. Whether more may be due.
+
+        A device record's write whose staging this thread has not reserved (it became
+        due after :meth:`reserve_staging` looked: a pack made it due while this thread
+        waited for the lock) is not started here: the round goes back to reserve it
+        outside the lock (NOTE [ Device records ]), unless that reservation failed (then
+        the write finds out under the lock, and says so)."""
+        if store.closed or store._paused:
+            return False
+        writes = store._writes
+        if store._devices.staging and not self.staging_failed:
+            rec = writes.next_hint()
+            dev = None if rec is None else rec.device
+            if dev is not None and not dev.direct and not dev.pool.ready(rec.nbytes):
+                return True
+        return writes.start_due_locked(1) or \
+            store._reads.pump_locked(1, device_only=store._poller is not None)
+
+    def reserve_staging(self, store):
+        """Before the round takes the lock: when the next write or prefetch read due is a
+        device record's, make sure its staging pool has a buffer for it, so that the
+        pinned allocation (milliseconds) runs outside the lock (NOTE [ Device records ]).
+        Reads the due writes and the prefetch queue without the lock: a hint."""
+        self.staging_failed = False
+        if not store._devices.staging:
+            return
+        for rec in (store._writes.next_hint(), store._reads.next_hint()):
+            dev = None if rec is None else rec.device
+            if dev is None or dev.direct:
+                continue
+            # A read takes staging at its slot's offset in a page (read_buffer), and only
+            # a read from the SSD takes any (NOTE [ Bounded staging ] in _device/transfers.py).
+            slot = rec.slot if rec.state is State.ON_DISK else None
+            if rec.state is State.PENDING or slot is not None:
+                try:
+                    dev.pool.reserve(rec.nbytes, offset=0 if slot is None else slot.offset % BLOCK)
+                except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
+                    self.staging_failed = True
+
+    @staticmethod
+    def failed(store, exc):
+        """An exception escaped a round on ``store``: a bug (the round's locked region has
+        repaired the store). It is raised at the next pack or end of forward, never
+        swallowed; while an event is pending, it joins it (only logged)."""
+        _without_frames(exc)  # its frames hold the store (logged by Events.report)
+        err = SSDTrainError(f"ssdtrain: the store's I/O thread failed: {type(exc).__name__}: "
+                            f"{exc}; the store has repaired itself and goes on. Please report "
+                            f"this bug.")
+        err.__cause__ = exc
+        with store._lock:  # NOTE [ One event, one error ] in _store/events.py
+            store._guarded_locked(store._events.report, None, err, False)
 
     def kick(self):
         """Wake the thread if it waits (a thread in a round looks again before it waits).
@@ -208,7 +293,7 @@ def _round(store):
         store._background_round()
     except BaseException as e:  # noqa: BLE001 - reported at the next pack
         try:
-            store._background_failed(e)
+            IOThread.failed(store, e)
         except BaseException:  # noqa: BLE001 - the thread must keep serving
             pass
         e = None  # noqa: F841 - its traceback holds the store

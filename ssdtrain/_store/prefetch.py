@@ -80,7 +80,7 @@ class ReadPath:
         self._table = table
         self._buffers = buffers
         self.engine = engine
-        self.wait_for = wait_futures  # the store's _await (it polls a polled engine)
+        self.wait_for = wait_futures  # the store's EngineSlot.wait (it polls a polled engine)
         self.cfg = cfg
         # Bytes held or loading ahead of backward's use: prefetch_bytes, or under
         # policy "auto" what the step's loads need to arrive in time (NOTE [ Loads in
@@ -180,7 +180,7 @@ class ReadPath:
 
     def next_hint(self):
         """The next record the window would take, or None. Read without the lock: a hint
-        (``Store._reserve_staging``)."""
+        (``IOThread.reserve_staging``)."""
         try:
             queue = self.passes[-1].queue if self.due() else None
             return queue[0] if queue else None
@@ -249,7 +249,7 @@ class ReadPath:
         request's own: the store looks at its outcome under the lock."""
         t0 = time.perf_counter()
         try:
-            # The store's wait (Store._await: it polls a polled engine); it never raises
+            # The store's wait (EngineSlot.wait: it polls a polled engine); it never raises
             # the request's error, whose traceback would hold this handle (_without_frames).
             with _trace.span(_trace.WAIT_READ, rec.nbytes, rec.seq):
                 late = self.wait_for([fut], self.cfg.io_timeout_s)
@@ -291,7 +291,7 @@ class ReadPath:
         """ON_DISK -> LOADING: a read buffer (``buf``, or one made here) and the read; the
         request owns the buffer and the slot from before it is queued (NOTE [ Memory
         owned by requests ]): a record seen LOADING with no future falls back to ON_DISK
-        (``Store._repair_locked``)."""
+        (``Repair.repair_locked``)."""
         with _trace.span(_trace.READ, rec.nbytes, rec.seq):  # NOTE [ Profiler ranges ]
             storage, lead, address, owner = self._read_buffer_locked(rec) if buf is None else buf
             slot = rec.slot

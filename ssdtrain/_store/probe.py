@@ -48,7 +48,7 @@ class Probe:
         self.cfg = cfg
         self._host_tier = host_tier
         self._locked = locked
-        self.wait_for = wait_futures  # the store's _await (it polls a polled engine)
+        self.wait_for = wait_futures  # the store's EngineSlot.wait (it polls a polled engine)
 
     def time_io(self, nbytes, repeats):
         """The best of ``repeats`` times, in seconds, to write and to read ``nbytes``

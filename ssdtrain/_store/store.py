@@ -1,19 +1,22 @@
-"""The store: pack and unpack hooks, the lock and its inbox, repair, close.
+"""The store: pack and unpack hooks, the lock and its inbox, the passes, flush, close.
 
-The records and their state table are in ``_decision/records.py`` (NOTE [ Record state machine ]);
-the registry of a store's records and every count over their states (resident, due,
-writing, prefetched bytes...) in ``_store/table.py`` (NOTE [ Record table ]), whose
-``RecordTable.move`` is the one way a record's state changes; the I/O thread's
-mechanism (its queue, loop, graveyard, end, fork, and the release of the engine and
-files) in ``_store/iothread.py`` (``IOThread``), what a round of it does here
-(``_background_round``);
-the end of a record (``RecordTable.free``) is the table's too, so every path frees a
-record without reaching the store; failure events and once-only warnings in
-``_store/events.py`` (``Events``, ``Store._events``: NOTE [ One event, one error ]); the
-write path (the pack decision's verdicts, starting and completing writes, budget,
-failure policy, the write-behind throttle) in ``_store/writeback.py``,
-the read path (prefetch and reads) in ``_store/prefetch.py``, the host tier in ``_store/hosttier.py``
-(NOTE [ The store's paths ]); the devices' transfers and staging in ``_device/transfers.py``
+Its parts, each an object given what it uses (none holds the store: NOTE [ The store's
+paths ], below): the records and their state table in ``_decision/records.py`` (NOTE
+[ Record state machine ]); the registry of a store's records and every count over their
+states in ``_store/table.py`` (``RecordTable``: NOTE [ Record table ]), whose ``move`` is
+the one way a record's state changes and whose ``free`` ends a record; the write path
+(the pack decision's verdicts, writes, the spill budget, the write-behind throttle) in
+``_store/writeback.py``, the read path (prefetch and reads) in ``_store/prefetch.py``,
+the host tier in ``_store/hosttier.py``; the repair after an interrupt, the releases of
+dead handles and the invariants in ``_store/repair.py`` (``Repair``); the engine and
+the waits that poll it in ``_store/engine.py`` (``EngineSlot``); the I/O thread and
+its round in ``_store/iothread.py`` (``IOThread``); failure events and once-only
+warnings in ``_store/events.py`` (``Events``: NOTE [ One event, one error ]); the
+devices' transfers and staging in ``_device/transfers.py`` (``DeviceMap``); what
+``policy="auto"`` measures through the store in ``_store/probe.py`` (``Probe``); read
+buffers in ``io/readbuf.py``; spill files in ``io/spill.py``.
+
+NOTE [ The store's paths ]); the devices' transfers and staging in ``_device/transfers.py``
 (``DeviceMap``); what ``policy="auto"`` measures through the store (the bandwidth probe,
 the copies' probe, the devices' headroom) in ``_store/probe.py`` (``Probe``, ``Store.probe``);
 read buffers in ``io/readbuf.py``; spill files in ``io/spill.py``.
@@ -92,7 +95,7 @@ NOTE [ Store lock discipline ]
 * CRC32C runs on engine threads (``then`` callbacks), never under the lock (unless an
   engine completes a request inline, which none of ssdtrain's do).
 * If any exception (``KeyboardInterrupt`` included) escapes a locked region, the region
-  ends with ``_repair_locked``: every aggregate is recomputed from the records (the
+  ends with ``Repair.repair_locked``: every aggregate is recomputed from the records (the
   spill allocator from its slots alive), records no handle references are freed,
   completion callbacks are attached again, and a record whose request's future never
   reached it falls back to a state that does not depend on that request (NOTE [ Memory
@@ -140,8 +143,8 @@ record that cannot be staged stays in device memory (KEPT); each is logged once.
 The thread itself is an :class:`~ssdtrain._store.iothread.IOThread` (``Store._io``): it owns
 the queue that wakes it (``kick``), the graveyard and its release (``bury``), its end
 (``stop``), what happens at a fork and the release of the engine and the files when
-the store is closed or collected. What a round does is the store's
-(``_background_round``: the lock, one request per hold).
+the store is closed or collected, and what a round does (``IOThread.round``: the lock,
+one request per hold).
 
 The thread holds the store only while it works (a weak reference otherwise), ends at
 ``close()`` (joined) or when the store is collected, does not exist in a forked child,
@@ -171,7 +174,7 @@ thread costs it some tens of microseconds and no wait.
   unmap: NOTE [ Unmapping off the training thread ] in io/readbuf.py).
 * unpack, once it has used a record, starts the reads the prefetch window has room for
   (``ReadPath.pump_locked(inline=True)``), as the I/O thread did.
-* Whoever waits for a request polls while it waits (``Store._await``).
+* Whoever waits for a request polls while it waits (``EngineSlot.wait`` in _store/engine.py).
 
 Left to the I/O thread: device records (staging, copies to the host tier, evictions:
 each may need a pinned allocation, milliseconds, which must not run under the lock or
@@ -204,7 +207,7 @@ long as the request, never less, never forever. A record whose request's future
 never reached it (``Record.future`` is None in WRITING, HOSTING, SPILLING or LOADING:
 an interrupt cut the submission short, before the engine call or after it) falls back
 to a state that does not depend on the request, and forgets it
-(``Store._fall_back_locked``): a write or a copy to RAM to KEPT (its bytes are still
+(``Repair.fall_back_locked`` in _store/repair.py): a write or a copy to RAM to KEPT (its bytes are still
 in memory; FAILED if its storage was replaced meanwhile), an eviction's write to
 HOSTED (evicted again), a read to ON_DISK; the record drops the request's slot (a
 write's) and buffer (a read's). Whether the request was ever submitted no longer
@@ -256,31 +259,30 @@ import torch
 from .. import _fork
 from .._device import trace as _trace
 from .._config import ResolvedConfig
-from .._errors import OffloaderClosedError, SSDTrainError, SpillIOError
-from .._device.transfers import DeviceMap, _CopyFuture, leaf_of
+from .._errors import OffloaderClosedError, SSDTrainError
+from .._device.transfers import DeviceMap, leaf_of
 from .._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from .._decision.budget import HostBudget
 from .._decision.policy import (KEEP_CAPTURE, NO_LIMITS, TRACKER, PassedRanges, TailWindow,
                                 keep_reason)
-from ..io.spill import BLOCK
 from .table import PassedRef, RecordTable
 from .prefetch import ReadPath, _Pass
 from ..io.readbuf import ReadBuffers
 from .hosttier import HostTier
 from .iothread import IOThread
+from .engine import EngineSlot
 from .probe import Probe
+from .repair import Repair
 from .._decision.records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State,
                                  Token, find_record, inplace_error, swapped, swapped_error)
-from .events import Events, _without_frames, timeout_error
-from .writeback import _READ, _WRITTEN, WritePath
-from ..io.base import wait_futures
+from .events import Events, timeout_error
+from .writeback import _WRITTEN, WritePath
 
 __all__ = ["Store", "Record", "State", "Handle", "Kept"]
 
 _IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
 _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in _device/trace.py
-_WAIT_SLICE_S = 0.05  # Store._await's longest sleep between polls (a missed wake's cost)
 
 
 class Store:
@@ -292,7 +294,6 @@ class Store:
                                  "(OffloadConfig.resolve()); please report this bug.")
         self.cfg = config
         self.spill = spill
-        self._engine = engine                  # Store.engine: the paths see a swap
         self.stats = stats
         self._lock = threading.Lock()
         self._inbox = collections.deque()      # (kind, record, arg): NOTE [ Store lock discipline ]
@@ -313,7 +314,6 @@ class Store:
         self._devices = DeviceMap(stats, config.write_behind_bytes + config.prefetch_bytes +
                                   (config.host_budget_bytes or 0), engine)
         self._transfers = self._devices.get    # bound once: pack calls it per device record
-        self._staging = self._devices.staging  # leaf -> StagingPool
         self._passed_device = self._devices.passed
         # The I/O thread (_store/iothread.py) and the memory it releases outside the lock (NOTE
         # [ The store's I/O thread ]); kick and bury are bound once: the hooks call them.
@@ -338,19 +338,27 @@ class Store:
         self._writes.tier = weakref.proxy(self._tier)
         self._reads = ReadPath(self._table, self._buffers, engine, config, stats, self._events,
                                self._callback, self._tier.load_locked)
+        # What ends every locked region an exception cuts short, and the releases of dead
+        # handles (_store/repair.py).
+        self._repair = Repair(self._table, spill, self._writes, self._reads, self._events,
+                              self._callback)
+        self._released = self._repair.released_locked
         # What the hooks call on every pack and unpack: bound once (the per-tensor path
         # looks up no more than it did when the paths were mixins).
-        self._poll_with(engine)
         self._over_write_behind = self._writes.over_write_behind
         self._read_due = self._reads.due
         self._use_locked = self._reads.use_locked
         # The measurements policy "auto" and the adaptive profile make (_store/probe.py).
         self.probe = Probe(spill, self._devices, self._host is not None, engine, config,
                            _weakly(self._locked))
-        # Every wait for a request outside the lock polls while it waits (_await).
+        # The engine every path submits to, and the waits that poll it (_store/engine.py):
+        # every wait for a request outside the lock polls a polled engine while it waits.
+        self._slot = EngineSlot(engine, (self._reads, self._writes, self._devices, self.probe),
+                                _weakly(self._locked))
+        # (the paths hold the slot weakly: it holds them, NOTE [ The store's paths ])
         self._writes.wait_for = self._reads.wait_for = self.probe.wait_for = \
-            _weakly(self._await)
-        self._staging_failed = False           # the last _reserve_staging could not allocate
+            _weakly(self._slot.wait)
+        self._poll_with()
         self.loopback = None                   # _loopback.LoopbackDevice (tests): its tensors
                                                # take the device path
         self._forked = False
@@ -383,23 +391,22 @@ class Store:
     @property
     def engine(self):
         """The engine requests go to."""
-        return self._engine
+        return self._slot.engine
 
     @engine.setter
     def engine(self, engine):
         """``replace_engine``, and tests that put a wrapper in place: the paths submit to
         the new engine from their next request on."""
-        self._engine = self._reads.engine = self._writes.engine = engine
-        self._devices.engine = self.probe.engine = engine
-        self._poll_with(engine)
+        self._slot.put(engine)
+        self._poll_with()
 
-    def _poll_with(self, engine):
+    def _poll_with(self):
         """NOTE [ Polled completions ] in io/base.py: ``_poller``, the engine whose
         futures settle only when polled (every locked region polls it first; a wrapper,
         ``io.base.EngineWrapper``, reports its inner engine's), or None; and what tells
         the hooks that writes are left for the I/O thread (NOTE [ The data path on the
         hooks' thread ]: with a polled engine, any write due, room or not)."""
-        self._poller = getattr(engine, "poller", None)
+        self._poller = self._slot.poller
         self._write_overdue = self._writes.overdue if self._poller is None else \
             self._writes.waiting
 
@@ -460,7 +467,7 @@ class Store:
 
     def _begin_pass_locked(self, limits):
         self._check_open()
-        self._sweep_locked()
+        self._repair.sweep_locked()
         # Idle read buffers beyond what the last forward's end mapped would only add to
         # forward's peak (NOTE [ Read buffers across steps ] in io/readbuf.py); unmapped by
         # the I/O thread (NOTE [ Unmapping off the training thread ]).
@@ -525,7 +532,7 @@ class Store:
             self._drain_locked()
             return fn(*args)
         except BaseException:
-            self._repair_locked()
+            self._repair.repair_locked()
             raise
 
     def pack(self, t):
@@ -849,65 +856,8 @@ class Store:
             self._kick()
 
     def _background_round(self):
-        """One round of the I/O thread: start what is due one request per lock hold, so
-        that the hooks get the lock between requests, and release the graveyard outside
-        the lock, until nothing is left."""
-        poller = self._poller
-        while True:
-            since = 0 if poller is None else poller.ended()
-            self._reserve_staging()  # a pinned allocation, if one is due, outside the lock
-            with self._lock:
-                more = self._guarded_locked(self._start_one_locked)
-            self._bury()
-            if not (more or self._inbox):
-                if poller is None or self.closed or self._paused or not self._writes.waiting():
-                    return
-                # Writes wait for room, and only a poll notices the write that makes it
-                # (NOTE [ The data path on the hooks' thread ]): wait for one to end,
-                # without the GIL; the hooks poll meanwhile too.
-                poller.wait_any(since, _WAIT_SLICE_S)
-                continue
-            time.sleep(0)  # hand the GIL to a thread that waits for it (the training thread)
-
-    def _start_one_locked(self):
-        """Start one request that is due: the oldest write the tail window overflowed
-        into, else the next prefetch read. Whether more may be due.
-
-        A device record's write whose staging the I/O thread has not reserved (it became
-        due after ``_reserve_staging`` looked: a pack made it due while this thread
-        waited for the lock) is not started here: the round goes back to reserve it
-        outside the lock (NOTE [ Device records ]), unless that reservation failed (then
-        the write finds out under the lock, and says so)."""
-        if self.closed or self._paused:
-            return False
-        if self._staging and not self._staging_failed:
-            rec = self._writes.next_hint()
-            dev = None if rec is None else rec.device
-            if dev is not None and not dev.direct and not dev.pool.ready(rec.nbytes):
-                return True
-        return self._writes.start_due_locked(1) or \
-            self._reads.pump_locked(1, device_only=self._poller is not None)
-
-    def _reserve_staging(self):
-        """The I/O thread, before it takes the lock: when the next write or prefetch read
-        due is a device record's, make sure its staging pool has a buffer for it, so that
-        the pinned allocation (milliseconds) runs outside the lock (NOTE [ Device
-        records ]). Reads the due writes and the prefetch queue without the lock: a hint."""
-        self._staging_failed = False
-        if not self._staging:
-            return
-        for rec in (self._writes.next_hint(), self._reads.next_hint()):
-            dev = None if rec is None else rec.device
-            if dev is None or dev.direct:
-                continue
-            # A read takes staging at its slot's offset in a page (read_buffer), and only
-            # a read from the SSD takes any (NOTE [ Bounded staging ] in _device/transfers.py).
-            slot = rec.slot if rec.state is State.ON_DISK else None
-            if rec.state is State.PENDING or slot is not None:
-                try:
-                    dev.pool.reserve(rec.nbytes, offset=0 if slot is None else slot.offset % BLOCK)
-                except Exception:  # noqa: BLE001 - the request finds out under the lock, and logs it
-                    self._staging_failed = True
+        """One round of the I/O thread on this store (``IOThread.round``)."""
+        self._io.round(self)
 
     def settle(self):
         """Poll and drain (:meth:`_settle`): what ended is applied now (before policy
@@ -939,18 +889,6 @@ class Store:
         self._settle_and_release()
         return True
 
-    def _background_failed(self, exc):
-        """An exception escaped a round of the I/O thread: a bug (the round's locked
-        region has repaired the store). It is raised at the next pack or end of forward,
-        never swallowed; while an event is pending, it joins it (only logged)."""
-        _without_frames(exc)  # its frames hold the store (logged by Events.report)
-        err = SSDTrainError(f"ssdtrain: the store's I/O thread failed: {type(exc).__name__}: "
-                            f"{exc}; the store has repaired itself and goes on. Please report "
-                            f"this bug.")
-        err.__cause__ = exc
-        with self._lock:  # NOTE [ One event, one error ] in _store/events.py
-            self._guarded_locked(self._events.report, None, err, False)
-
     def _at_backward_end(self):
         """Queue a drain for the end of the running backward (once per graph task): the
         releases of the handles autograd frees as it goes are applied then, not at the next
@@ -977,7 +915,7 @@ class Store:
         polled first (NOTE [ Polled completions ] in io/base.py): the requests that ended
         queue their completions here, on this thread. An interrupt in a future's
         callbacks loses the rest of them; the repair this region then runs attaches the
-        store's again (``_repair_locked``). Not after ``close()``: the engine's shutdown
+        store's again (``Repair.repair_locked``). Not after ``close()``: the engine's shutdown
         settles what is left, and polls must not overlap."""
         poller = self._poller
         if poller is not None and not self.closed:
@@ -991,7 +929,7 @@ class Store:
             ev = inbox[0]
             try:
                 if type(ev) is Token:  # a handle died (its weak reference's callback)
-                    self._released_locked(ev.record, ev)
+                    self._released(ev.record, ev)
                 elif type(ev) is PassedRef:  # a pass's passed-through tensors died
                     self._table.uncount_passed(ev)
                 elif ev[0] is _WRITTEN:
@@ -1004,98 +942,6 @@ class Store:
                 raise
             inbox.popleft()
         self._buffers.collect()
-
-    def _released_locked(self, rec, token):
-        if rec.state is State.FREED:
-            return
-        try:
-            rec.tokens.discard(token)
-        except TypeError:  # a weak reference never hashed while alive was never added
-            return
-        rec.unseen.discard(token)
-        if not rec.tokens:
-            if rec.future is None:
-                self._table.free(rec)  # else freed when the I/O completes
-        elif not rec.unseen and rec.state is State.LOADED:
-            self._reads.evict_locked(rec)
-
-    # ----------------------------------------------------------------- lifetimes
-    def _move_locked(self, rec, to):
-        """Move ``rec`` to state ``to``, and every aggregate with it: the record table's
-        ``move`` (NOTE [ Record table ] in _store/table.py)."""
-        self._table.move(rec, to)
-
-    # -------------------------------------------------------------------- repair
-    def _repair_locked(self):
-        """Make every aggregate agree with the records again after an exception cut a
-        locked region short (NOTE [ Store lock discipline ]). Never raises on its own."""
-        recs = self._table.records()
-        for rec in recs:
-            state = rec.state
-            if state in OUTBOUND or state is State.LOADING:
-                fut = rec.future
-                if fut is None:  # its future never reached it (NOTE [ Memory owned by requests ])
-                    self._fall_back_locked(rec)
-                else:  # callbacks may have been lost with the region: attach again
-                    fut.add_done_callback(self._callback(
-                        rec, _WRITTEN if state in OUTBOUND else _READ))
-            if rec.state in (State.PENDING, State.KEPT, State.HOSTED, State.HOSTING):
-                rec.slot = None  # a write cut short before it moved the record: no slot
-        for rec in recs:
-            rec.tokens = {r for r in rec.tokens if r() is not None}
-            rec.unseen &= rec.tokens
-            if rec.state is State.FREED or (not rec.tokens and rec.future is None):
-                self._table.free(rec)
-        self._recount_locked()
-
-    def _sweep_locked(self):
-        """Release the handles that are gone but still counted (a belt to the braces of
-        the tokens' callbacks). Cheap when few records are live (at a step's start). Then
-        the pending failure events nobody can need any more are forgotten (counted: NOTE
-        [ One event, one error ] in _store/events.py)."""
-        for group in list(self._table.registry.values()):
-            for rec in list(group):
-                for ref in [r for r in rec.tokens if r() is None]:
-                    self._released_locked(rec, ref)
-        if self._events.pending:
-            self._events.sweep()
-
-    def _fall_back_locked(self, rec):
-        """A request of ``rec`` was being made but its future never reached the record (an
-        interrupt, before the engine call or after it): the request, if it is in flight,
-        owns what it uses (NOTE [ Memory owned by requests ]), so the record falls back to
-        a state that does not depend on it and forgets it. A write or a copy to RAM: KEPT,
-        its bytes still in memory (FAILED if its storage was replaced meanwhile); an
-        eviction's write: HOSTED, evicted again (its pinned copy is intact: the write
-        only reads it); a read: ON_DISK (read again when needed). The record lets go of
-        the request's slot (a write's: it may still be held by the request, and counts
-        against ``max_spill_bytes`` until it ends) and buffer (a read's). Idempotent."""
-        slot = rec.slot if rec.state is not State.LOADING else None
-        if slot is not None:
-            self.spill.let_go(slot)
-        if rec.state is State.SPILLING:
-            rec.slot = None
-            rec.evict = True
-            self._move_locked(rec, State.HOSTED)
-        elif rec.state is State.WRITING or rec.state is State.HOSTING:
-            rec.slot = rec.staging = None
-            if rec.state is State.HOSTING:
-                rec.host = None
-            if rec.storage is not None and not rec.storage_changed():
-                self._move_locked(rec, State.KEPT)  # the bytes are still in memory: exact
-            else:
-                self._writes.fail_locked(rec, SpillIOError(
-                    f"ssdtrain: the write of {rec!r} was interrupted and its bytes are gone "
-                    f"(its storage was resized or replaced after it was saved)."))
-        else:
-            self._move_locked(rec, State.ON_DISK)
-            rec.storage = rec.ready = None
-
-    def _recount_locked(self):
-        """Recompute every aggregate from the records: the record table's, and the spill
-        allocator's from the slots alive (NOTE [ Slots are leases ] in io/spill.py)."""
-        self._table.recount(self._table.records())
-        self.spill.rebuild()
 
     def headroom(self):
         """``(free, total)`` for ``policy="auto"``'s memory floor (NOTE [ The offload
@@ -1125,16 +971,10 @@ class Store:
         (``SpillSet.problems``: each file's books against its slots alive, and every
         record's slot a live one of them)."""
         with self._lock:
-            bad = self._guarded_locked(self._problems_locked)
+            bad = self._guarded_locked(self._repair.problems_locked)
         self._settle()
         if bad:
             raise AssertionError("ssdtrain store invariants broken: " + "; ".join(bad))
-
-    def _problems_locked(self):
-        self._sweep_locked()
-        recs = self._table.records()
-        bad = self._table.problems(recs)  # NOTE [ Record table ] in _store/table.py
-        return bad + self.spill.problems([r.slot for r in recs if r.slot is not None])
 
     # -------------------------------------------------------------------- misc
     def records(self):
@@ -1169,7 +1009,7 @@ class Store:
 
         Live records are those a graph still references. A record whose handles are all
         gone while its write (or read) is still in flight stays in the registry until
-        the I/O completes (``_released_locked``): it is not live, but its memory and
+        the I/O completes (``Repair.released_locked``): it is not live, but its memory and
         slot are still held and counted in the other two (``flush()`` settles them)."""
         with self._lock:
             out = self._guarded_locked(self._snapshot_locked)
@@ -1177,7 +1017,7 @@ class Store:
         return out
 
     def _snapshot_locked(self):
-        self._sweep_locked()
+        self._repair.sweep_locked()
         buffers, stats = self._buffers, self.stats
         buffers.collect()  # read buffers whose storage died are idle now, not in use
         stats.read_buffer_bytes, stats.read_buffer_idle_bytes = \
@@ -1204,7 +1044,7 @@ class Store:
             if not pending:
                 return
             left = deadline - time.monotonic()
-            not_done = self._await([f for _, f in pending], left)
+            not_done = self._slot.wait([f for _, f in pending], left)
             if not_done:
                 rec = next(r for r, f in pending if f in not_done)
                 raise timeout_error(rec, "I/O of", f" while waiting for I/O in flight (wait() or "
@@ -1256,7 +1096,7 @@ class Store:
                         rec.tokens.clear()
                         rec.unseen.clear()
                         if rec.state is not State.FREED:  # final, whatever it was: close()
-                            self._move_locked(rec, State.FREED)  # ends all (aggregates: below)
+                            self._table.move(rec, State.FREED)  # ends all (aggregates: below)
                 self._table.registry.clear()
                 self._reads.passes.clear()
                 self._inbox.clear()
@@ -1266,44 +1106,11 @@ class Store:
                 # (NOTE [ Memory owned by requests ]). Zeroing the counters by hand forgot
                 # the allocator, and spill_bytes_in_use() kept the slots of every record
                 # a graph held at close() for good.
-                self._recount_locked()
+                self._repair.recount_locked()
                 self._buffers.trim()  # idle read buffers are memory too: not kept until GC
             self._io.stop()  # later work is done inline
             self._bury()
             self._io.release(self.engine, in_flight)
-
-    def _await(self, futures, timeout):
-        """Wait outside the lock until every future of ``futures`` is done, ``timeout``
-        seconds at most; the ones not done (a list). With a polled
-        engine (NOTE [ Polled completions ] in io/base.py) nobody else settles its
-        futures: this thread polls, in a locked region of its own (the inbox is drained
-        too), then sleeps without the GIL until a request ends after the count read
-        before that poll, so one that ended between the two is not waited for. A future
-        that ends elsewhere (a device copy's waiter, a wrapper's timer) wakes it through
-        a done-callback. The I/O thread does not poll while it waits for nothing."""
-        poller = self._poller
-        if poller is None:
-            return wait_futures(futures, timeout)
-        deadline = time.monotonic() + max(0.0, timeout)
-        for f in futures:
-            f.add_done_callback(poller.wake)
-        pending, first = list(futures), 0
-        while True:
-            since = poller.ended()
-            self._locked(_nothing)
-            # All must end, so only the first not done is looked at again: a wake per
-            # request that looked at every future was quadratic in a flush.
-            while first < len(pending) and pending[first].done():
-                first += 1
-            if first == len(pending):
-                return []
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return [f for f in pending[first:] if not f.done()]
-            if type(pending[first]) is _CopyFuture:  # only a poll settles it: poll soon
-                pending[first].wait(min(left, _WAIT_SLICE_S))
-            else:
-                poller.wait_any(since, min(left, _WAIT_SLICE_S))
 
     def _after_fork_in_child(self):
         """In a forked child: this store belongs to the parent. Never touch its engine,
@@ -1320,8 +1127,9 @@ def _nothing():
 
 
 def _weakly(method):
-    """``method`` (a bound method of the store) called through a weak reference: what a
-    collaborator is given so that it keeps no store alive (NOTE [ The store's paths ])."""
+    """``method`` (a bound method of the store, or of a part the paths must not hold, the
+    engine slot) called through a weak reference: what a collaborator is given so that it
+    keeps no store alive (NOTE [ The store's paths ])."""
     ref = weakref.WeakMethod(method)
     return lambda *args: ref()(*args)
 

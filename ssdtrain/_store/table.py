@@ -158,7 +158,7 @@ class RecordTable:
     def free(self, rec):
         """Any state -> FREED: memory, slot and registry entry go (no I/O in flight).
         Resumable: a free cut short (state FREED, still registered) is finished by
-        calling it again (``Store._repair_locked`` does). The slot is a lease: its blocks
+        calling it again (``Repair.repair_locked`` does). The slot is a lease: its blocks
         go back to its file when nothing holds it any more (NOTE [ Slots are leases ] in
         io/spill.py)."""
         if rec.state is not State.FREED:

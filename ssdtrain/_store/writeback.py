@@ -60,7 +60,7 @@ class WritePath:
         self._window = window
         self.spill = spill
         self.engine = engine
-        self.wait_for = wait_futures  # the store's _await (it polls a polled engine)
+        self.wait_for = wait_futures  # the store's EngineSlot.wait (it polls a polled engine)
         self.cfg = cfg
         self.stats = stats
         self._events = events
@@ -161,13 +161,13 @@ class WritePath:
     def waiting(self):
         """Whether writes are due and not started, room or not: with a polled engine
         nothing but a poll notices the write that makes room, so the I/O thread is woken
-        to wait for it (``Store._background_round``). Read without the lock: a hint."""
+        to wait for it (``IOThread.round``). Read without the lock: a hint."""
         table = self._table
         return table.due_bytes > 0 or bool(table.spill_due)
 
     def next_hint(self):
         """The oldest due write, or None. Read without the lock: a hint
-        (``Store._reserve_staging``)."""
+        (``IOThread.reserve_staging``)."""
         try:
             return next(iter(self._table.due)) if self.overdue() else None
         except (StopIteration, RuntimeError):  # emptied or changed meanwhile
@@ -180,7 +180,7 @@ class WritePath:
         The request owns the memory it reads and its slot, from before it is queued
         (NOTE [ Memory owned by requests ]). The state moves before the submission: a
         record seen WRITING with no future is one whose submission was interrupted
-        (``Store._repair_locked`` lets it fall back to KEPT).
+        (``Repair.repair_locked`` lets it fall back to KEPT).
         """
         with _trace.span(_trace.WRITE, rec.nbytes, rec.seq):  # NOTE [ Profiler ranges ]
             if rec.storage_changed():

@@ -16,11 +16,12 @@ stay in device memory), and with ``--plan`` each tier priced at its own bandwidt
 Nothing is allocated: an 8B-parameter model at sequence 4096 estimates in seconds on a
 laptop. Formulas: docs/estimate.md.
 
-The package: ``replay`` (the forward on fake tensors through the pack decision),
+The package: ``replay`` (the forward on fake tensors through the pack decision; ``fake``
+makes and runs the fake tensors, ``flops`` counts the forward's FLOPs),
 ``models`` (what can be estimated: ``--factory``, Hugging Face configs), ``hardware``,
 ``memory`` (:func:`estimate` and its arithmetic), ``report`` (:class:`Estimate`),
 ``plan`` (the planner on the estimate) and ``cli``. It imports the leaves, ``_config``,
-``_decision`` and the policies' profile and planner, never the store
+``_decision`` and the policies' profile, cost model and planner, never the store
 (tests/test_layers.py).
 
 Example::

@@ -67,7 +67,7 @@ class Hardware:
     m, v). Frozen parameters count their own size only."""
     host_gbps: Optional[float] = None
     """Device <-> host copy rate, decimal GB/s each way, at which the plan prices the
-    host tier's bytes (NOTE [ Tiers in the step cost model ] in _policies/planner.py); default
+    host tier's bytes (NOTE [ Tiers in the step cost model ] in _policies/costmodel.py); default
     :data:`DEFAULT_HOST_GBPS`."""
 
     def __post_init__(self):

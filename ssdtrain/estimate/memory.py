@@ -42,7 +42,7 @@ def estimate(model, *, batch: Optional[int] = None, seq: Optional[int] = None, d
         hardware: :class:`Hardware` numbers for bandwidth, micro-batch and endurance.
         layers: a callable ``model -> [(name, module), ...]`` naming the repeated blocks
             (the model is built inside, so modules cannot be passed); default: the
-            children of every ``nn.ModuleList`` (``ssdtrain._policies.profile.default_layers``).
+            children of every ``nn.ModuleList`` (``ssdtrain._policies.layers.default_layers``).
         offload_quota: with ``policy="auto"``: a step's offload quota in
             bytes to replay (``Stats.offload_quota_bytes`` of that step); ``None``: no
             quota, which is the most ``"auto"`` offloads (and what ``"static"`` does).

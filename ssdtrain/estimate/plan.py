@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
 
 # NOTE [ Plan from the estimate ]
-# ``ssdtrain estimate --plan`` runs the adaptive policy's planner (planner.plan and
-# planner.predict in _policies/planner.py, the same functions, no copy) on costs built from the estimate
-# instead of a profile:
+# ``ssdtrain estimate --plan`` runs the adaptive policy's planner (planner.plan in
+# _policies/planner.py, costmodel.predict in _policies/costmodel.py: the same functions,
+# no copy) on costs built from the estimate instead of a profile:
 #
 # * per block: ``saved_bytes`` = its unique bytes (the records first created in it,
 #   what ssdtrain would write if it offloads the block), ``input_bytes`` = its input
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 #   rate, --host-gbps each way (default DEFAULT_HOST_GBPS, a PCIe 4.0 x16 link): the
 #   planner prices the bytes that fit the budget at the link's rate and the rest at
 #   the SSD's, or holds them in device memory without an SSD (NOTE [ Tiers in the step
-#   cost model ] in _policies/planner.py). Without --host-budget the planner prices every byte
+#   cost model ] in _policies/costmodel.py). Without --host-budget the planner prices every byte
 #   at the SSD's bandwidth, as it always has.
 #
 # The budget for activations: --memory-budget, else --device-memory minus what the
@@ -220,15 +220,15 @@ def _parse_budget(memory_budget) -> int:
 
 
 def plan_costs(est: "Estimate"):
-    """``(layers, step)``: the planner's :class:`~ssdtrain._policies.planner.LayerCost` per block and
-    :class:`~ssdtrain._policies.planner.StepCost` built from ``est`` (NOTE [ Plan from the estimate ]).
+    """``(layers, step)``: the planner's :class:`~ssdtrain._policies.costmodel.LayerCost` per block and
+    :class:`~ssdtrain._policies.costmodel.StepCost` built from ``est`` (NOTE [ Plan from the estimate ]).
 
     Raises:
         ConfigError: a number the plan needs was not given, or the model was estimated
             with its own checkpointing.
         EstimateError: the model has no repeated blocks, or no FLOPs to time them by.
     """
-    from .._policies.planner import LayerCost, StepCost
+    from .._policies.costmodel import LayerCost, StepCost
     m, hw, cfg = est.measurement, est.hardware, est.config
     _check_plan_inputs(hw, m.gradient_checkpointing, est.ssd_tier)
     if not m.layers:
@@ -294,7 +294,7 @@ def predict_choices(est: "Estimate", choices):
         ConfigError, EstimateError: as :func:`plan_costs`.
         ValueError: a wrong number of choices or an unknown choice.
     """
-    from .._policies.planner import predict
+    from .._policies.costmodel import predict
     layers, step = plan_costs(est)
     return predict(layers, tuple(choices), step)
 

@@ -11,39 +11,9 @@ budget). The decision depends on the sequence of saves and releases and on the
 configuration only, never on I/O timing, so the estimate's bytes are the real run's
 exactly. docs/estimate.md has the formulas.
 
-NOTE [ Why fake tensors and not plain meta tensors ]
-Meta tensors have storages and ``_cdata`` identity, so the dedup logic works on
-them, but operators that pick a kernel by device pick differently on ``meta``:
-``scaled_dot_product_attention`` on a meta tensor takes the math path and saves the
-(batch, heads, seq, seq) attention probabilities, where the CPU (and CUDA) flash
-kernels save only q, k, v, the output and a logsumexp. A ``FakeTensor`` whose
-device is ``cpu`` runs the meta kernels but dispatches like a CPU tensor, so the
-tensors autograd saves are the ones a real CPU run saves. The model is still built
-under ``torch.device("meta")`` (building directly under ``FakeTensorMode`` breaks
-``module.to(dtype)``, which swaps parameters and refuses fake ones) and converted.
-
-NOTE [ Eager, not tracing ]
-Two libraries treat fake tensors as a sign of graph capture and change what runs;
-the estimate undoes both for the forward it measures, so that it runs what an eager
-training step runs:
-
-* transformers' ``is_tracing`` counts a ``FakeTensor`` as tracing and then
-  materialises the causal mask (and drops SDPA's native GQA) where eager passes
-  ``is_causal=True`` with no mask: the estimate would count a (batch, 1, seq, seq)
-  mask per layer that the real run never saves. ``is_fake_tensor`` is patched to
-  answer ``False`` while the estimate's forward runs. Eager then asks one question of
-  values, whether the position ids pack several sequences into a row
-  (``masking_utils.find_packed_sequence_indices``); the estimate's inputs never do, so
-  it answers "no" (``None``) as eager would.
-  Eager also asks whether a padding mask is all ones (``masking_utils.fast_all``, to
-  skip the mask): the estimate's rows have no padding, so it answers yes.
-  ``PreTrainedModel.warn_if_padding_and_no_attention_mask`` asks whether a row ends
-  in padding only to log a warning: it is skipped.
-* the meta kernel of ``aten._grouped_mm`` (MoE experts) checks the CUDA kernel's
-  dtype rule (bf16 only), while the CPU kernel takes any float dtype; on a non-bf16
-  input the estimate computes the grouped matmul in bf16 and casts the result back.
-  Only the output's shape and dtype matter, and autograd (which decides what is
-  saved) sees the original call.
+This module holds that replay, :func:`measure` and its :class:`Measurement`; the fake
+tensors are made and run in estimate/fake.py (NOTE [ Why fake tensors and not plain
+meta tensors ], NOTE [ Eager, not tracing ]), the FLOP count in estimate/flops.py.
 
 NOTE [ Data-dependent shapes ]
 An operator whose output shape depends on values (``nonzero``, ``torch.where`` with
@@ -58,23 +28,23 @@ estimate is exact for every routing; docs/estimate.md bounds the per-expert loop
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._config import OffloadConfig, budget_bytes, has_ssd_tier
 from .._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from .._decision.budget import HostBudget
 from .._decision.policy import (KEEP_BUDGET, KEEP_QUOTA, TRACKER, PassedRanges, TailWindow,
                                 is_offloadable_kind, keep_reason)
-from .._policies.profile import LayerProfiler, _tensors, default_layers
+from .._policies.layers import _tensors, default_layers
+from .._policies.profile import LayerProfiler
 from .._decision.records import State, find_record
 from .._stats import Stats
+from .fake import _call, _eager_hints, _quiet_fake_tensor_log, fakeify
+from .flops import _count_flops
 
 __all__ = ["Measurement", "LayerBytes", "measure", "fakeify", "EstimateError"]
 
@@ -178,54 +148,6 @@ class Measurement:
     flops: Optional[float] = None  # forward FLOPs (FlopCounterMode), None if not counted
     layer_flops: Optional[List[float]] = None   # forward FLOPs per block (same count)
     model_name: str = ""
-
-
-# --------------------------------------------------------------------- fake build
-def fakeify(model: torch.nn.Module, inputs, mode, device="cpu"):
-    """Turn the meta tensors of ``model`` (parameters, buffers, plain tensor attributes)
-    and of ``inputs`` into fake tensors on ``device`` in place; returns the new inputs.
-
-    Tied parameters stay one object; views keep sharing their storage."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    conv = mode.fake_tensor_converter
-    dev = torch.device(device)
-    params = {}
-
-    def fake(t):
-        if isinstance(t, FakeTensor):
-            return t
-        if t.device.type == "meta":
-            return conv.from_meta_and_device(mode, t, dev)
-        return mode.from_tensor(t)
-
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            new = params.get(id(p))
-            if new is None:
-                new = params[id(p)] = (p, torch.nn.Parameter(fake(p.detach()),
-                                                             requires_grad=p.requires_grad))
-            module._parameters[name] = new[1]
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                module._buffers[name] = fake(b)
-        for name, v in list(vars(module).items()):
-            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
-                setattr(module, name, fake(v))
-
-    def walk(obj):
-        if isinstance(obj, torch.Tensor):
-            return fake(obj)
-        if isinstance(obj, tuple):
-            return tuple(walk(o) for o in obj)
-        if isinstance(obj, list):
-            return [walk(o) for o in obj]
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        return obj
-    return walk(inputs)
-
 
 # --------------------------------------------------------------------- the replay
 class _Storage:
@@ -426,7 +348,7 @@ class _Replay:
         return False
 
     def _drain(self):
-        """Handles the graph released (Store._released_locked / RecordTable.free)."""
+        """Handles the graph released (Repair.released_locked / RecordTable.free)."""
         inbox = self._inbox
         while inbox:
             st, rec, kept = inbox.popleft()
@@ -491,118 +413,6 @@ class _InputProbe:
         for h in self.handles:
             h.remove()
 
-
-@contextlib.contextmanager
-def _eager_hints():
-    """NOTE [ Eager, not tracing ]: transformers must not take fake tensors for tracing."""
-    import sys
-    patches = []
-    iu = sys.modules.get("transformers.utils.import_utils")
-    if getattr(iu, "is_fake_tensor", None) is not None:
-        patches.append((iu, "is_fake_tensor", lambda x: False))
-    mu = sys.modules.get("transformers.masking_utils")
-    if getattr(mu, "find_packed_sequence_indices", None) is not None:
-        # Eager asks the position ids' values whether the rows pack several sequences;
-        # the estimate's inputs never do (one sequence per row, positions 0..seq-1).
-        patches.append((mu, "find_packed_sequence_indices", lambda position_ids: None))
-    if getattr(mu, "fast_all", None) is not None:
-        # Whether a padding mask is all ones (then SDPA runs is_causal with no mask): the
-        # estimate's inputs are built on the meta device and carry no values; they stand
-        # for rows with no padding, as above.
-        patches.append((mu, "fast_all", lambda tensor: True))
-    mu = sys.modules.get("transformers.modeling_utils")
-    pretrained = getattr(mu, "PreTrainedModel", None)
-    if getattr(pretrained, "warn_if_padding_and_no_attention_mask", None) is not None:
-        # Only a warning, which asks the ids' values whether a row ends in padding; the
-        # estimate's ids carry none, and what it decides is never saved.
-        patches.append((pretrained, "warn_if_padding_and_no_attention_mask",
-                        lambda self, input_ids, attention_mask: None))
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-    try:
-        for mod, name, value in patches:
-            setattr(mod, name, value)
-        with _GroupedMMAnyDtype():
-            yield
-    finally:
-        for mod, name, value in saved:
-            setattr(mod, name, value)
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensor_log():
-    """torch logs the whole traceback of an operator that fails on fake tensors before
-    it raises; the exception itself reaches the caller (the CLI prints one line, or the
-    traceback with --traceback), so the log would only say it twice, at length."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-class _GroupedMMAnyDtype(TorchDispatchMode):
-    """NOTE [ Eager, not tracing ]: ``_grouped_mm`` on non-bf16 fake inputs, as the CPU
-    kernel allows."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _GROUPED_MM and len(args) >= 2 and args[0].dtype != torch.bfloat16:
-            dt = args[0].dtype
-            a, b = args[0].to(torch.bfloat16), args[1].to(torch.bfloat16)
-            return func(a, b, *args[2:], **kwargs).to(dt)
-        return func(*args, **kwargs)
-
-
-_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
-
-
-def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
-    """Each output element of a grouped matmul is one dot product of length K."""
-    n = 1
-    for d in out_shape:
-        n *= d
-    return 2 * n * a_shape[-1]
-
-
-def _sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
-    """torch's count for its CUDA attention kernels (``sdpa_flop_count``)."""
-    from torch.utils.flop_counter import sdpa_flop_count
-    return sdpa_flop_count(q_shape, k_shape, v_shape)
-
-
-_CPU_SDPA = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
-                            None), "default", None)
-
-
-def _extra_flop_formulas():
-    """FLOP formulas ``FlopCounterMode`` lacks: MoE grouped matmuls (torch's, and the
-    fallback transformers registers when it cannot use torch's), and the CPU kernel of
-    ``scaled_dot_product_attention`` (torch counts its CUDA kernels only: on this
-    machine the estimate left attention out, about 14% of a Llama-3-8B forward at
-    sequence 4096). Attention is counted as torch counts its CUDA kernels: the two
-    batched matmuls, the causal mask not discounted."""
-    out = {}
-    if _CPU_SDPA is not None:
-        out[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_flops
-    if _GROUPED_MM is not None:
-        out[torch.ops.aten._grouped_mm] = _grouped_mm_flops
-    try:
-        out[torch.ops.transformers.grouped_mm_fallback] = _grouped_mm_flops
-    except (AttributeError, RuntimeError):
-        pass
-    return out
-
-
-def _call(model, inputs):
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
 def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig, *,
             batch: Optional[int] = None, gradient_checkpointing: bool = False,
             count_flops: bool = False, layers=None, device: str = "cpu",
@@ -621,7 +431,7 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
         count_flops: count the forward's FLOPs with ``FlopCounterMode``, in a forward of
             its own (the counter changes tensor lifetimes, so never in the measured one).
         layers: a callable ``model -> [(name, module), ...]`` naming the repeated blocks;
-            default :func:`ssdtrain._policies.profile.default_layers` (children of ModuleLists).
+            default :func:`ssdtrain._policies.layers.default_layers` (children of ModuleLists).
         device: the device the fake tensors claim (kernel choice follows it).
         device_records: whether the saved tensors are device records (the host tier,
             ``host_budget_bytes``, takes only those); default: ``device == "cuda"``.
@@ -692,47 +502,6 @@ def measure(build: Callable[[], Tuple[torch.nn.Module, Any]], cfg: OffloadConfig
     if count_flops:
         m.flops, m.layer_flops = _count_flops(build, device, layers)
     return m
-
-
-def _count_flops(build, device, layers=None):
-    """Forward FLOPs of a model built anew, on fake tensors, with no saved-tensor hooks:
-    ``(total, [per block])``, the blocks named as in :func:`measure`.
-
-    A forward of its own: ``FlopCounterMode`` decomposes operators it has no formula
-    for and tracks modules, which changes which tensors live how long (a saved tensor
-    the real run frees during forward lived on under it), so the pass whose bytes are
-    measured must not run under it. A block's FLOPs are the counter's total after its
-    forward minus before it (forward hooks; a block called twice counts both calls),
-    so the blocks and what lies outside them add up to the total."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch.device("meta"):
-        model, inputs = build()
-    inputs = fakeify(model, inputs, mode, device)
-    counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
-    named = list((layers or default_layers)(model))
-    per_layer = [0.0] * len(named)
-    open_at = {}
-    hooks = []
-    for i, (_, module) in enumerate(named):
-        def pre(mod, args, i=i):
-            open_at.setdefault(i, []).append(counter.get_total_flops())
-
-        def post(mod, args, output, i=i):
-            per_layer[i] += counter.get_total_flops() - open_at[i].pop()
-        hooks.append(module.register_forward_pre_hook(pre))
-        hooks.append(module.register_forward_hook(post))
-    out = None
-    try:
-        with mode, _eager_hints(), _quiet_fake_tensor_log(), counter:
-            out = _call(model, inputs)
-    finally:
-        del out
-        for h in hooks:
-            h.remove()
-    return float(counter.get_total_flops()), [float(f) for f in per_layer]
-
 
 def _memory_terms(m: Measurement, sim: _Replay, probe: _InputProbe):
     """Bytes held at the end of forward, for the micro-batch search (docs/estimate.md)."""

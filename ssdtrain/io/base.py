@@ -54,7 +54,7 @@ its requests without Python (the native engine made with ``poll=True``: NOTE
 
 Until someone polls, a polled engine's future is not done, however long ago its
 request ended. Its own ``result()`` and ``exception()`` poll while they wait;
-``concurrent.futures.wait`` does not, and the store waits with ``Store._await`` (poll,
+``concurrent.futures.wait`` does not, and the store waits with ``EngineSlot.wait`` (_store/engine.py) (poll,
 then ``wait_any`` from the count read before the poll, so a completion between the two
 is never missed). Engines whose workers settle the futures themselves have ``poller``
 None, and a wrapper reports its inner engine's; :func:`wait_futures` is the wait for

@@ -109,7 +109,7 @@ class _PolledFuture(Future):
     ``exception`` poll the engine while they wait, so whoever waits for one directly
     (a test, a wrapper) needs nothing else. ``concurrent.futures.wait`` does not poll,
     and cannot wait for one (it raises ``TypeError``): the store waits with
-    ``Store._await``.
+    ``EngineSlot.wait`` (_store/engine.py).
 
     NOTE [ A future without a condition ]: ``Future.__init__`` makes a
     ``threading.Condition`` (a Python object around an ``RLock``) so that threads can
