@@ -6,7 +6,7 @@ memory without becoming one (NOTE [ The pack decision ] in ssdtrain/_decision/po
 times ssdtrain's pack and unpack hooks (``ssdtrain.tools.HookTimer``) for the same op
 loop in three ways, interleaved in one process:
 
-* ``small``: below ``min_tensor_bytes`` (passed through by ``keep_reason``: the floor);
+* ``small``: below ``min_tensor_bytes`` (passed through by ``pass_reason``: the floor);
 * ``record``: ``policy="static"`` with a tail window that holds the whole step: a
   record that is kept in memory (what every tensor past the quota cost before);
 * ``passed``: ``policy="auto"``'s first step (quota 0, its baseline): kept without a

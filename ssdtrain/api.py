@@ -10,8 +10,7 @@ import torch
 from ._config import MAX_BYTES, OffloadConfig
 from ._device.transfers import GDS_PROBE_MEMORY
 from ._errors import ConfigError, OffloaderClosedError, SSDTrainError
-from ._offloader.forward import (HOOKED, TRANSIENT, ForwardState, Phase, call_site,
-                                 hooks_on_stack, site_ended, with_site)
+from ._offloader.forward import ForwardState, Phase, hooks_on_stack, site_ended, with_site
 from ._decision.policy import TRACKER
 from .io.spill import SpillSet
 from ._stats import Stats, _mib
@@ -833,7 +832,7 @@ class SavedHandle:
 
     def __init__(self, owner, saved):
         self._owner = weakref.ref(owner)
-        self._saved = saved  # the store's Handle or Kept
+        self._saved = saved  # the store's Handle or PassThrough
 
     def __repr__(self):
         return f"<ssdtrain.SavedHandle {type(self._saved).__name__}>"

@@ -1,7 +1,7 @@
 """One pack decision, two callers (NOTE [ The pack decision ] in ssdtrain/_decision/policy.py).
 
 What happens to a saved tensor (kept and why, new record or dedup, tail or written) is
-decided at pack by ``keep_reason``, ``find_record`` and a ``TailWindow``, from the
+decided at pack by ``pass_reason``, ``find_record`` and a ``TailWindow``, from the
 sequence of saves and releases and the configuration alone. The store and ``ssdtrain
 estimate`` call the same three, so:
 
@@ -32,8 +32,8 @@ from helpers import weekly_shard
 from ssdtrain import estimate as E
 from ssdtrain.estimate.models import _factory_builder
 from ssdtrain.estimate.replay import EstimateError, measure
-from ssdtrain._decision.policy import (KEEP_BUDGET, KEEP_KIND, KEEP_LEAF, KEEP_SMALL,
-                                       KEEP_STATE, TailWindow, keep_reason, slot_bound)
+from ssdtrain._decision.policy import (KEEP_BUDGET, PASS_KIND, PASS_LEAF, PASS_SMALL,
+                                       PASS_STATE, TailWindow, pass_reason, slot_bound)
 from ssdtrain._decision.records import State, find_record
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
@@ -99,11 +99,11 @@ def test_keep_reason_names_why_a_tensor_stays():
     never = lambda key: False  # noqa: E731
     x = torch.randn(64, 64, requires_grad=True)
     y = x * 2
-    assert keep_reason(y, 16384, 1 << 20, never)[0] == KEEP_SMALL
-    assert keep_reason(x, 16384, 1, never)[0] == KEEP_LEAF
-    assert keep_reason(y.to_sparse(), 16384, 1, never)[0] == KEEP_KIND
-    assert keep_reason(y, 16384, 1, lambda key: True)[0] == KEEP_STATE
-    reason, storage, key = keep_reason(y, 16384, 1, never)
+    assert pass_reason(y, 16384, 1 << 20, never)[0] == PASS_SMALL
+    assert pass_reason(x, 16384, 1, never)[0] == PASS_LEAF
+    assert pass_reason(y.to_sparse(), 16384, 1, never)[0] == PASS_KIND
+    assert pass_reason(y, 16384, 1, lambda key: True)[0] == PASS_STATE
+    reason, storage, key = pass_reason(y, 16384, 1, never)
     assert reason is None and storage.nbytes() == 16384 and key == storage._cdata
 
 

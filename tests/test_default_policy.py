@@ -695,7 +695,7 @@ def test_passed_bytes_leave_the_window_when_their_graph_dies(spill_dir):
 def test_the_default_times_forward_to_backward_end_in_every_kind_of_step(spill_dir,
                                                                         micro_batches):
     """Through the hooks: the sizing step (records), the baseline (tensors passed
-    through: ``QuotaKept``, ``Kept``) and the steps after it are each timed from their
+    through: ``QuotaPassThrough``, ``PassThrough``) and the steps after it are each timed from their
     forward's begin to their backward's end; the optimizer step after the last
     micro-batch (gradient accumulation: each micro-batch is a step) is in none of them.
     A step that intercepted nothing (hooks off) runs to the next begin."""
@@ -746,8 +746,8 @@ class _SaveFresh(torch.autograd.Function):
 
 def test_a_step_that_only_passed_tensors_through_is_timed_to_its_backward_end(spill_dir):
     """A baseline step at quota 0 whose every saved tensor passed through as its quota's
-    (``QuotaKept``, no record, no ``Kept``) is timed to its backward's end too, like the
-    steps it is compared with."""
+    (``QuotaPassThrough``, no record, no ``PassThrough``) is timed to its backward's end
+    too, like the steps it is compared with."""
     from ssdtrain import tools
     clock = _Clock()
     off = ssdtrain.Offloader(spill_dir=str(spill_dir), **SMALL)

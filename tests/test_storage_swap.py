@@ -22,7 +22,7 @@ change after save   torch's backward
 
 So ssdtrain must raise a clear :class:`ssdtrain.SSDTrainError` (it cannot reproduce
 undefined behaviour) for ``resize_(0)``, whatever the record's state: kept in memory, written to disk, with its write still in
-flight, or a small tensor passed through in memory (``Kept``). For ``resize_(larger)``
+flight, or a small tensor passed through in memory (``PassThrough``). For ``resize_(larger)``
 and the base swap, gradients equal to torch's are right, and a clear error is
 acceptable (conservative); anything else is silently wrong. After ``t.data = other``
 on a saved leaf (``x`` here: a view of a tensor that needs no grad), torch's new
@@ -174,7 +174,7 @@ RECORDS = {
     "kept": dict(keep_tail_bytes="1GiB"),           # in memory, never written
     "written": dict(keep_tail_bytes=0),             # written (wait() in forward), on disk
     "in_flight": dict(keep_tail_bytes=0),           # its write held back until after it
-    "small": dict(min_tensor_bytes="1GiB"),         # below min_tensor_bytes: Kept, no record
+    "small": dict(min_tensor_bytes="1GiB"),         # below min_tensor_bytes: PassThrough, no record
 }
 
 
@@ -196,7 +196,7 @@ def _expect(change, record):
 @pytest.mark.parametrize("change", CHANGES)
 def test_storage_changed_after_save(make_offloader, request, change, record, engine):
     if record == "small" and engine == "posix":
-        pytest.skip("a Kept tensor does no I/O: the engine does not matter")
+        pytest.skip("a PassThrough tensor does no I/O: the engine does not matter")
     base, x, other = _tensors()
     old, new = x.clone(), other[16:].clone()
     w = torch.zeros(N, requires_grad=True)
@@ -212,7 +212,7 @@ def test_storage_changed_after_save(make_offloader, request, change, record, eng
             off.wait()
     s = off.stats()
     if record == "small":
-        assert s.unique_bytes == 0, "x was offloaded, not passed through as Kept"
+        assert s.unique_bytes == 0, "x was offloaded, not passed through as PassThrough"
     elif record == "kept":
         assert s.records_written == 0 and s.unique_bytes >= x.numel() * 4
     elif record == "written":

@@ -7,8 +7,8 @@ and of the configuration alone, never of when the store's I/O thread gets to a
 record. Three pieces decide it, and both callers (``Store.pack``/``_pack_locked`` in
 ``_store/store.py`` and the estimate's replay in ``estimate/replay.py``) call the same ones:
 
-1. :func:`keep_reason`: why the tensor stays in memory as it is (``KEEP_SMALL``,
-   ``KEEP_KIND``, ``KEEP_LEAF``, ``KEEP_STATE``), or ``None`` and its storage and key.
+1. :func:`pass_reason`: why the tensor stays in memory as it is (``PASS_SMALL``,
+   ``PASS_KIND``, ``PASS_LEAF``, ``PASS_STATE``), or ``None`` and its storage and key.
 2. :func:`ssdtrain._decision.records.find_record`: the live record that already holds the
    tensor's bytes (dedup), or ``None`` (a new record).
 3. :class:`TailWindow`: a new record enters the window of the last
@@ -33,7 +33,7 @@ the estimate replays a given quota, without a floor, ``ssdtrain estimate
 
 Once a step's quota is spent, everything the step saves after is kept, so a new
 record would only cost time: a tensor whose storage has no live record is passed
-through in memory instead (``QuotaKept``, no record, no lock, no device event), and
+through in memory instead (``QuotaPassThrough``, no record, no lock, no device event), and
 :class:`PassedRanges` counts the bytes a record would have had (first save of each
 range: ``unique_bytes``, ``quota_kept_bytes``, ``kept_bytes``; a later save of those
 bytes: ``deduplicated_bytes``), so the statistics, the quota's measurements and the
@@ -69,20 +69,20 @@ import torch
 from .._align import BLOCK, align_up
 from .._identity import StorageWeakRef, record_range, storage_key
 
-__all__ = ["ModuleStateTracker", "TRACKER", "is_offloadable_kind", "keep_reason", "TailWindow",
+__all__ = ["ModuleStateTracker", "TRACKER", "is_offloadable_kind", "pass_reason", "TailWindow",
            "PassedRanges",
-           "slot_bound", "KEEP_SMALL", "KEEP_KIND", "KEEP_LEAF", "KEEP_STATE", "KEEP_TAIL",
-           "KEEP_BUDGET", "KEEP_QUOTA", "KEEP_CAPTURE", "StepLimits", "NO_LIMITS"]
+           "slot_bound", "PASS_SMALL", "PASS_KIND", "PASS_LEAF", "PASS_STATE", "KEEP_TAIL",
+           "KEEP_BUDGET", "KEEP_QUOTA", "PASS_CAPTURE", "StepLimits", "NO_LIMITS"]
 
 # Why a saved tensor or a record stays in memory (NOTE [ The pack decision ]).
-KEEP_SMALL = "small"    # fewer bytes than min_tensor_bytes
-KEEP_KIND = "kind"      # not a plain strided CPU/CUDA tensor with a storage
-KEEP_LEAF = "leaf"      # a leaf that requires grad (autograd saves the tensor itself)
-KEEP_STATE = "state"    # a parameter or buffer of a module that ran
+PASS_SMALL = "small"    # fewer bytes than min_tensor_bytes
+PASS_KIND = "kind"      # not a plain strided CPU/CUDA tensor with a storage
+PASS_LEAF = "leaf"      # a leaf that requires grad (autograd saves the tensor itself)
+PASS_STATE = "state"    # a parameter or buffer of a module that ran
 KEEP_TAIL = "tail"      # in the tail window when forward ended
 KEEP_BUDGET = "budget"  # writing it would exceed max_spill_bytes
 KEEP_QUOTA = "quota"    # the step's offload quota was spent (policy "auto")
-KEEP_CAPTURE = "capture"  # saved during a CUDA graph capture (NOTE [ Device records ], rule 8)
+PASS_CAPTURE = "capture"  # saved during a CUDA graph capture (NOTE [ Device records ], rule 8)
 
 
 def is_offloadable_kind(t: torch.Tensor) -> bool:
@@ -96,7 +96,7 @@ def is_offloadable_kind(t: torch.Tensor) -> bool:
         and not t.is_quantized and not t.is_conj() and not t.is_neg()
 
 
-def keep_reason(t, nbytes, min_bytes, is_state, offloadable=is_offloadable_kind):
+def pass_reason(t, nbytes, min_bytes, is_state, offloadable=is_offloadable_kind):
     """The first step of the pack decision (NOTE [ The pack decision ]).
 
     Args:
@@ -111,18 +111,18 @@ def keep_reason(t, nbytes, min_bytes, is_state, offloadable=is_offloadable_kind)
         constant), else ``(None, storage, key)``: it goes to a record.
     """
     if nbytes < min_bytes:
-        return KEEP_SMALL, None, None
+        return PASS_SMALL, None, None
     if not offloadable(t):
-        return KEEP_KIND, None, None
+        return PASS_KIND, None, None
     if t.requires_grad and t.grad_fn is None:
-        return KEEP_LEAF, None, None
+        return PASS_LEAF, None, None
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # no storage: never offloaded
-        return KEEP_KIND, None, None
+        return PASS_KIND, None, None
     key = storage_key(storage)
     if is_state(key):
-        return KEEP_STATE, None, None
+        return PASS_STATE, None, None
     return None, storage, key
 
 

@@ -80,8 +80,8 @@ import torch
 from .._identity import byte_extent
 
 __all__ = ["State", "TRANSITIONS", "RESIDENT", "OUTBOUND", "DEAD", "Record", "Handle", "Token",
-           "QuotaKept",
-           "Kept", "transition", "find_record", "GEOMETRY_ALIGN", "IN_TIER"]
+           "QuotaPassThrough",
+           "PassThrough", "transition", "find_record", "GEOMETRY_ALIGN", "IN_TIER"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
@@ -273,7 +273,7 @@ class Token(weakref.ref):
         super().__init__(handle, callback)
 
 
-class Kept:
+class PassThrough:
     """A saved tensor passed through in memory, with the version it was saved at.
 
     Holds a detached alias (no reference cycle through ``grad_fn``) that shares the
@@ -305,8 +305,8 @@ class Kept:
         return t
 
 
-class QuotaKept(Kept):
-    """A :class:`Kept` saved after the step's offload quota was spent (NOTE [ The pack
+class QuotaPassThrough(PassThrough):
+    """A :class:`PassThrough` saved after the step's offload quota was spent (NOTE [ The pack
     decision ] in _decision/policy.py): ``ranges`` is the pass's
     :class:`~ssdtrain._decision.policy.PassedRanges` and ``nbytes`` the bytes this save added to
     it (0 for a later save of the same bytes), which leave the prefetch window at its
@@ -315,7 +315,7 @@ class QuotaKept(Kept):
     __slots__ = ("ranges", "nbytes")
 
     def __init__(self, t, ranges, nbytes):
-        Kept.__init__(self, t)
+        PassThrough.__init__(self, t)
         self.ranges = ranges
         self.nbytes = nbytes
 

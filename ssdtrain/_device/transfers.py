@@ -61,7 +61,7 @@ that a deliberate break of the rule fails (tests/test_loopback_rules.py).
    ``record_stream`` for it, so that a consumer other than the compute stream keeps
    the block from reuse while it still reads it (pytorch/pytorch#106360).
 8. **No device work inside a graph capture.** Pack on a stream that is capturing a
-   CUDA graph keeps the tensor in memory (``Kept``): recording an event, or
+   CUDA graph keeps the tensor in memory (``PassThrough``): recording an event, or
    allocating pinned memory on the I/O thread, is not allowed in a capture.
 
 Writes and prefetch reads are started by the store's I/O thread (NOTE [ The store's

@@ -263,8 +263,8 @@ from .._errors import OffloaderClosedError, SSDTrainError
 from .._device.transfers import DeviceMap, leaf_of
 from .._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from .._decision.budget import HostBudget
-from .._decision.policy import (KEEP_CAPTURE, NO_LIMITS, TRACKER, PassedRanges, TailWindow,
-                                keep_reason)
+from .._decision.policy import (NO_LIMITS, PASS_CAPTURE, TRACKER, PassedRanges, TailWindow,
+                                pass_reason)
 from .table import PassedRef, RecordTable
 from .prefetch import ReadPath, _Pass
 from ..io.readbuf import ReadBuffers
@@ -273,14 +273,15 @@ from .iothread import IOThread
 from .engine import EngineSlot
 from .probe import Probe
 from .repair import Repair
-from .._decision.records import (OUTBOUND, SERVABLE, Handle, Kept, QuotaKept, Record, State,
-                                 Token, find_record, inplace_error, swapped, swapped_error)
+from .._decision.records import (OUTBOUND, SERVABLE, Handle, PassThrough, QuotaPassThrough,
+                                 Record, State, Token, find_record, inplace_error, swapped,
+                                 swapped_error)
 from .events import Events, timeout_error
 from .writeback import _WRITTEN, WritePath
 
-__all__ = ["Store", "Record", "State", "Handle", "Kept"]
+__all__ = ["Store", "Record", "State", "Handle", "PassThrough"]
 
-_IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (keep_reason)
+_IS_STATE = TRACKER.contains  # a parameter's or a buffer's storage (pass_reason)
 _ENGINE = torch.autograd.Variable._execution_engine
 _PROFILER = _trace.PROFILER  # the hooks' one check: NOTE [ Profiler ranges ] in _device/trace.py
 
@@ -544,14 +545,14 @@ class Store:
             if _PROFILER._is_profiler_enabled else None
         try:
             stats.packed_bytes += nbytes
-            reason, storage, key = keep_reason(t, nbytes, self._min_bytes, _IS_STATE)
+            reason, storage, key = pass_reason(t, nbytes, self._min_bytes, _IS_STATE)
             leaf = None if reason is not None else leaf_of(t, self.loopback)
             if leaf is not None and leaf.capturing(leaf.device(t)):
                 # A CUDA graph capture: no event, no staging (NOTE [ Device records ], rule 8).
-                reason = KEEP_CAPTURE
+                reason = PASS_CAPTURE
             if reason is not None:
                 stats.kept_bytes += nbytes
-                return Kept(t)
+                return PassThrough(t)
             version = t._version
             extent = byte_extent(t)
             events = self._events  # an event pending for this pass: pack raises it
@@ -596,7 +597,7 @@ class Store:
             stats.kept_bytes += added
         else:
             stats.deduplicated_bytes += nbytes
-        return QuotaKept(t, ranges, added)
+        return QuotaPassThrough(t, ranges, added)
 
     def _pack_locked(self, t, storage, key, version, extent, nbytes, choice, leaf=None):
         self._check_open()
@@ -662,14 +663,14 @@ class Store:
     # ----------------------------------------------------------------- backward
     def unpack(self, handle):
         """The saved-tensor unpack hook."""
-        if type(handle) is Kept:
+        if type(handle) is PassThrough:
             if self.on_backward_end is not None:  # the step clock needs backward's end
                 self._at_backward_end()
             if _PROFILER._is_profiler_enabled:  # NOTE [ Profiler ranges ] in _device/trace.py
                 with _trace.begin(_trace.UNPACK, {"kept": 1}):
                     return handle.unpack()
             return handle.unpack()
-        if type(handle) is QuotaKept:
+        if type(handle) is QuotaPassThrough:
             if self.on_backward_end is not None:  # the step clock needs backward's end
                 self._at_backward_end()
             if handle.nbytes:  # its bytes leave the prefetch window: reads may start

@@ -4,7 +4,7 @@ The model is built on the meta device and its forward runs on fake tensors
 (``FakeTensorMode``): shapes, dtypes, strides, storages and version counters are
 real, data is not, and nothing is allocated. The saved-tensor hooks installed for
 the forward make the pack decision on them by calling the very functions
-``Store.pack`` calls (NOTE [ The pack decision ] in ``_decision/policy.py``): ``keep_reason``
+``Store.pack`` calls (NOTE [ The pack decision ] in ``_decision/policy.py``): ``pass_reason``
 (size threshold, kind, leaves, parameters and buffers by storage), ``find_record``
 (dedup), ``record_range``, and a ``TailWindow`` (``keep_tail_bytes``, the spill
 budget). The decision depends on the sequence of saves and releases and on the
@@ -38,7 +38,7 @@ from .._config import OffloadConfig, budget_bytes, has_ssd_tier
 from .._identity import StorageWeakRef, byte_extent, record_range, storage_key
 from .._decision.budget import HostBudget
 from .._decision.policy import (KEEP_BUDGET, KEEP_QUOTA, TRACKER, PassedRanges, TailWindow,
-                                is_offloadable_kind, keep_reason)
+                                is_offloadable_kind, pass_reason)
 from .._policies.layers import _tensors, default_layers
 from .._policies.profile import LayerProfiler
 from .._decision.records import State, find_record
@@ -261,7 +261,7 @@ class _Replay:
                                                    StorageWeakRef(storage))
             st.live += 1
         # The pack decision, by the functions Store.pack calls (NOTE [ The pack decision ]).
-        reason, storage, key = keep_reason(t, nbytes, self.min_bytes, TRACKER.contains,
+        reason, storage, key = pass_reason(t, nbytes, self.min_bytes, TRACKER.contains,
                                            offloadable_kind)
         if reason is not None:   # kept in memory, counted per pack
             m.kept_bytes += nbytes
