@@ -78,6 +78,7 @@ STORE_MODULES = ("ssdtrain._store.store", "ssdtrain._store.repair", "ssdtrain._s
                  "ssdtrain._store.hosttier", "ssdtrain._store.probe",
                  "ssdtrain._decision.records", "ssdtrain._decision.budget",
                  "ssdtrain.io.readbuf", "ssdtrain.io.spill", "ssdtrain._device.transfers",
+                 "ssdtrain._device.staging",
                  # the polled engine's completions run on the training thread (NOTE
                  # [ Polled completions ] in ssdtrain/io/base.py)
                  "ssdtrain.io.native", "ssdtrain.io.base")

@@ -141,7 +141,7 @@ def test_staging_pool_never_keeps_more_than_its_idle_limit(ops, limit, skew):
     part; and a reservation is in the class its take asks for (the take allocates
     nothing). Before the fix a reservation entered the idle set whatever the limit."""
     import ssdtrain
-    from ssdtrain._device.transfers import StagingPool
+    from ssdtrain._device.staging import StagingPool
     dev = LoopbackDevice(pinned_skew=skew)
     stats = ssdtrain.Stats()
     pool = StagingPool(dev, stats, limit)

@@ -46,13 +46,15 @@ def _sweep(spill_dir, only="", shard=None):
 
 @pytest.mark.parametrize("part", range(DEVICE_PARTS), ids=lambda p: part_id(p, DEVICE_PARTS))
 def test_interrupt_at_each_device_line(spill_dir, part):
-    """KeyboardInterrupt at the first run of every line of ``_device/transfers.py`` the scenario
-    runs on the training thread (pack's event, unpack's wait, staging on a miss), every
-    record a device record (posix engine); a third of the lines per part."""
+    """KeyboardInterrupt at the first run of every line of ``_device/transfers.py`` and
+    ``_device/staging.py`` the scenario runs on the training thread (pack's event,
+    unpack's wait, staging on a miss), every record a device record (posix engine); a
+    third of the lines per part."""
     shard = weekly_shard(DEVICE_PARTS)
     if not shard.runs(part):
         pytest.skip(shard.skip_reason("device-line sweep", part))
-    _sweep(spill_dir, only="ssdtrain._device.transfers", shard=(part, DEVICE_PARTS))
+    _sweep(spill_dir, only="ssdtrain._device.transfers,ssdtrain._device.staging",
+           shard=(part, DEVICE_PARTS))
 
 
 @pytest.mark.slow

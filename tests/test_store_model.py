@@ -734,6 +734,14 @@ class StoreMachine(RuleBasedStateMachine):
 
         if not self.closed:
             self._check_records(testing.records(self.off))
+        # The checks above settle the store (check_invariants, records, live_records...):
+        # a release they apply may make room for a read and wake the I/O thread, which
+        # starts it whenever it runs. The next rule's preconditions read the requests
+        # pending (``complete``), so everything due is started here, on this thread, and
+        # attributed: which rules are enabled must not depend on when that thread runs
+        # (hypothesis stops on a draw that differs between replays of one example).
+        self._start_due()
+        self._sync()
 
     def _check_records(self, real):
         """Each real record matches one model record: range, version, handles, state."""

@@ -13,7 +13,7 @@ loop's static mode (``launch_loop.py``'s op, pool and launch block) for ``--step
 steps and prints, per record: each entry point's calls, median µs per call and µs per
 record, by thread and phase. Durations include the wrappers (about 1 µs a call) and any
 time a wrapped call waited for the GIL or the lock inside; nested entry points are
-listed apart (a round contains its ``_start_one_locked``), so rows do not add up.
+listed apart (a round contains its ``start_one_locked``), so rows do not add up.
 
 NOTE [ What-if variants ]: ``--what-if`` applies small changes to the data path by
 patching (a completion releases its memory itself instead of waking the I/O thread;
@@ -99,8 +99,8 @@ def _count(label):
 def instrument():
     """Wrap the entry points (before any Offloader is made: the store binds some)."""
     _timed(_iothread, "_round", "I/O thread: _round (a wake runs two)")
-    _timed(_store.Store, "_start_one_locked", "Store._start_one_locked")
-    _timed(_store.Store, "_reserve_staging", "Store._reserve_staging")
+    _timed(_iothread.IOThread, "start_one_locked", "IOThread.start_one_locked")
+    _timed(_iothread.IOThread, "reserve_staging", "IOThread.reserve_staging")
     _timed(_iothread.IOThread, "bury", "IOThread.bury (release memory)")
     _timed(_native._Completion, "__call__", "native completion callback (Python)")
     _timed(_store.Store, "_settle_nowait", "Store._settle_nowait")

@@ -79,7 +79,7 @@ class _Cuda:
     @staticmethod
     def release_cached_pinned():
         """Give the pinned blocks torch's caching host allocator keeps unused back to the
-        system (NOTE [ Bounded staging ] in _device/transfers.py: a buffer the staging pool lets go
+        system (NOTE [ Bounded staging ] in _device/staging.py: a buffer the staging pool lets go
         of returns to that cache, still pinned). Frees every unused cached block, also
         other users'; they are allocated again when needed."""
         empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \

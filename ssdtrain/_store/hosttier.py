@@ -44,7 +44,7 @@ write-behind limit (plus the staging pool's idle buffers).
 * admitted: PENDING (due, like a write) -> HOSTING: the I/O thread queues the
   device -> pinned copy (:meth:`ssdtrain._device.transfers.DeviceTransfers.to_host`, on the
   D2H stream after the producer's event, into a buffer of the store's
-  :class:`~ssdtrain._device.transfers.StagingPool`: pinned allocations cost milliseconds, so
+  :class:`~ssdtrain._device.staging.StagingPool`: pinned allocations cost milliseconds, so
   buffers are reused, and the I/O thread reserves one outside the store lock first)
   -> HOSTED when the copy has ended (the "ssdtrain-d2h" thread waits for its event):
   the device memory is dropped, as when a write ends.

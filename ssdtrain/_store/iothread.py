@@ -141,7 +141,7 @@ class IOThread:
             if dev is None or dev.direct:
                 continue
             # A read takes staging at its slot's offset in a page (read_buffer), and only
-            # a read from the SSD takes any (NOTE [ Bounded staging ] in _device/transfers.py).
+            # a read from the SSD takes any (NOTE [ Bounded staging ] in _device/staging.py).
             slot = rec.slot if rec.state is State.ON_DISK else None
             if rec.state is State.PENDING or slot is not None:
                 try:

@@ -464,7 +464,7 @@ class Store:
         with self._lock:
             self._guarded_locked(self._begin_pass_locked, limits)
         self._settle()
-        self._devices.trim()  # NOTE [ Bounded staging ] in _device/transfers.py
+        self._devices.trim()  # NOTE [ Bounded staging ] in _device/staging.py
 
     def _begin_pass_locked(self, limits):
         self._check_open()
@@ -1031,7 +1031,7 @@ class Store:
         (``io_timeout_s``) for all of them. With ``start``, the writes and prefetch reads
         that are due are started first (as the I/O thread would), so that they are done
         too; ``close()`` passes False: it would only throw them away. Then the staging
-        pools are trimmed (NOTE [ Bounded staging ] in _device/transfers.py)."""
+        pools are trimmed (NOTE [ Bounded staging ] in _device/staging.py)."""
         with _trace.span(_trace.FLUSH):
             self._flush(timeout, start)
             self._devices.trim(sync=True)

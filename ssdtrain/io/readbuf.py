@@ -383,7 +383,7 @@ class ReadBuffers:
 # ``prefetch_bytes`` plus one record (INV-BOUNDED), and its mappings are a few KiB
 # larger than its records (the misalignment), so a strict ``limit`` unmapped one
 # buffer at every backward's end. Only host records read into this pool; a device
-# record reads into pinned staging (NOTE [ Bounded staging ] in _device/transfers.py).
+# record reads into pinned staging (NOTE [ Bounded staging ] in _device/staging.py).
 
 # NOTE [ Unmapping off the training thread ]
 # Unmapping is the kernel freeing every page: about 65 ms for 256 MiB on this
