@@ -17,6 +17,14 @@ barely moved by load), the peak of live activation bytes, the plan, and for the 
 mode its predicted step (``Prediction.backward_end_s``). ``--tflops`` takes the rates
 the emulator solved for each R (its table's ``TFLOP/s`` column).
 
+For every mode that offloads, the *I/O bound*: the least step the disk allows, the
+larger of the none mode's step and the time the disk needs for the step's own I/O
+(the bytes the mode wrote and read per measured step, ``Stats.bytes_written`` and
+``bytes_read``, at the best write and read bandwidth the engine showed in this run:
+``ssdtrain.testing.probe(...).time_io`` before and after the steps, the best of each).
+"vs I/O bound" is the step over it: how much slower the mode is than its own disk
+traffic allows.
+
 Example::
 
     PYTHONPATH=. .venv/bin/python benchmarks/accel_ab.py --batch 4 --seq 256 \\
@@ -88,7 +96,7 @@ def setup(mode, cfg, budget, spill_dir):
         off.set_plan(E.plan_for(mode, cfg["shape"]["n_layers"]))
     emu.off = off
     return dict(mode=mode, emu=emu, model=model, off=off, step_s=[], cpu_s=[], peak=0,
-                clock=clock if mode == "auto" else None)
+                clock=clock if mode == "auto" else None, io=[])
 
 
 def one_step(s, step, measured):
@@ -101,6 +109,7 @@ def one_step(s, step, measured):
     emu.sampled_peak = 0
     emu.delay = emu.overrun = emu.spin_lost = emu.sample_s = 0.0
     clock = s["clock"]
+    before = off.stats() if off is not None else None
     if clock is not None:
         clock.resume()
     c0 = time.thread_time()
@@ -119,6 +128,10 @@ def one_step(s, step, measured):
     if measured:
         s["step_s"].append(dt)
         s["cpu_s"].append(cpu)
+        if off is not None:  # the step's own disk traffic (its writes have all ended)
+            after = off.stats()
+            s["io"].append((after.bytes_written - before.bytes_written,
+                            after.bytes_read - before.bytes_read))
         s["peak"] = max(s["peak"], emu.peak, emu.sampled_peak)
     return max(emu.peak, emu.sampled_peak)
 
@@ -147,10 +160,14 @@ def run(args, tflops, spill_dir):
     peak = max(one_step(ref, i, False) for i in range(2))
     budget = args.budget_fraction * peak
     setups = [ref if m == "none" else setup(m, cfg, budget, spill_dir) for m in args.modes]
+    disk = [_disk_bandwidth(setups, args.probe_mib * MiB)]
     for step in range(args.warmup + args.steps):
         k = step % len(setups)
         for s in setups[k:] + setups[:k]:
             one_step(s, step, step >= args.warmup)
+    disk.append(_disk_bandwidth(setups, args.probe_mib * MiB))
+    write_bw = max((w for w, _ in disk if w), default=None)
+    read_bw = max((r for _, r in disk if r), default=None)
     E.EMU = None
     rows = []
     med = {s["mode"]: statistics.median(s["step_s"]) for s in setups}
@@ -162,6 +179,7 @@ def run(args, tflops, spill_dir):
         pred = plan.prediction.backward_end_s if plan is not None and s["mode"] == "budget" \
             else None
         m = med[s["mode"]]
+        bound = _io_bound(s["io"], med["none"], write_bw, read_bw)
         rows.append(
             f"| {tflops:g} | {s['mode']} | {_plan_text(s, plan)} "
             f"| {m * 1e3:.0f} | {min(s['step_s']) * 1e3:.0f} | "
@@ -169,10 +187,36 @@ def run(args, tflops, spill_dir):
             f"{m / med['none']:.2f}x | "
             f"{'' if best is None or s['mode'] != 'budget' else f'{m / best:.2f}x'} | "
             f"{statistics.median(s['cpu_s']) * 1e3:.0f} | {s['peak'] / MiB:.1f} | "
+            f"{'' if bound is None else f'{bound * 1e3:.0f}'} | "
+            f"{'' if bound is None else f'{m / bound:.2f}x'} | "
             f"{'yes' if not s['emu'].failures else 'NO'} |")
         if s["off"] is not None:
             s["off"].close()
-    return rows, budget, fit
+    return rows, budget, fit, (write_bw, read_bw)
+
+
+def _disk_bandwidth(setups, nbytes):
+    """``(write, read)`` bytes/s the engine of the first offloading mode shows for one
+    ``nbytes`` request each (the best of three), or ``(None, None)`` without one."""
+    from ssdtrain import testing
+    off = next((s["off"] for s in setups if s["off"] is not None), None)
+    if off is None or nbytes <= 0:
+        return None, None
+    write_s, read_s = testing.probe(off).time_io(nbytes, 3)
+    return nbytes / write_s, nbytes / read_s
+
+
+def _io_bound(io, none_s, write_bw, read_bw):
+    """The least step the disk allows for a mode's per-step traffic ``io`` ([(written,
+    read)]): the none mode's step, or the disk's time for the median step's bytes if
+    longer; None for a mode that moved no byte or without a bandwidth."""
+    if not io or write_bw is None or read_bw is None:
+        return None
+    written = statistics.median(w for w, _ in io)
+    read = statistics.median(r for _, r in io)
+    if not (written or read):
+        return None
+    return max(none_s, written / write_bw + read / read_bw)
 
 
 def main(argv=None):
@@ -187,6 +231,9 @@ def main(argv=None):
     p.add_argument("--launch-us", type=float, default=10.0)
     p.add_argument("--launch-fraction", type=float, default=None)
     p.add_argument("--spill-dir", default=None)
+    p.add_argument("--probe-mib", type=int, default=64,
+                   help="request size of the disk bandwidth probe for the I/O bound "
+                        "(MiB; 0: no bound)")
     for k in E.DEFAULT_SHAPE:
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     args = p.parse_args(argv)
@@ -199,12 +246,19 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="ssdtrain-ab-", dir=args.spill_dir) as spill:
         print(md_header(["TFLOP/s>", "mode", "plan", "step (ms)>", "least (ms)>",
                          "predicted (ms)>", "vs none>", "vs fastest static that fits>",
-                         "CPU (ms)>", "peak (MiB)>", "exact"]))
+                         "CPU (ms)>", "peak (MiB)>", "I/O bound (ms)>", "vs I/O bound>",
+                         "exact"]))
+        disks = []
         for tf in args.tflops:
-            rows, budget, fit = run(args, tf, spill)
+            rows, budget, fit, disk = run(args, tf, spill)
+            disks.append(disk)
             print("\n".join(rows), flush=True)
         print(f"\nbudget {budget / MiB:.1f} MiB; static modes that fit: {', '.join(fit) or 'none'}"
               f"; load average {os.getloadavg()[0]:.1f}")
+        shown = [f"{w / 1e9:.2f}/{r / 1e9:.2f}" for w, r in disks if w and r]
+        if shown:
+            print(f"disk (best write/read GB/s per TFLOP/s row, {args.probe_mib} MiB "
+                  f"requests): {', '.join(shown)}")
         print("Command: " + " ".join(sys.argv))
     return 0
 

@@ -176,11 +176,18 @@ def test_same_process_ab(tmp_path, capsys, fresh_emu):
     assert accel_ab.main(["--tflops", "1e6", "--n-layers", "2", "--batch", "2", "--seq", "128",
                           "--d-model", "128", "--vocab", "512", "--steps", "1",
                           "--launch-us", "0", "--modes", "checkpoint", "budget", "rk1",
-                          "--spill-dir", str(tmp_path)]) == 0
+                          "ok1", "--probe-mib", "1", "--spill-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 1e+06 |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["none", "checkpoint", "budget", "rk1"]
+    assert [r.split("|")[2].strip() for r in rows] == ["none", "checkpoint", "budget", "rk1",
+                                                       "ok1"]
     assert all(r.rstrip().endswith("| yes |") for r in rows), out
+    cells = [[c.strip() for c in r.split("|")] for r in rows]
+    # The I/O bound: none of it for the modes that move no byte, one for ok1 (it writes
+    # and reads its first layer), never below the none mode's step.
+    assert cells[0][11] == cells[1][11] == "", out
+    assert float(cells[4][11]) >= float(cells[0][4]) and cells[4][12].endswith("x"), out
+    assert "disk (best write/read GB/s" in out, out
     budget = rows[2].split("|")
     assert budget[3].strip() and "(" in budget[6], out   # its plan, its prediction
     assert os.listdir(tmp_path) == []
