@@ -1,4 +1,4 @@
-"""``ssdtrain check`` (ssdtrain/check.py): exact on every model of the test zoo, and it
+"""``ssdtrain check`` (ssdtrain/check/): exact on every model of the test zoo, and it
 catches planted corruption (a wrong byte on the way back, a view at the wrong offset)
 by name; it tells a model that is not deterministic by itself from a mismatch; the
 command never shows a traceback for a user error. tests/test_check_contract.py holds
