@@ -603,3 +603,24 @@ def test_type_only_imports_are_not_counted(tmp_path):
                     "    import ssdtrain._stats\n")
     assert sorted(mod for _, mod in _imports(path)) == \
         ["ssdtrain._decision.policy", "ssdtrain._stats", "typing"]
+
+
+# A path to a source file of the repository, as comments, docstrings and docs name one.
+SOURCE_PATH = re.compile(r"(?<![\w/.-])((?:ssdtrain|integrations|tests|benchmarks|tools|"
+                         r"examples|docs|csrc)/[\w/]+\.(?:py|cpp|h|md))\b")
+
+
+def test_named_source_files_exist():
+    """Every source file a comment, docstring or document names by its path from the
+    repository's root exists: a module moved or split is renamed where it is cited, not
+    left pointing at nothing (docs/results, records of past runs, aside)."""
+    bad, seen = [], 0
+    for path, text in _texts():
+        if "results" in path.relative_to(ROOT).parts:
+            continue
+        for m in SOURCE_PATH.finditer(text):
+            seen += 1
+            if not (ROOT / m.group(1)).exists():
+                bad.append(f"{_where(path, _line(text, m.start()))}: {m.group(1)}")
+    assert seen > 100, "the scan found no paths"  # guards the scan
+    assert not bad, _report(bad, "paths to files that do not exist")
