@@ -154,7 +154,7 @@ def _users_code(cause: str, what: str, where: str, todo: str):
 def _device(a) -> torch.device:
     try:
         device = torch.device(a.device) if a.device else default_device()
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError):
         raise _Failure(EXIT_USAGE, "usage", f"--device {a.device!r} is not a device; expected "
                        f"cpu or cuda[:N].") from None
     if device.type == "cuda" and default_device().type != "cuda":

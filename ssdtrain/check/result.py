@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any, Dict, List, Optional
 
+from ..estimate.format import finite
 from .compare import MARGIN, Mismatch, Varying
 
 EXIT_EXACT, EXIT_MISMATCH, EXIT_USAGE, EXIT_NONDETERMINISTIC = 0, 1, 2, 3
@@ -110,14 +110,4 @@ class CheckResult:
         d = dataclasses.asdict(self)
         d["verdict"] = self.verdict
         d["exit_status"] = self.exit_status
-        return json.loads(json.dumps(_finite(d), default=str, allow_nan=False))
-
-
-def _finite(o):
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    return o
+        return json.loads(json.dumps(finite(d), default=str, allow_nan=False))

@@ -30,16 +30,17 @@ def _md(rows, right):
 # -------------------------------------------------------------------- the estimate
 
 
-def _finite(o):
-    """``o`` with every float that is not finite as ``None``: JSON has no inf or NaN.
-    (The hardware ranges keep the formulas finite; this is the last guard, e.g. a model
-    that writes nothing lasts forever: ``drive_years`` is ``None``.)"""
+def finite(o):
+    """``o`` with every float that is not finite as ``None``: JSON has no inf or NaN
+    (``ssdtrain estimate``'s and ``ssdtrain check``'s JSON). The hardware ranges keep the
+    estimate's formulas finite; this is the last guard, e.g. a model that writes nothing
+    lasts forever: ``drive_years`` is ``None``."""
     if isinstance(o, float):
         return o if math.isfinite(o) else None
     if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
+        return {k: finite(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
+        return [finite(v) for v in o]
     return o
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 from .._config import MAX_BYTES, parse_bytes
 from .._errors import ConfigError
 from .replay import EstimateError
-from .format import _b, _finite, _md
+from .format import _b, finite, _md
 from .hardware import DEFAULT_HOST_GBPS, Hardware, _static_bytes
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ class PlanEstimate:
                "host_tier": None if not self.host_tier else {
                    "budget_bytes": s.host_budget_bytes, "ssd_tier": s.ssd_tier,
                    "write_bps": s.host_write_bps, "read_bps": s.host_read_bps}}
-        return _finite(out)
+        return finite(out)
 
     def table(self) -> str:
         """The plan and the references, one row each (markdown)."""

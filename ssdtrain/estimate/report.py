@@ -10,7 +10,7 @@ import torch
 
 from .._config import MAX_BYTES, OffloadConfig
 from .replay import Measurement
-from .format import _b, _finite, _md
+from .format import _b, finite, _md
 from .hardware import Hardware
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class Estimate:
             out["drive_years"] = self.drive_years
         if self.notes:
             out["notes"] = list(self.notes)
-        return _finite(out)
+        return finite(out)
 
     def table(self) -> str:
         """A readable report (markdown tables)."""
